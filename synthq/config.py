@@ -1,0 +1,81 @@
+"""One settings object, read from the environment (prefix ``SYNTHQ_``).
+
+Defaults give the embedded mode: a SQLite file under ``./synthq-data/`` and no
+broker. Production sets ``SYNTHQ_DATABASE_URL`` (PostgreSQL) and
+``SYNTHQ_BROKER_URL`` (Redis).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SYNTHQ_", extra="ignore")
+
+    #: Where the embedded SQLite file and other local state live.
+    data_dir: Path = Path("synthq-data")
+    #: SQLAlchemy URL; empty means ``sqlite:///<data_dir>/synthq.db``.
+    database_url: str = ""
+    #: Celery broker (Redis) URL; empty means embedded mode (no broker).
+    broker_url: str = ""
+    #: Seconds a running sample's lease lasts beyond the job's stall timeout.
+    #: A worker renews it while tokens arrive; the sweep reclaims expired ones.
+    lease_margin: float = 30.0
+    #: Seconds a queued sample may wait for a worker before the sweep returns
+    #: it to ``pending`` (its broker message may have been lost).
+    queued_timeout: float = 600.0
+    #: Seconds between dispatcher/sweep runs (Celery beat and embedded loop).
+    dispatch_interval: float = 1.0
+    #: Most samples one dispatcher run moves to ``queued`` per server.
+    dispatch_batch: int = 1000
+    #: Redis redelivers an unacknowledged message after this many seconds;
+    #: keep it above the longest total timeout of any job.
+    visibility_timeout: float = 4 * 3600.0
+    #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
+    api_key: str = "EMPTY"
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_db_url(cls, url: str) -> str:
+        url = url.strip()
+        # Users paste libpq-style URLs; SQLAlchemy needs the driver named.
+        for prefix in ("postgres://", "postgresql://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix):]
+        return url
+
+    @field_validator("broker_url")
+    @classmethod
+    def _check_broker(cls, url: str) -> str:
+        url = url.strip()
+        if url and not url.startswith(("redis://", "rediss://")):
+            raise ValueError(f"SYNTHQ_BROKER_URL must be a redis:// URL, got {url!r}")
+        return url
+
+    @model_validator(mode="after")
+    def _default_db(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'synthq.db'}"
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        """True when no broker is configured: everything runs in one process."""
+        return not self.broker_url
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (tests clear the cache after changing env)."""
+    return Settings()

@@ -1,0 +1,490 @@
+"""Reading dataset rows and normalising them into chat prompts.
+
+A *source* is a local ``.jsonl`` / ``.json`` (JSON lines, optionally
+gzip-compressed) or ``.parquet`` file, a directory of such files, or a
+Hugging Face dataset id (``name`` or ``name:split``).  Every row becomes a
+:class:`Row`: either a prompt in OpenAI chat form, or a skipped row carrying a
+short human-readable reason and a preview of the raw text.
+
+Three row forms are understood (see :func:`normalize`):
+
+* OpenAI ``messages``: ``[{"role": ..., "content": ...}, ...]``
+* ShareGPT ``conversations`` (or ``conversation``):
+  ``[{"from": ..., "value": ...}, ...]``
+* a plain ``prompt`` string, with an optional ``system`` string.
+
+The prompt is the conversation up to (not including) its last assistant turn,
+so that the inference server regenerates that answer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+__all__ = [
+    "MAX_ROW_CHARS",
+    "RAW_PREVIEW_CHARS",
+    "DatasetError",
+    "InvalidRow",
+    "Row",
+    "content_key",
+    "iter_rows",
+    "normalize",
+    "raw_key",
+]
+
+MAX_ROW_CHARS = 200_000
+"""Default limit on the total characters of a prompt's message contents."""
+
+RAW_PREVIEW_CHARS = 2_000
+"""How much of a skipped row's raw text is kept in :attr:`Row.raw`."""
+
+PARQUET_BATCH_SIZE = 1024
+
+_JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_PARQUET_SUFFIXES = (".parquet",)
+_SUPPORTED_SUFFIXES = _JSONL_SUFFIXES + _PARQUET_SUFFIXES
+
+# Role names accepted in either key style, mapped to OpenAI roles.
+_ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+}
+
+# Conversation-list fields, in order of precedence.
+_LIST_FIELDS = ("messages", "conversations", "conversation")
+
+_EXTENSION_RE = re.compile(r"\.[A-Za-z][A-Za-z0-9]*$")
+
+
+class DatasetError(Exception):
+    """The dataset source cannot be opened or read at all."""
+
+
+class InvalidRow(ValueError):
+    """A row cannot be turned into a prompt; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One dataset row: a prompt, or a skipped row with its reason.
+
+    ``index`` is the row's 0-based position in the whole source (blank lines
+    do not count).  Exactly one of ``messages`` and ``skip_reason`` is set;
+    ``raw`` holds the start of a skipped row's text so a user can inspect it.
+    """
+
+    index: int
+    messages: list[dict[str, str]] | None
+    skip_reason: str | None = None
+    raw: str | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """True when the row is malformed and has no prompt."""
+        return self.skip_reason is not None
+
+
+# --------------------------------------------------------------------------
+# Normalisation
+# --------------------------------------------------------------------------
+
+
+def normalize(obj: Mapping[str, Any], *, max_chars: int = MAX_ROW_CHARS) -> list[dict[str, str]]:
+    """Turn one row object into an OpenAI-style prompt.
+
+    Returns a fresh list of ``{"role", "content"}`` dicts that ends with a
+    user turn.  Raises :class:`InvalidRow` with a short reason otherwise.
+    """
+    if not isinstance(obj, Mapping):
+        raise InvalidRow("row is not a JSON object")
+    conversation = _extract_conversation(obj)
+    if not conversation:
+        raise InvalidRow("empty conversation")
+    prompt = _trim_last_answer(conversation)
+    _check_prompt(prompt, max_chars=max_chars)
+    return prompt
+
+
+def _present(obj: Mapping[str, Any], key: str) -> bool:
+    """True when ``key`` is in ``obj`` with a non-null value.
+
+    Nulls are treated as absent because columnar sources (Parquet, Hugging
+    Face) fill columns that a row does not use with ``None``.
+    """
+    return obj.get(key) is not None
+
+
+def _extract_conversation(obj: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Find the row's conversation field and parse it into OpenAI messages."""
+    for field in _LIST_FIELDS:
+        if _present(obj, field):
+            items = obj[field]
+            if not isinstance(items, (list, tuple)):
+                raise InvalidRow(f"{field} is not a list")
+            return [_parse_message(item, number) for number, item in enumerate(items, 1)]
+    if _present(obj, "prompt"):
+        return _prompt_form(obj)
+    raise InvalidRow("no messages, conversations or prompt field")
+
+
+def _prompt_form(obj: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Build messages from a plain ``prompt`` (and optional ``system``) field."""
+    prompt = obj["prompt"]
+    if not isinstance(prompt, str):
+        raise InvalidRow("prompt is not a string")
+    messages: list[dict[str, str]] = []
+    system = obj.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            raise InvalidRow("system is not a string")
+        if system.strip():
+            messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    return messages
+
+
+def _pick(item: Mapping[str, Any], keys: tuple[str, str]) -> tuple[bool, Any]:
+    """Return ``(found, value)`` for the first of ``keys`` with a non-null value.
+
+    ``found`` is also true when a key exists but is null everywhere, so that
+    callers can tell "missing" from "null".
+    """
+    for key in keys:
+        if item.get(key) is not None:
+            return True, item[key]
+    return any(key in item for key in keys), None
+
+
+def _parse_message(item: Any, number: int) -> dict[str, str]:
+    """Parse one message in either role/content or from/value style."""
+    if not isinstance(item, Mapping):
+        raise InvalidRow(f"message {number} is not an object")
+    has_role, role = _pick(item, ("role", "from"))
+    if not has_role or role is None:
+        raise InvalidRow(f"message {number} has no role")
+    if not isinstance(role, str):
+        raise InvalidRow(f"message {number} role is not a string")
+    canonical = _ROLE_ALIASES.get(role.strip().lower())
+    if canonical is None:
+        raise InvalidRow(f"unknown role {role!r} in message {number}")
+    has_content, content = _pick(item, ("content", "value"))
+    if not has_content:
+        raise InvalidRow(f"message {number} has no content")
+    if not isinstance(content, str):
+        raise InvalidRow(f"message {number} content is not a string")
+    return {"role": canonical, "content": content}
+
+
+def _trim_last_answer(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop the last assistant turn and everything after it.
+
+    Without an assistant turn the whole conversation is the prompt.
+    """
+    for position in range(len(conversation) - 1, -1, -1):
+        if conversation[position]["role"] == "assistant":
+            return conversation[:position]
+    return conversation
+
+
+def _check_prompt(prompt: list[dict[str, str]], *, max_chars: int) -> None:
+    """Reject prompts that a chat server could not sensibly answer."""
+    if not any(message["role"] == "user" for message in prompt):
+        raise InvalidRow("no user turn")
+    if prompt[-1]["role"] != "user":
+        raise InvalidRow("prompt does not end with a user turn")
+    total = 0
+    for number, message in enumerate(prompt, 1):
+        content = message["content"]
+        if message["role"] == "user" and not content.strip():
+            raise InvalidRow(f"message {number} is empty")
+        if not _is_encodable(content):
+            raise InvalidRow(f"message {number} content is not valid Unicode")
+        total += len(content)
+    if total > max_chars:
+        raise InvalidRow(f"row has {total} characters, over the limit of {max_chars}")
+
+
+def _is_encodable(text: str) -> bool:
+    """True unless ``text`` holds lone surrogates (from ``\\ud83d``-style escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------
+
+
+def content_key(messages: list[dict[str, str]], settings: Mapping[str, Any]) -> str:
+    """SHA-256 hex digest identifying a prompt under given generation settings.
+
+    The digest is taken over canonical JSON (sorted keys, compact separators,
+    no ASCII escaping), so key order in ``settings`` does not matter.
+    """
+    canonical = json.dumps(
+        {"messages": messages, "settings": dict(settings)},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return _sha256(canonical)
+
+
+def raw_key(raw: str) -> str:
+    """SHA-256 hex digest identifying a skipped row by its raw text."""
+    return _sha256("skipped:" + raw)
+
+
+def _sha256(text: str) -> str:
+    """Hex SHA-256 of ``text`` as UTF-8 (lone surrogates passed through)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# --------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------
+
+
+def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS) -> Iterator[Row]:
+    """Yield every row of ``source`` as a :class:`Row`, in order.
+
+    ``source`` may be a JSON-lines file (``.jsonl``, ``.json``, optionally
+    ``.gz``), a ``.parquet`` file, a directory of such files (read in sorted
+    order, indices continuing), or a Hugging Face dataset id (``name`` or
+    ``name:split``; needs the ``datasets`` package).  Problems with the source
+    itself raise :class:`DatasetError` immediately, before iteration starts;
+    problems with single rows become skipped rows.
+    """
+    path = Path(os.path.expanduser(source))
+    if path.is_dir():
+        return _rows_from_objects(_iter_directory(path, _list_data_files(path)), max_chars)
+    if path.exists():
+        _check_supported(path)
+        return _rows_from_objects(_iter_file(path), max_chars)
+    if _looks_like_path(source):
+        raise DatasetError(f"no such file: {source}")
+    return _rows_from_objects(_iter_hf(source), max_chars)
+
+
+# A parsed record: either an object to normalise or an early skip reason,
+# together with the raw text to show if the row is skipped.
+_Record = tuple[Any, str | None, str | None]
+
+
+def _rows_from_objects(records: Iterable[_Record], max_chars: int) -> Iterator[Row]:
+    """Number records and normalise them into :class:`Row` objects."""
+    for index, (obj, skip_reason, raw) in enumerate(records):
+        if skip_reason is None:
+            try:
+                messages = normalize(obj, max_chars=max_chars)
+            except InvalidRow as exc:
+                skip_reason = exc.reason
+            else:
+                yield Row(index=index, messages=messages, skip_reason=None, raw=None)
+                continue
+        if raw is None:
+            raw = _preview(obj)
+        yield Row(index=index, messages=None, skip_reason=skip_reason, raw=raw[:RAW_PREVIEW_CHARS])
+
+
+def _preview(obj: Any) -> str:
+    """JSON text of a non-JSONL row, for showing a skipped row to a user."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return repr(obj)
+
+
+def _looks_like_path(source: str) -> bool:
+    """True when ``source`` is clearly meant as a local path, not a dataset id."""
+    if source.startswith((".", "/", "~", "\\")):
+        return True
+    name = source.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    return bool(_EXTENSION_RE.search(name))
+
+
+def _suffix(path: Path) -> str:
+    """The lower-cased data suffix of ``path`` (``.jsonl.gz`` counts as one)."""
+    name = path.name.lower()
+    for suffix in sorted(_SUPPORTED_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    return path.suffix.lower()
+
+
+def _check_supported(path: Path) -> None:
+    """Raise :class:`DatasetError` for a file type we cannot read."""
+    if _suffix(path) not in _SUPPORTED_SUFFIXES:
+        raise DatasetError(
+            f"unsupported file type: {path} (expected .jsonl, .json, .jsonl.gz or .parquet)"
+        )
+    if _suffix(path) in _PARQUET_SUFFIXES and importlib.util.find_spec("pyarrow") is None:
+        raise DatasetError(f"cannot read {path}: the 'pyarrow' package is not installed")
+
+
+def _list_data_files(directory: Path) -> list[Path]:
+    """All supported data files under ``directory``, sorted by relative path.
+
+    Hidden files and directories (names starting with ``.``) are ignored.
+    """
+    found = []
+    for path in directory.rglob("*"):
+        relative = path.relative_to(directory)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.is_file() and _suffix(path) in _SUPPORTED_SUFFIXES:
+            found.append(path)
+    if not found:
+        raise DatasetError(
+            f"no .jsonl, .json, .jsonl.gz or .parquet files in directory: {directory}"
+        )
+    found.sort(key=lambda p: p.relative_to(directory).as_posix())
+    for path in found:
+        _check_supported(path)
+    return found
+
+
+def _iter_directory(directory: Path, files: list[Path]) -> Iterator[_Record]:
+    """Records of every file in ``files``, one file after another."""
+    for path in files:
+        yield from _iter_file(path)
+
+
+def _iter_file(path: Path) -> Iterator[_Record]:
+    """Records of one supported data file."""
+    if _suffix(path) in _PARQUET_SUFFIXES:
+        yield from _iter_parquet(path)
+    else:
+        yield from _iter_jsonl(path)
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """Open ``path`` for binary reading, decompressing ``.gz`` files."""
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def _iter_jsonl(path: Path) -> Iterator[_Record]:
+    """Stream a JSON-lines file line by line, skipping blank lines.
+
+    A ``.json`` file whose first character is ``[`` is read as one JSON array
+    instead (that form cannot be streamed, so it is loaded whole).
+    """
+    try:
+        with _open_binary(path) as handle:
+            if _suffix(path) in (".json", ".json.gz") and _starts_with_array(handle):
+                yield from _iter_json_array(handle)
+                return
+            first = True
+            for raw_line in handle:
+                if first:
+                    raw_line = raw_line.removeprefix(b"\xef\xbb\xbf")
+                    first = False
+                if not raw_line.strip():
+                    continue
+                yield _parse_line(raw_line)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DatasetError(f"cannot read {path}: {exc}") from exc
+
+
+def _starts_with_array(handle: BinaryIO) -> bool:
+    """Peek whether a binary stream's first non-blank byte is ``[``; rewinds."""
+    head = handle.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+    handle.seek(0)
+    return head.startswith(b"[")
+
+
+def _iter_json_array(handle: BinaryIO) -> Iterator[_Record]:
+    """Records of a file holding a single JSON array of row objects."""
+    text = handle.read().decode("utf-8-sig", errors="replace")
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise DatasetError(f"not valid JSON: {exc}") from exc
+    for item in items:
+        if isinstance(item, dict):
+            yield item, None, None
+        else:
+            yield None, "row is not a JSON object", _preview(item)
+
+
+def _parse_line(raw_line: bytes) -> _Record:
+    """Decode and parse one non-blank JSONL line into a record."""
+    try:
+        line = raw_line.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "not valid UTF-8", raw_line.decode("utf-8", errors="replace").strip()
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        return None, f"not valid JSON: {exc}", line
+    except RecursionError:
+        return None, "not valid JSON: nested too deeply", line
+    if not isinstance(obj, dict):
+        return None, "row is not a JSON object", line
+    return obj, None, line
+
+
+def _iter_parquet(path: Path) -> Iterator[_Record]:
+    """Stream a Parquet file in record batches, one dict per row."""
+    import pyarrow as pa  # imported lazily: only Parquet sources need it
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE):
+            for obj in batch.to_pylist():
+                yield obj, None, None
+    except (OSError, pa.ArrowException) as exc:
+        raise DatasetError(f"cannot read {path}: {exc}") from exc
+
+
+def _split_hf_id(source: str) -> tuple[str, str]:
+    """Split ``name[:split]`` into the dataset name and split (default ``train``)."""
+    name, sep, split = source.rpartition(":")
+    if not sep or not name or not split:
+        return source.rstrip(":"), "train"
+    return name, split
+
+
+def _iter_hf(source: str) -> Iterator[_Record]:
+    """Open a Hugging Face dataset (eagerly) and return an iterator of records."""
+    if importlib.util.find_spec("datasets") is None:
+        raise DatasetError(
+            f"no such file or directory: {source!r}; it cannot be loaded as a Hugging Face "
+            "dataset id either, because the 'datasets' package is not installed "
+            "(pip install datasets)"
+        )
+    import datasets
+
+    name, split = _split_hf_id(source)
+    try:
+        dataset = datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a source error
+        raise DatasetError(
+            f"cannot load Hugging Face dataset {name!r} (split {split!r}): {exc}"
+        ) from exc
+    return ((dict(obj), None, None) for obj in dataset)

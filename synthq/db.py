@@ -1,0 +1,87 @@
+"""Engine and session factory, with the SQLite settings embedded mode needs.
+
+PostgreSQL is the production database. SQLite serves the embedded default: it
+runs in WAL mode, and every transaction starts with ``BEGIN IMMEDIATE`` so
+that two threads that read then write wait for each other instead of failing
+with "database is locked" on the lock upgrade.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+__all__ = ["utcnow", "get_engine", "session_scope", "dispose_engines"]
+
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (the only clock synthq uses)."""
+    return datetime.now(UTC)
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 60, "check_same_thread": False},
+            pool_size=32,
+            max_overflow=64,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):  # type: ignore[no-untyped-def]
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_size=20, max_overflow=200, pool_pre_ping=True)
+
+
+def get_engine(url: str | None = None) -> Engine:
+    """The engine for ``url`` (default: the configured database), made once per process."""
+    if url is None:
+        from synthq.config import get_settings
+
+        url = get_settings().database_url
+    with _lock:
+        engine = _engines.get(url)
+        if engine is None:
+            engine = _engines[url] = _make_engine(url)
+        return engine
+
+
+def dispose_engines() -> None:
+    """Close every pooled connection (after fork, or at the end of a test)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+@contextmanager
+def session_scope(engine: Engine | None = None) -> Iterator[Session]:
+    """A session in one transaction: committed on success, rolled back on error."""
+    factory = sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
+    with factory() as session, session.begin():
+        yield session

@@ -1,0 +1,151 @@
+"""The dispatcher and the lease sweep.
+
+The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
+hands them to a publisher (Celery's ``generate`` queue, or the embedded
+runner's thread pool), never letting queued + running on a server exceed its
+limit (DESIGN invariant 5). Several dispatchers may run at once: on
+PostgreSQL each server's room is computed under a transaction-scoped advisory
+lock, and ``FOR UPDATE SKIP LOCKED`` keeps two dispatchers from taking the
+same sample. On SQLite every write transaction is ``BEGIN IMMEDIATE``, which
+serializes them outright.
+
+Publishing happens after the commit. If the process dies in between, or the
+broker loses the message, the queued sample's deadline passes and the sweep
+returns it to ``pending``: the table is the truth, the broker carries hints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.orm import Session
+
+from synthq import states
+from synthq.config import get_settings
+from synthq.db import session_scope, utcnow
+from synthq.models import Attempt, Job, Sample
+from synthq.states import INFLIGHT, JobState, SampleState
+
+__all__ = ["Dispatched", "Publisher", "dispatch", "sweep", "inflight_by_server"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    sample_id: int
+    token: str
+    server: str
+
+
+#: Receives the samples one dispatcher run queued, after their commit.
+Publisher = Callable[[Sequence[Dispatched]], None]
+
+
+@dataclass(slots=True)
+class _Server:
+    url: str
+    limit: int
+    job_ids: list[int] = field(default_factory=list)
+
+
+def _lock_key(url: str) -> int:
+    """A stable signed 64-bit advisory-lock key for a server URL."""
+    return int.from_bytes(hashlib.sha256(f"synthq:server:{url}".encode()).digest()[:8],
+                          "big", signed=True)
+
+
+def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
+    query = select(Job.id, Job.servers, Job.inflight_limit).where(Job.state == JobState.ACTIVE)
+    if job_ids is not None:
+        query = query.where(Job.id.in_(job_ids))
+    servers: dict[str, _Server] = {}
+    for job_id, urls, limit in session.execute(query):
+        for url in urls:
+            entry = servers.setdefault(url, _Server(url, limit))
+            # Two jobs on one server: the stricter limit holds for both.
+            entry.limit = min(entry.limit, limit)
+            entry.job_ids.append(job_id)
+    return list(servers.values())
+
+
+def inflight_by_server(session: Session) -> dict[str, int]:
+    """Samples queued or running, per server."""
+    rows = session.execute(
+        select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT))
+        .group_by(Sample.server)
+    )
+    return {url: n for url, n in rows if url}
+
+
+def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) -> list[Dispatched]:
+    with session_scope() as s:
+        if s.get_bind().dialect.name == "postgresql":
+            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_key(server.url)})
+        inflight = s.scalar(
+            select(func.count()).select_from(Sample)
+            .where(Sample.server == server.url, Sample.state.in_(INFLIGHT))
+        ) or 0
+        room = min(server.limit - inflight, max_batch)
+        if room <= 0:
+            return []
+        now = utcnow()
+        ids = list(s.scalars(
+            select(Sample.id)
+            .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+                   Sample.next_attempt_at <= now)
+            .order_by(Sample.next_attempt_at, Sample.id)
+            .limit(room)
+            .with_for_update(skip_locked=True)
+        ))
+        if not ids:
+            return []
+        token = secrets.token_hex(16)
+        states.queue(s, ids, server=server.url, token=token, now=now,
+                     deadline=now + timedelta(seconds=queued_timeout))
+    return [Dispatched(i, token, server.url) for i in ids]
+
+
+def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
+             server: str | None = None) -> int:
+    """Queue what is due, within each server's limit, and publish it. Returns the count."""
+    settings = get_settings()
+    with session_scope() as s:
+        servers = _servers(s, job_ids)
+        load = inflight_by_server(s)
+    if server is not None:
+        servers = [x for x in servers if x.url == server]
+    # Least loaded first: when there is less work than room, it goes where room is.
+    servers.sort(key=lambda x: load.get(x.url, 0) - x.limit)
+    total = 0
+    for entry in servers:
+        batch = _dispatch_server(entry, max_batch=settings.dispatch_batch,
+                                 queued_timeout=settings.queued_timeout)
+        if batch:
+            publish(batch)
+            total += len(batch)
+    return total
+
+
+def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
+    """Return expired leases and unclaimed queued samples to ``pending``. Returns the count.
+
+    ``reclaim_all`` treats every lease as expired: for a process that knows it
+    is the only one working on these jobs (the embedded runner, at start).
+    """
+    now = utcnow()
+    cutoff = now + timedelta(days=36500) if reclaim_all else now
+    with session_scope() as s:
+        moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids)
+        if moved:
+            # The calls of samples whose worker vanished never ended: close them.
+            s.execute(
+                update(Attempt)
+                .where(Attempt.sample_id.in_([m[0] for m in moved]), Attempt.ended_at.is_(None))
+                .values(ended_at=now, outcome="lost",
+                        error_message="lease expired: the worker stopped reporting")
+            )
+    return len(moved)

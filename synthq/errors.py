@@ -1,0 +1,156 @@
+"""Every error synthq raises, in one tree.
+
+::
+
+    SynthqError
+    ├── UserError                 bad CLI/API input: printed, never a traceback
+    └── SampleError               one call for one sample went wrong (has a class)
+        ├── RetryableError        back off and try again, up to max_attempts
+        │   ├── TimeoutError_         total time budget spent          (timeout)
+        │   ├── StalledError          no streamed chunk for too long   (stalled)
+        │   ├── ConnectionFailed      refused, reset, DNS, broken stream (connection)
+        │   ├── RateLimited           HTTP 429, honours Retry-After    (rate_limited)
+        │   └── ServerError           HTTP >= 500, or 408/409          (server_error)
+        └── PermanentError        retrying cannot help: fail at once
+            ├── BadRequest            HTTP 4xx other than below        (bad_request)
+            ├── ContextLength         prompt + max_tokens over window  (context_length)
+            ├── InvalidInput          the sample itself is unusable    (invalid_input)
+            ├── EmptyResponse         the server answered nothing      (empty_response)
+            ├── Truncated             finish_reason=length, not kept   (truncated)
+            └── BoundaryUnstable      chat template renders unstably   (boundary_unstable)
+
+``openai``/``httpx`` exceptions are converted at the boundary
+(:mod:`synthq.inference`) with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SynthqError",
+    "UserError",
+    "SampleError",
+    "RetryableError",
+    "PermanentError",
+    "TimeoutError_",
+    "StalledError",
+    "ConnectionFailed",
+    "RateLimited",
+    "ServerError",
+    "BadRequest",
+    "ContextLength",
+    "InvalidInput",
+    "EmptyResponse",
+    "Truncated",
+    "BoundaryUnstable",
+    "RETRYABLE_CLASSES",
+    "PERMANENT_CLASSES",
+]
+
+
+class SynthqError(Exception):
+    """Base of every synthq error."""
+
+
+class UserError(SynthqError):
+    """Bad input from a user; the message says what to fix."""
+
+
+class SampleError(SynthqError):
+    """A call for one sample failed; ``error_class`` is stored on the sample."""
+
+    error_class = "error"
+    retryable = False
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or self.error_class).strip())
+
+
+class RetryableError(SampleError):
+    """A transient failure; the sample is retried after a backoff."""
+
+    retryable = True
+    #: Seconds the server asked us to wait (Retry-After), if it said.
+    retry_after: float | None = None
+
+
+class PermanentError(SampleError):
+    """A failure that another attempt cannot fix."""
+
+
+class TimeoutError_(RetryableError):
+    """The call ran past the job's total timeout."""
+
+    error_class = "timeout"
+
+
+class StalledError(RetryableError):
+    """No streamed chunk arrived within the job's stall timeout."""
+
+    error_class = "stalled"
+
+
+class ConnectionFailed(RetryableError):
+    """The connection failed or broke before the response was complete."""
+
+    error_class = "connection"
+
+
+class RateLimited(RetryableError):
+    """The server answered 429 Too Many Requests."""
+
+    error_class = "rate_limited"
+
+    def __init__(self, message: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServerError(RetryableError):
+    """The server answered with a 5xx status."""
+
+    error_class = "server_error"
+
+
+class BadRequest(PermanentError):
+    """The server rejected the request (4xx)."""
+
+    error_class = "bad_request"
+
+
+class ContextLength(PermanentError):
+    """The prompt plus max_tokens does not fit the model's context window."""
+
+    error_class = "context_length"
+
+
+class InvalidInput(PermanentError):
+    """The sample's prompt cannot be sent."""
+
+    error_class = "invalid_input"
+
+
+class EmptyResponse(PermanentError):
+    """The server answered with no content at all."""
+
+    error_class = "empty_response"
+
+
+class Truncated(PermanentError):
+    """The answer hit max_tokens (finish_reason=length) and the job drops truncated answers."""
+
+    error_class = "truncated"
+
+
+class BoundaryUnstable(PermanentError):
+    """The chat template renders the prompt differently once the answer is appended."""
+
+    error_class = "boundary_unstable"
+
+
+RETRYABLE_CLASSES = frozenset(
+    c.error_class for c in (TimeoutError_, StalledError, ConnectionFailed, RateLimited, ServerError)
+)
+PERMANENT_CLASSES = frozenset(
+    c.error_class
+    for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable)
+)

@@ -1,0 +1,225 @@
+"""The call to an OpenAI-compatible server (vLLM, SGLang, TGI), and its failures.
+
+One :class:`InferenceClient` per server per process, shared by all threads; its
+connection pool is sized to the server's in-flight limit. The call streams and
+reads the raw server-sent-event lines (``json.loads`` per line costs about a
+fifth of the CPU of the client's chunk objects, which matters at thousands of
+chunks a second). Two clocks bound it:
+
+* the **stall timeout** is the transport's read timeout: no byte for that long
+  and the call is ``stalled``;
+* the **total timeout** is checked against the wall clock at every chunk (and
+  bounds the read timeout too): a long, healthy generation is fine until then.
+
+The client's own retries are off (``max_retries=0``); retrying happens in one
+layer only, synthq's (:mod:`synthq.retry`). Every ``openai``/``httpx``
+exception leaves this module converted into a :mod:`synthq.errors` class.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import openai
+
+from synthq import errors
+
+__all__ = ["ChatRequest", "ChatResult", "InferenceClient", "get_client", "parse_retry_after"]
+
+#: Seconds to open a TCP connection before the call counts as a connection failure.
+CONNECT_TIMEOUT = 10.0
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    sampling: dict[str, Any] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ChatResult:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    #: Token ids when the server returns them (vLLM ``return_token_ids``).
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    latency_s: float
+    ttft_s: float | None
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds form), or None."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from inference servers; fall back to backoff
+
+
+def _is_context_length(message: str) -> bool:
+    text = message.lower()
+    return any(s in text for s in ("maximum context length", "context_length_exceeded",
+                                    "context length", "too many tokens", "prompt is too long"))
+
+
+def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
+    status = exc.status_code
+    message = f"HTTP {status}: {exc.message}"[:2000]
+    if status == 429:
+        return errors.RateLimited(message, parse_retry_after(exc.response.headers.get("retry-after")))
+    if status >= 500 or status in (408, 409):
+        return errors.ServerError(message)
+    if _is_context_length(str(exc.message)) or _is_context_length(str(exc.body)):
+        return errors.ContextLength(message)
+    return errors.BadRequest(message)
+
+
+class _Accumulator:
+    """Builds the answer from SSE chunk payloads."""
+
+    __slots__ = ("content", "reasoning", "finish_reason", "usage", "token_ids", "prompt_token_ids")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.token_ids: list[int] | None = None
+        self.prompt_token_ids: list[int] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("prompt_token_ids"):
+            self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if piece := delta.get("content"):
+                self.content.append(piece)
+            # vLLM: reasoning_content; some versions and SGLang: reasoning.
+            if piece := delta.get("reasoning_content") or delta.get("reasoning"):
+                self.reasoning.append(piece)
+            if ids := choice.get("token_ids"):
+                self.token_ids = (self.token_ids or []) + list(ids)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+
+class InferenceClient:
+    """A streaming chat client for one server base URL (``http://host:8000/v1``)."""
+
+    def __init__(self, base_url: str, *, api_key: str = "EMPTY", max_connections: int = 64,
+                 transport: httpx2.BaseTransport | None = None) -> None:
+        self.base_url = base_url
+        http = httpx2.Client(
+            limits=httpx2.Limits(max_connections=max_connections,
+                                 max_keepalive_connections=max_connections),
+            transport=transport,
+        )
+        self._client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                     http_client=http)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def chat(self, request: ChatRequest, *, total_timeout: float, stall_timeout: float,
+             on_chunk: Callable[[], None] | None = None) -> ChatResult:
+        """Stream one chat completion; raise a :class:`synthq.errors.SampleError` on failure.
+
+        ``on_chunk`` runs after every chunk (lease renewal); whatever it raises
+        aborts the call and propagates unchanged.
+        """
+        start = time.monotonic()
+        read_timeout = min(stall_timeout, total_timeout)
+        timeout = httpx2.Timeout(read_timeout, connect=min(CONNECT_TIMEOUT, total_timeout),
+                                 read=read_timeout, pool=read_timeout)
+        body = dict(request.extra_body)
+        acc = _Accumulator()
+        ttft: float | None = None
+        done = False
+        try:
+            with self._client.chat.completions.with_streaming_response.create(
+                model=request.model,
+                messages=request.messages,  # type: ignore[arg-type]
+                max_tokens=request.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                timeout=timeout,
+                extra_body=body or None,
+                **request.sampling,
+            ) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments, event names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk and not chunk.get("choices"):
+                        raise errors.ServerError(f"error in stream: {chunk['error']}"[:2000])
+                    if ttft is None:
+                        ttft = time.monotonic() - start
+                    acc.add(chunk)
+                    if time.monotonic() - start > total_timeout:
+                        raise errors.TimeoutError_(
+                            f"call exceeded the total timeout of {total_timeout:g} s")
+                    if on_chunk is not None:
+                        on_chunk()
+        except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
+            elapsed = time.monotonic() - start
+            if elapsed >= total_timeout - 0.05:
+                raise errors.TimeoutError_(
+                    f"call exceeded the total timeout of {total_timeout:g} s") from exc
+            raise errors.StalledError(
+                f"no data from the server for {read_timeout:g} s "
+                f"({'before the first token' if ttft is None else 'mid-stream'})") from exc
+        except openai.APIStatusError as exc:
+            raise _convert_status(exc) from exc
+        except (openai.APIConnectionError, httpx2.TransportError) as exc:
+            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}"[:2000]) from exc
+        except json.JSONDecodeError as exc:
+            raise errors.ServerError(f"malformed stream chunk: {exc}") from exc
+        if not done and acc.finish_reason is None:
+            raise errors.ConnectionFailed("the stream ended before the response was complete")
+        usage = acc.usage or {}
+        return ChatResult(
+            content="".join(acc.content),
+            reasoning_content="".join(acc.reasoning) or None,
+            finish_reason=acc.finish_reason,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            prompt_token_ids=acc.prompt_token_ids,
+            completion_token_ids=acc.token_ids,
+            latency_s=time.monotonic() - start,
+            ttft_s=ttft,
+        )
+
+
+_clients: dict[str, InferenceClient] = {}
+_clients_lock = threading.Lock()
+
+
+def get_client(base_url: str, *, max_connections: int) -> InferenceClient:
+    """This process's client for ``base_url`` (made once; thread-safe)."""
+    with _clients_lock:
+        client = _clients.get(base_url)
+        if client is None:
+            from synthq.config import get_settings
+
+            client = _clients[base_url] = InferenceClient(
+                base_url, api_key=get_settings().api_key, max_connections=max_connections)
+        return client

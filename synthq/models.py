@@ -1,0 +1,191 @@
+"""The schema: jobs, their samples, and one row per call to a server.
+
+Typed SQLAlchemy 2 models; the Alembic migrations in ``migrations/`` must
+produce exactly this metadata (a test checks it).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from synthq.states import JobState, SampleState
+
+__all__ = ["Base", "Job", "Sample", "Attempt", "UTCDateTime"]
+
+# Stable constraint names, so migrations and models compare equal.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: Primary keys: 64-bit on PostgreSQL; INTEGER PRIMARY KEY (the rowid) on SQLite.
+IdType = BigInteger().with_variant(Integer(), "sqlite")
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use synthq.db.utcnow()")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+def _enum(cls: type) -> Enum:
+    return Enum(cls, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e],
+                validate_strings=True, create_constraint=False)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JsonType}
+
+
+class Job(Base):
+    """One generation job: a dataset sent to one model on one or more servers."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    model: Mapped[str] = mapped_column(String(200))
+    #: Base URLs of the OpenAI-compatible servers (``http://host:8000/v1``).
+    servers: Mapped[list[str]] = mapped_column(JsonType)
+    #: Sampling parameters sent with every request (temperature, top_p, ...).
+    sampling: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    #: Extra request fields (chat_template_kwargs, return_token_ids, ...).
+    extra_body: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    #: Seconds one call may take in all.
+    total_timeout: Mapped[float] = mapped_column(Float)
+    #: Seconds without a streamed chunk before the call counts as stalled.
+    stall_timeout: Mapped[float] = mapped_column(Float)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    backoff_base: Mapped[float] = mapped_column(Float)
+    backoff_cap: Mapped[float] = mapped_column(Float)
+    #: Most requests in flight (queued + running) on each server.
+    inflight_limit: Mapped[int] = mapped_column(Integer)
+    #: Keep answers cut by max_tokens (finish_reason=length) as done.
+    keep_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.ACTIVE)
+    #: Where the samples came from (a path or a Hugging Face id), for people.
+    dataset: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+    samples: Mapped[list[Sample]] = relationship(back_populates="job", lazy="raise")
+
+    def generation_settings(self) -> dict[str, Any]:
+        """What makes two generations of one prompt the same work (part of the content key)."""
+        return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
+                "extra_body": self.extra_body}
+
+
+class Sample(Base):
+    """One prompt of a job and everything that happened to it."""
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        UniqueConstraint("job_id", "content_key"),
+        # The dispatcher: due pending samples of a job, oldest first.
+        Index("ix_samples_dispatch", "job_id", "state", "next_attempt_at", "id"),
+        # In-flight count per server, and the lease sweep.
+        Index("ix_samples_server_state", "server", "state"),
+        Index("ix_samples_state_lease", "state", "lease_expires_at"),
+        # Rates for `status`.
+        Index("ix_samples_job_finished", "job_id", "finished_at"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    #: sha256 of the prompt messages and the job's generation settings.
+    content_key: Mapped[str] = mapped_column(String(64))
+    dataset_index: Mapped[int] = mapped_column(Integer)
+    #: The prompt: OpenAI messages, up to (not including) the last assistant turn.
+    prompt: Mapped[list[dict[str, str]] | None] = mapped_column(JsonType, nullable=True)
+    state: Mapped[SampleState] = mapped_column(_enum(SampleState))
+    #: Calls made to a server for this sample (since the last requeue).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    #: A pending sample is due at this time (later than now while backing off).
+    next_attempt_at: Mapped[datetime | None]
+    #: Queued: deadline to be claimed. Running: the worker's lease.
+    lease_expires_at: Mapped[datetime | None]
+    #: Random token; every transition out of queued/running must present it.
+    claim: Mapped[str | None] = mapped_column(String(32))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    server: Mapped[str | None] = mapped_column(String(500))
+    error_class: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    response_content: Mapped[str | None] = mapped_column(Text)
+    reasoning_content: Mapped[str | None] = mapped_column(Text)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    #: Token ids the server returned (vLLM ``return_token_ids``), little-endian int32.
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    queued_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    job: Mapped[Job] = relationship(back_populates="samples", lazy="raise")
+
+
+class Attempt(Base):
+    """One call to a server for one sample: when, where, how it ended."""
+
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    sample_id: Mapped[int] = mapped_column(
+        ForeignKey("samples.id", ondelete="CASCADE"), index=True
+    )
+    server: Mapped[str] = mapped_column(String(500))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    started_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    #: ``ok``, a failure class, or ``lost`` (the worker died mid-call).
+    outcome: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    #: Seconds to the first streamed chunk.
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -1,0 +1,104 @@
+"""What a job is doing: counts per state, rate, ETA, failures, load per server."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from synthq.db import utcnow
+from synthq.models import Job, Sample
+from synthq.states import INFLIGHT, SampleState
+
+__all__ = ["JobStatus", "job_status", "state_counts"]
+
+#: Window for the done/s rate.
+RATE_WINDOW = timedelta(minutes=5)
+
+
+@dataclass
+class JobStatus:
+    id: int
+    name: str
+    state: str
+    model: str
+    total: int
+    counts: dict[str, int]
+    #: Samples finished as done per second over the last RATE_WINDOW.
+    done_per_s: float
+    #: Seconds until every open sample is done at that rate; None if unknown.
+    eta_s: float | None
+    failures: dict[str, int]
+    #: Retryable errors still waiting to be retried, by class.
+    retrying: dict[str, int]
+    inflight: dict[str, int]
+    servers: list[str] = field(default_factory=list)
+
+    @property
+    def open(self) -> int:
+        """Samples not yet in a final state."""
+        c = self.counts
+        return sum(c.get(s, 0) for s in (SampleState.PENDING, SampleState.QUEUED,
+                                          SampleState.RUNNING))
+
+    @property
+    def finished(self) -> bool:
+        return self.open == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["open"] = self.open
+        data["finished"] = self.finished
+        return data
+
+
+def state_counts(session: Session, job_id: int) -> dict[str, int]:
+    counts = {s.value: 0 for s in SampleState}
+    rows = session.execute(
+        select(Sample.state, func.count()).where(Sample.job_id == job_id).group_by(Sample.state)
+    )
+    for state, n in rows:
+        counts[str(state)] = n
+    return counts
+
+
+def job_status(session: Session, job: Job) -> JobStatus:
+    now = utcnow()
+    counts = state_counts(session, job.id)
+    recent = session.scalar(
+        select(func.count()).select_from(Sample).where(
+            Sample.job_id == job.id, Sample.state == SampleState.DONE,
+            Sample.finished_at >= now - RATE_WINDOW)
+    ) or 0
+    # Rate over the window, or since the first sample finished if that is more recent.
+    first = session.scalar(
+        select(func.min(Sample.finished_at)).where(
+            Sample.job_id == job.id, Sample.state == SampleState.DONE,
+            Sample.finished_at >= now - RATE_WINDOW)
+    )
+    span = (now - first).total_seconds() if first is not None else 0.0
+    rate = recent / max(span, 1.0) if recent else 0.0
+    status = JobStatus(
+        id=job.id, name=job.name, state=str(job.state), model=job.model,
+        total=sum(counts.values()), counts=counts, done_per_s=rate, eta_s=None,
+        failures=dict(session.execute(
+            select(Sample.error_class, func.count())
+            .where(Sample.job_id == job.id, Sample.state == SampleState.FAILED)
+            .group_by(Sample.error_class)).tuples().all()),
+        retrying=dict(session.execute(
+            select(Sample.error_class, func.count())
+            .where(Sample.job_id == job.id, Sample.state == SampleState.PENDING,
+                   Sample.error_class.is_not(None))
+            .group_by(Sample.error_class)).tuples().all()),
+        inflight=dict(session.execute(
+            select(Sample.server, func.count())
+            .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
+            .group_by(Sample.server)).tuples().all()),
+        servers=list(job.servers),
+    )
+    if rate > 0:
+        status.eta_s = status.open / rate
+    return status

@@ -1,0 +1,463 @@
+"""Integration tests of the OpenAI-compatible simulator (synthq.simulator).
+
+Each simulator runs as a real uvicorn subprocess on a free loopback port and is
+driven through the ``openai`` client and raw ``httpx``, the way synthq's workers
+and benchmarks use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 15.0
+
+
+class SimProcess:
+    """A simulator subprocess and the clients that talk to it."""
+
+    def __init__(self, config: str) -> None:
+        """Start ``serve(SimConfig(<config>))`` on a free port and wait for /health."""
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        code = (
+            "from synthq.simulator import SimConfig, serve; "
+            f"serve(SimConfig({config}), port={self.port})"
+        )
+        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=self._log, stderr=self._log
+        )
+        self.http = httpx.Client(base_url=self.base_url, timeout=10.0)
+        self._wait_healthy()
+        self.client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0)
+
+    def _wait_healthy(self) -> None:
+        """Poll /health until the server answers, failing early if it died."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"simulator exited early:\n{self.log()}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"simulator did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        """Everything the subprocess printed so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def stats(self) -> dict[str, Any]:
+        """GET /sim/stats."""
+        return self.http.get("/sim/stats").json()
+
+    def reset(self) -> None:
+        """POST /sim/reset."""
+        self.http.post("/sim/reset").raise_for_status()
+
+    def wait_idle(self, timeout: float = 3.0) -> dict[str, Any]:
+        """Wait until no request is active (e.g. after client disconnects)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["active"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop the subprocess and close the clients."""
+        self.client.close()
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def start_sim() -> Iterator[Callable[[str], SimProcess]]:
+    """Factory starting simulators; all are killed at the end of the module."""
+    started: list[SimProcess] = []
+
+    def start(config: str = "") -> SimProcess:
+        sim = SimProcess(config)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.close()
+
+
+@pytest.fixture(scope="module")
+def sim(start_sim: Callable[[str], SimProcess]) -> SimProcess:
+    """A fast simulator: 8-word answers, 20 ms latency, retry_after=2."""
+    return start_sim("latency=0.02, response_tokens=8, retry_after=2")
+
+
+@pytest.fixture(scope="module")
+def reasoning_sim(start_sim: Callable[[str], SimProcess]) -> SimProcess:
+    """A reasoning simulator streaming at 50 tokens/s."""
+    return start_sim(
+        "latency=0.02, reasoning=True, response_tokens=8, reasoning_tokens=4, tokens_per_second=50"
+    )
+
+
+def _prompt(text: str = "") -> str:
+    """A prompt unique to the calling test, so directive counters never collide."""
+    return f"Explain durable queues {uuid.uuid4().hex[:8]} {text}".strip()
+
+
+def _ask(sim: SimProcess, content: str, **kwargs: Any) -> Any:
+    """One non-streamed chat completion."""
+    return sim.client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": content}], **kwargs
+    )
+
+
+def _stream(sim: SimProcess, content: str, **kwargs: Any) -> list[Any]:
+    """One streamed chat completion, as the list of chunks."""
+    stream = sim.client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": content}], stream=True, **kwargs
+    )
+    return list(stream)
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_health_and_models(sim: SimProcess) -> None:
+    assert sim.http.get("/health").status_code == 200
+    models = sim.client.models.list()
+    assert [m.id for m in models.data] == ["sim-model"]
+
+
+def test_non_streamed_answer_is_deterministic(sim: SimProcess) -> None:
+    prompt = _prompt()
+    first = _ask(sim, prompt)
+    second = _ask(sim, prompt)
+    other = _ask(sim, _prompt())
+    choice = first.choices[0]
+    words = choice.message.content.split()
+    assert first.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert len(words) == 8
+    assert words[:3] == prompt.split()[:3]  # short echo of the prompt
+    assert second.choices[0].message.content == choice.message.content
+    assert other.choices[0].message.content != choice.message.content
+    assert first.usage.prompt_tokens == len(prompt.split())
+    assert first.usage.completion_tokens == 8
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 8
+
+
+def test_prompt_tokens_count_all_messages(sim: SimProcess) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
+    ]
+    answer = sim.client.chat.completions.create(model="m", messages=messages)
+    assert answer.usage.prompt_tokens == 6
+    assert answer.choices[0].message.content.split()[:3] == ["one", "two", "three"]
+
+
+def test_streamed_answer_with_usage(sim: SimProcess) -> None:
+    prompt = _prompt()
+    chunks = _stream(sim, prompt, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == _ask(sim, prompt).choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 8
+    # one chunk per word: role + 8 words + finish + usage
+    assert len(chunks) == 11
+
+
+def test_raw_sse_framing(sim: SimProcess) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": _prompt()}], "stream": True}
+    response = sim.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        json.loads(event.removeprefix("data: "))
+    assert "usage" not in events[-3]  # no usage chunk unless include_usage
+
+
+def test_max_tokens_caps_answer(sim: SimProcess) -> None:
+    capped = _ask(sim, _prompt(), max_tokens=3)
+    assert len(capped.choices[0].message.content.split()) == 3
+    assert capped.choices[0].finish_reason == "length"
+    newer = _ask(sim, _prompt(), max_completion_tokens=5)
+    assert newer.usage.completion_tokens == 5
+    roomy = _ask(sim, _prompt(), max_tokens=100, temperature=0.7)
+    assert roomy.choices[0].finish_reason == "stop"
+
+
+def test_unknown_fields_are_ignored(sim: SimProcess) -> None:
+    answer = _ask(
+        sim,
+        _prompt(),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "top_k": 5},
+    )
+    assert answer.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m"},
+        {"model": "m", "messages": []},
+        {"model": "m", "messages": "hello"},
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        {"model": "m", "messages": [{"role": "user", "content": "x [[sim:typo]]"}]},
+    ],
+)
+def test_invalid_requests_get_openai_400(sim: SimProcess, body: dict[str, Any]) -> None:
+    response = sim.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()
+    assert error["object"] == "error" and error["code"] == 400 and error["message"]
+
+
+def test_invalid_json_gets_400(sim: SimProcess) -> None:
+    response = sim.http.post("/v1/chat/completions", content=b"{not json")
+    assert response.status_code == 400
+
+
+# --------------------------------------------------------------------------- reasoning
+
+
+def test_reasoning_non_streamed(reasoning_sim: SimProcess) -> None:
+    answer = _ask(reasoning_sim, _prompt())
+    message = answer.choices[0].message
+    assert len(message.content.split()) == 8
+    assert len(message.reasoning_content.split()) == 4
+    assert answer.usage.completion_tokens == 12
+
+
+def test_reasoning_streamed_before_content(reasoning_sim: SimProcess) -> None:
+    started = time.monotonic()
+    chunks = _stream(reasoning_sim, _prompt())
+    elapsed = time.monotonic() - started
+    kinds = []
+    for chunk in chunks[1:]:
+        delta = chunk.choices[0].delta
+        if getattr(delta, "reasoning_content", None):
+            kinds.append("r")
+        elif delta.content:
+            kinds.append("c")
+    assert kinds == ["r"] * 4 + ["c"] * 8
+    assert elapsed >= 12 / 50  # tokens_per_second=50 paces the 12 tokens
+
+
+def test_reasoning_counts_toward_max_tokens(reasoning_sim: SimProcess) -> None:
+    answer = _ask(reasoning_sim, _prompt(), max_tokens=6)
+    message = answer.choices[0].message
+    assert len(message.reasoning_content.split()) == 4
+    assert len(message.content.split()) == 2
+    assert answer.choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_rate_limit_directive(sim: SimProcess) -> None:
+    with pytest.raises(openai.RateLimitError) as info:
+        _ask(sim, _prompt("[[sim:rate_limit]]"))
+    assert info.value.response.headers["retry-after"] == "2"
+    assert info.value.body["type"] == "RateLimitError"
+
+
+def test_error_directive(sim: SimProcess) -> None:
+    with pytest.raises(openai.InternalServerError) as info:
+        _ask(sim, _prompt("[[sim:error]]"))
+    assert info.value.status_code == 500
+
+
+def test_context_length_directive(sim: SimProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(sim, _prompt("[[sim:context_length]]"))
+    assert "maximum context length" in str(info.value)
+    assert info.value.body["code"] == 400
+    assert info.value.body["message"].startswith("This model's maximum context length is 4096")
+
+
+def test_reset_directive_breaks_the_stream(sim: SimProcess) -> None:
+    received: list[Any] = []
+    with pytest.raises(Exception) as info:  # noqa: B017 - the SDK re-raises transport errors
+        for chunk in sim.client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": _prompt("[[sim:reset]]")}], stream=True
+        ):
+            received.append(chunk)
+    assert not isinstance(info.value, openai.APIStatusError)
+    assert received  # some chunks arrived before the connection dropped
+    body = {"model": "m", "messages": [{"role": "user", "content": _prompt("[[sim:reset]]")}]}
+    with pytest.raises(httpx.RemoteProtocolError):
+        sim.http.post("/v1/chat/completions", json=body)
+    with pytest.raises(openai.APIConnectionError):
+        _ask(sim, _prompt("[[sim:reset]]"))
+
+
+def test_stall_and_hang_time_out_and_release(sim: SimProcess) -> None:
+    sim.reset()
+    timeout = httpx.Timeout(5.0, read=0.5)
+    with httpx.Client(base_url=sim.base_url, timeout=timeout) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": _prompt("[[sim:hang]]")}]}
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/chat/completions", json=body)
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": _prompt("[[sim:stall]]")}],
+            "stream": True,
+        }
+        lines: list[str] = []
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            lines.extend(line for line in response.iter_lines() if line)
+        assert lines and all(line != "data: [DONE]" for line in lines)
+    stats = sim.wait_idle()
+    assert stats["active"] == 0
+    assert stats["disconnects"] == 2
+    assert stats["faults"]["hang"] == 1 and stats["faults"]["stall"] == 1
+
+
+def test_empty_directive(sim: SimProcess) -> None:
+    answer = _ask(sim, _prompt("[[sim:empty]]"))
+    assert answer.choices[0].message.content == ""
+    assert answer.choices[0].finish_reason == "stop"
+    chunks = _stream(sim, _prompt("[[sim:empty]]"))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_length_directive(sim: SimProcess) -> None:
+    answer = _ask(sim, _prompt("[[sim:length]]"))
+    assert answer.choices[0].finish_reason == "length"
+    assert 0 < len(answer.choices[0].message.content.split()) < 8
+    chunks = _stream(sim, _prompt("[[sim:length]]"))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_counted_directive_lets_retries_succeed(sim: SimProcess) -> None:
+    prompt = _prompt("[[sim:error*2]]")
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError):
+            _ask(sim, prompt)
+    assert _ask(sim, prompt).choices[0].finish_reason == "stop"
+    assert _ask(sim, prompt).choices[0].finish_reason == "stop"
+    sim.reset()  # reset restarts the K-counters
+    with pytest.raises(openai.InternalServerError):
+        _ask(sim, prompt)
+
+
+def test_random_fault_rates(start_sim: Callable[[str], SimProcess]) -> None:
+    faulty = start_sim("latency=0, response_tokens=4, error_rate=0.3, length_rate=0.3, seed=7")
+    errors = lengths = 0
+    for _ in range(40):
+        try:
+            answer = _ask(faulty, _prompt())
+        except openai.InternalServerError:
+            errors += 1
+        else:
+            lengths += answer.choices[0].finish_reason == "length"
+    stats = faulty.stats()
+    assert stats["faults"]["error"] == errors and 0 < errors < 40
+    assert stats["faults"]["length"] == lengths and 0 < lengths < 40
+    assert stats["requests"] == 40 and stats["completed"] == 40 - errors
+
+
+# --------------------------------------------------------------------------- capacity and stats
+
+
+def test_capacity_limits_concurrency(start_sim: Callable[[str], SimProcess]) -> None:
+    limited = start_sim("capacity=2, latency=0.5, response_tokens=4")
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            results.append(_ask(limited, f"request number {i}").choices[0].finish_reason)
+        except BaseException as exc:  # surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    assert not errors and results == ["stop"] * 6
+    assert 1.45 <= elapsed < 2.5  # three rounds of 0.5 s
+    stats = limited.stats()
+    assert stats["max_running"] == 2
+    assert stats["max_active"] == 6
+    assert stats["active"] == 0 and stats["running"] == 0
+    assert stats["completed"] == 6
+
+
+def test_stats_count_prompts_and_reset(sim: SimProcess) -> None:
+    sim.reset()
+    first, second = _prompt("alpha"), _prompt("beta")
+    for prompt in (first, first, second):
+        _ask(sim, prompt)
+    _stream(sim, first)
+    stats = sim.stats()
+    assert stats["prompts"] == {first: 3, second: 1}
+    assert stats["requests"] == 4 and stats["completed"] == 4
+    assert stats["active"] == 0 and stats["max_active"] >= 1
+    assert set(stats["faults"]) == {
+        "hang",
+        "stall",
+        "rate_limit",
+        "error",
+        "context_length",
+        "reset",
+        "empty",
+        "length",
+    }
+    sim.reset()
+    stats = sim.stats()
+    assert stats["requests"] == 0 and stats["prompts"] == {} and stats["max_active"] == 0

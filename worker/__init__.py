@@ -1,0 +1,1 @@
+"""Celery app and thin tasks; the logic lives in :mod:`synthq`."""
