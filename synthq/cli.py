@@ -604,6 +604,8 @@ def simulate(
     empty_rate: Annotated[float, typer.Option(help="Share answered with empty content.")] = 0.0,
     length_rate: Annotated[float, typer.Option(help="Share cut with "
                            "finish_reason=length.")] = 0.0,
+    retry_after: Annotated[float, typer.Option(help="Retry-After seconds sent with "
+                           "429s.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Random seed for the fault draws.")] = None,
 ) -> None:
     """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
@@ -625,14 +627,15 @@ def simulate(
             raise _fail(f"--{name.replace('_', '-')} must be between 0 and 1")
     if sum(rates.values()) > 1.0:
         raise _fail("the fault rates add up to more than 1")
-    if capacity < 1 or latency < 0 or tokens_per_second < 0 or response_tokens < 1:
+    if capacity < 1 or latency < 0 or tokens_per_second < 0 or response_tokens < 1 \
+            or retry_after < 0:
         raise _fail("--capacity and --response-tokens must be >= 1; --latency and "
                     "--tokens-per-second >= 0")
     if not 0 < port < 65536:
         raise _fail("--port must be 1..65535")
     config = SimConfig(capacity=capacity, latency=latency, tokens_per_second=tokens_per_second,
                        response_tokens=response_tokens, reasoning=reasoning, model=model,
-                       seed=seed, **rates)
+                       retry_after=retry_after, seed=seed, **rates)
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)
 

@@ -1,0 +1,201 @@
+"""Shared fixtures: real PostgreSQL, real Redis, real processes.
+
+* ``pg``: a PostgreSQL database for this test session, migrated with Alembic,
+  emptied before each test that uses it; ``SYNTHQ_DATABASE_URL`` points at it.
+* ``redis_url``: Redis database 15, flushed before each test.
+* ``simulator``: a factory starting ``synthq simulate`` subprocesses.
+* ``workers``: a factory starting real ``celery worker`` / ``celery beat``
+  subprocesses against them (no eager mode anywhere).
+* ``job_factory`` / ``sample_factory``: rows in the states a test needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import Proc, Simulator, child_env
+
+PG_ADMIN_URL = os.environ.get("SYNTHQ_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15")
+
+#: Short clocks so lease expiry and queue deadlines happen within a test.
+TEST_ENV = {
+    "SYNTHQ_LEASE_MARGIN": "2",
+    "SYNTHQ_QUEUED_TIMEOUT": "4",
+    "SYNTHQ_DISPATCH_INTERVAL": "0.5",
+}
+
+
+def _reset_process_state() -> None:
+    from synthq import inference
+    from synthq.config import get_settings
+    from synthq.db import dispose_engines
+
+    get_settings.cache_clear()
+    dispose_engines()
+    inference._clients.clear()
+
+
+@pytest.fixture(scope="session")
+def pg_session_url() -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+
+    from synthq.migrate import upgrade
+
+    name = f"synthq_test_{os.getpid()}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    upgrade(url)
+    yield url
+    from synthq.db import dispose_engines
+
+    dispose_engines()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def pg(pg_session_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """An empty, migrated PostgreSQL database; the settings point at it."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(pg_session_url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE attempts, samples, jobs RESTART IDENTITY CASCADE"))
+    engine.dispose()
+    monkeypatch.setenv("SYNTHQ_DATABASE_URL", pg_session_url)
+    monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
+    for key, value in TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    _reset_process_state()
+    yield pg_session_url
+    _reset_process_state()
+
+
+@pytest.fixture
+def redis_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    monkeypatch.setenv("SYNTHQ_BROKER_URL", REDIS_URL)
+    _reset_process_state()
+    yield REDIS_URL
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def simulator(tmp_path: Path) -> Iterator[Callable[..., Simulator]]:
+    """``simulator("--latency", "0.1", ...)`` starts one; all stop at teardown."""
+    started: list[Simulator] = []
+
+    def start(*args: str) -> Simulator:
+        sim = Simulator(list(args), tmp_path)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()
+
+
+@pytest.fixture
+def workers(pg: str, redis_url: str, tmp_path: Path) -> Iterator[Any]:
+    """Factory for real Celery processes: ``workers.worker(concurrency=8)``, ``workers.beat()``."""
+
+    class Factory:
+        def __init__(self) -> None:
+            self.procs: list[Proc] = []
+
+        def worker(self, concurrency: int = 8, name: str | None = None) -> Proc:
+            name = name or f"w{len(self.procs)}"
+            cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "worker",
+                   "-Q", "generate,control", "-P", "threads", "-c", str(concurrency),
+                   "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO"]
+            proc = Proc(cmd, child_env(), tmp_path / f"{name}.log")
+            self.procs.append(proc)
+            return proc
+
+        def beat(self) -> Proc:
+            cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
+                   "--schedule", str(tmp_path / "beat-schedule")]
+            proc = Proc(cmd, child_env(), tmp_path / "beat.log")
+            self.procs.append(proc)
+            return proc
+
+        def logs(self) -> str:
+            return "\n".join(f"--- {p.log_path.name}\n{p.log()[-4000:]}" for p in self.procs)
+
+    factory = Factory()
+    yield factory
+    for proc in factory.procs:
+        proc.stop()
+
+
+@pytest.fixture
+def job_factory(pg: str) -> Callable[..., Any]:
+    """``job_factory(prompts=[...], servers=[url], **JobSpec fields)`` → EnqueueReport."""
+    from synthq.dataset import Row
+    from synthq.db import session_scope
+    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+
+    counter = iter(range(1, 10**6))
+
+    def make(prompts: list[str] | None = None, *, rows: list[Row] | None = None,
+             servers: list[str] | None = None, **fields: Any) -> EnqueueReport:
+        fields.setdefault("name", f"job{next(counter)}")
+        fields.setdefault("model", "sim-model")
+        fields.setdefault("max_tokens", 64)
+        fields.setdefault("backoff_base", 0.1)
+        fields.setdefault("backoff_cap", 0.5)
+        spec = JobSpec(servers=servers or ["http://127.0.0.1:9/v1"], **fields)
+        with session_scope() as s:
+            job, created, _ = get_or_create_job(s, spec)
+            job_id, settings = job.id, job.generation_settings()
+        report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created)
+        if rows is None:
+            rows = [Row(i, [{"role": "user", "content": p}]) for i, p in enumerate(prompts or [])]
+        insert_rows(job_id, settings, rows, report)
+        return report
+
+    return make
+
+
+@pytest.fixture
+def sample_factory(job_factory: Callable[..., Any]) -> Callable[..., int]:
+    """``sample_factory(state="failed", attempts=3, **columns)`` → a sample id."""
+    from sqlalchemy import update
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Sample
+
+    counter = iter(range(10**6))
+
+    def make(state: str = "pending", *, job_id: int | None = None, **columns: Any) -> int:
+        if job_id is None:
+            job_id = job_factory([]).job_id
+        from synthq.dataset import content_key
+
+        now = utcnow()
+        with session_scope() as s:
+            smp = Sample(job_id=job_id, content_key=content_key(
+                [{"role": "user", "content": f"s{next(counter)}"}], {}),
+                dataset_index=0, prompt=[{"role": "user", "content": "hello"}],
+                state=state, attempts=0, next_attempt_at=now, created_at=now, updated_at=now)
+            s.add(smp)
+            s.flush()
+            if columns:
+                s.execute(update(Sample).where(Sample.id == smp.id).values(**columns))
+            return smp.id
+
+    return make

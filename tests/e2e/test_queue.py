@@ -1,0 +1,119 @@
+"""The queue with real processes: Celery workers and beat over real Redis,
+PostgreSQL, and the simulator over HTTP. Kill tests kill real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from support import counts, wait_for
+
+from synthq.db import session_scope
+from synthq.models import Attempt, Sample
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def prompts(n: int, tag: str = "p") -> list[str]:
+    return [f"{tag} question number {i}: explain something" for i in range(n)]
+
+
+def assert_all_done_once(job_id: int, n: int, sim: Any) -> None:
+    """Every sample done, and no sample's response was written twice."""
+    c = counts(job_id)
+    assert c["done"] == n, c
+    with session_scope() as s:
+        ok_writes = s.execute(
+            select(Attempt.sample_id, func.count()).join(Sample, Sample.id == Attempt.sample_id)
+            .where(Sample.job_id == job_id, Attempt.outcome == "ok")
+            .group_by(Attempt.sample_id)).all()
+    assert len(ok_writes) == n
+    assert all(k == 1 for _, k in ok_writes), "a sample's result was written twice"
+
+
+def test_three_workers_never_exceed_server_limit(workers: Any, simulator: Callable[..., Any],
+                                                 job_factory: Callable[..., Any]) -> None:
+    sim = simulator("--latency", "0.2", "--capacity", "256")
+    n = 300
+    report = job_factory(prompts(n), servers=[sim.url], inflight_limit=16)
+    for _ in range(3):
+        workers.worker(concurrency=12)
+    workers.beat()
+    wait_for(lambda: counts(report.job_id)["done"] == n, 90,
+             f"not all done: {counts(report.job_id)}\n{workers.logs()}")
+    stats = sim.stats()
+    assert stats["max_active"] <= 16, stats
+    # The limit was the bottleneck (three workers × 12 threads could do 36).
+    assert stats["max_active"] >= 12, stats
+    assert_all_done_once(report.job_id, n, sim)
+
+
+def test_duplicate_delivery_writes_once(workers: Any, simulator: Callable[..., Any],
+                                        job_factory: Callable[..., Any]) -> None:
+    """The same generate message delivered twice: one call, one write; the second is a no-op."""
+    from synthq.dispatch import Dispatched, dispatch
+    from worker.tasks import publish
+
+    sim = simulator("--latency", "0.3")
+    report = job_factory(["only one please"], servers=[sim.url])
+    batch: list[Dispatched] = []
+    dispatch(batch.extend, job_ids=[report.job_id])  # queued in SQL, not yet published
+    assert len(batch) == 1
+    publish(batch + batch)  # two identical messages
+    workers.worker(concurrency=4)
+    wait_for(lambda: counts(report.job_id)["done"] == 1, 30, workers.logs())
+    time.sleep(1.5)  # let the second delivery run too
+    assert sim.stats()["prompts"]["only one please"] == 1
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(Attempt)) == 1
+    assert "'stale'" in workers.logs() or "stale" in workers.logs()
+
+
+def test_kill9_worker_mid_stream_redoes_sample_once(workers: Any, simulator: Callable[..., Any],
+                                                    job_factory: Callable[..., Any]) -> None:
+    # 40 tokens at 10 tokens/s: a 4 s stream to kill in the middle of.
+    sim = simulator("--latency", "0", "--tokens-per-second", "10", "--response-tokens", "40")
+    report = job_factory(["a long streamed answer"], servers=[sim.url], stall_timeout=3.0)
+    first = workers.worker(concurrency=2, name="victim")
+    workers.beat()
+
+    def streaming() -> bool:
+        with session_scope() as s:
+            smp = s.scalars(select(Sample)).one()
+        return smp.state == "running" and sim.stats()["active"] == 1
+
+    wait_for(streaming, 30, workers.logs())
+    time.sleep(1.0)  # mid-stream
+    first.kill9()
+    assert counts(report.job_id)["running"] == 1  # the dead worker still "holds" it
+    workers.worker(concurrency=2, name="rescuer")
+    # Lease = stall 3 s + margin 2 s; then the sweep requeues it and the rescuer redoes it.
+    wait_for(lambda: counts(report.job_id)["done"] == 1, 40, workers.logs())
+    with session_scope() as s:
+        smp = s.scalars(select(Sample)).one()
+        outcomes = list(s.scalars(select(Attempt.outcome).order_by(Attempt.id)))
+    assert smp.attempts == 2
+    assert outcomes == ["lost", "ok"]
+    assert "rescuer" in (smp.worker or "") or smp.worker != "victim"
+    assert sim.stats()["prompts"]["a long streamed answer"] == 2
+
+
+def test_redis_flushall_mid_run_loses_nothing(workers: Any, simulator: Callable[..., Any],
+                                              job_factory: Callable[..., Any],
+                                              redis_url: str) -> None:
+    sim = simulator("--latency", "0.3", "--capacity", "64")
+    n = 200
+    report = job_factory(prompts(n, "flush"), servers=[sim.url], inflight_limit=16)
+    workers.worker(concurrency=16)
+    workers.beat()
+    wait_for(lambda: counts(report.job_id)["done"] >= 30, 60, workers.logs())
+    db = redis_url.rsplit("/", 1)[-1]
+    subprocess.run(["redis-cli", "-n", db, "FLUSHALL"], check=True, capture_output=True)
+    assert counts(report.job_id)["done"] < n
+    wait_for(lambda: counts(report.job_id)["done"] == n, 120,
+             f"{counts(report.job_id)}\n{workers.logs()}")
+    assert_all_done_once(report.job_id, n, sim)

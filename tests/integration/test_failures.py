@@ -1,0 +1,141 @@
+"""Each failure class ends in the right state, attempt count and backoff.
+
+Real PostgreSQL, the simulator over real HTTP, and the production code path
+(dispatcher → claim → call → record) run in this process. A prompt's
+``[[sim:FAULT*K]]`` directive makes the simulator fail its first K requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from synthq.db import session_scope
+from synthq.dispatch import Dispatched, dispatch
+from synthq.models import Attempt, Sample
+from synthq.process import Outcome, process_sample
+
+pytestmark = pytest.mark.integration
+
+
+def run_until_settled(job_id: int, max_rounds: int = 20) -> list[Outcome]:
+    """Dispatch and process, ignoring backoff waits, until nothing is open."""
+    from sqlalchemy import update
+
+    outcomes: list[Outcome] = []
+    for _ in range(max_rounds):
+        batch: list[Dispatched] = []
+        dispatch(batch.extend, job_ids=[job_id])
+        for item in batch:
+            outcomes.append(process_sample(item.sample_id, item.token))
+        with session_scope() as s:
+            open_ = s.scalars(select(Sample.id).where(
+                Sample.job_id == job_id, Sample.state.in_(["pending", "queued", "running"]))).all()
+            if not open_:
+                return outcomes
+            # Tests do not wait out the backoff; the delay itself is checked separately.
+            s.execute(update(Sample).where(Sample.id.in_(open_))
+                      .values(next_attempt_at=Sample.created_at))
+    raise AssertionError(f"job {job_id} did not settle: {outcomes}")
+
+
+def only_sample(job_id: int) -> Sample:
+    with session_scope() as s:
+        return s.scalars(select(Sample).where(Sample.job_id == job_id)).one()
+
+
+def attempt_outcomes(sample_id: int) -> list[str]:
+    with session_scope() as s:
+        return list(s.scalars(select(Attempt.outcome).where(Attempt.sample_id == sample_id)
+                              .order_by(Attempt.id)))
+
+
+CASES = [
+    # directive,            job fields,                            state,    class,            attempts
+    ("error*2",             {},                                    "done",   None,             3),
+    ("error",               {},                                    "failed", "server_error",   3),
+    ("rate_limit*1",        {},                                    "done",   None,             2),
+    ("reset",               {},                                    "failed", "connection",     3),
+    ("stall",               {"stall_timeout": 1.0},                "failed", "stalled",        3),
+    ("hang",                {"stall_timeout": 1.0},                "failed", "stalled",        3),
+    ("hang",                {"stall_timeout": 5.0, "total_timeout": 1.0}, "failed", "timeout", 3),
+    ("context_length",      {},                                    "failed", "context_length", 1),
+    ("empty",               {},                                    "failed", "empty_response", 1),
+    ("length",              {},                                    "failed", "truncated",      1),
+    ("length",              {"keep_truncated": True},              "done",   None,             1),
+]
+
+
+@pytest.mark.parametrize(("fault", "fields", "state", "error_class", "attempts"), CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES])
+def test_failure_class(simulator: Callable[..., Any], job_factory: Callable[..., Any],
+                       fault: str, fields: dict[str, Any], state: str, error_class: str | None,
+                       attempts: int) -> None:
+    sim = simulator("--latency", "0")
+    report = job_factory([f"tell me a story [[sim:{fault}]]"], servers=[sim.url],
+                         max_attempts=3, **fields)
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    assert (smp.state, smp.error_class, smp.attempts) == (state, error_class, attempts), \
+        smp.error_message
+    outcomes = attempt_outcomes(smp.id)
+    assert len(outcomes) == attempts
+    assert outcomes[-1] == ("ok" if state == "done" else error_class)
+    if state == "done":
+        assert smp.response_content and smp.finish_reason in ("stop", "length")
+    else:
+        assert smp.error_message
+    # The server saw exactly one request per attempt: no hidden client retries.
+    assert sim.stats()["prompts"][f"tell me a story [[sim:{fault}]]"] == attempts
+
+
+def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
+                                     job_factory: Callable[..., Any]) -> None:
+    """A retryable failure waits in SQL: next_attempt_at - now in [0, min(cap, base*2^(n-1))]."""
+    from synthq.db import utcnow
+
+    sim = simulator("--latency", "0")
+    report = job_factory(["x [[sim:error]]"], servers=[sim.url], max_attempts=10,
+                         backoff_base=4.0, backoff_cap=10.0)
+    for attempt, ceiling in [(1, 4.0), (2, 8.0), (3, 10.0), (4, 10.0)]:
+        batch: list[Dispatched] = []
+        dispatch(batch.extend, job_ids=[report.job_id])
+        assert len(batch) == 1, f"attempt {attempt}: sample not due"
+        before = utcnow()
+        assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY
+        after = utcnow()
+        smp = only_sample(report.job_id)
+        assert smp.state == "pending" and smp.attempts == attempt
+        assert smp.next_attempt_at is not None
+        delay_low = (smp.next_attempt_at - after).total_seconds()
+        delay_high = (smp.next_attempt_at - before).total_seconds()
+        assert -0.01 <= delay_high and delay_low <= ceiling + 0.01
+        # Not due yet (unless the jitter drew ~0): the dispatcher leaves it alone.
+        if delay_low > 0.5:
+            nothing: list[Dispatched] = []
+            dispatch(nothing.extend, job_ids=[report.job_id])
+            assert nothing == []
+        from sqlalchemy import update
+
+        with session_scope() as s:
+            s.execute(update(Sample).where(Sample.id == smp.id)
+                      .values(next_attempt_at=Sample.created_at))
+
+
+def test_retry_after_is_a_floor(simulator: Callable[..., Any],
+                                job_factory: Callable[..., Any]) -> None:
+    from synthq.db import utcnow
+
+    sim = simulator("--latency", "0")  # 429s carry Retry-After: 1
+    report = job_factory(["y [[sim:rate_limit]]"], servers=[sim.url], max_attempts=5,
+                         backoff_base=0.0, backoff_cap=0.01)
+    batch: list[Dispatched] = []
+    dispatch(batch.extend, job_ids=[report.job_id])
+    before = utcnow()
+    assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY
+    smp = only_sample(report.job_id)
+    assert smp.error_class == "rate_limited"
+    assert (smp.next_attempt_at - before).total_seconds() >= 0.99
