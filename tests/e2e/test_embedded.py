@@ -1,0 +1,145 @@
+"""`synthq run`, the embedded default, as a user runs it: a real CLI process,
+SQLite, the simulator over HTTP; killed with SIGKILL and run again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import REPO, Proc, child_env, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def write_dataset(path: Path, prompts: list[str], bad_rows: list[str] = ()) -> None:
+    with path.open("w") as fh:
+        for i, p in enumerate(prompts):
+            fh.write(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n")
+            if i == 3:
+                for bad in bad_rows:
+                    fh.write(bad + "\n")
+
+
+def sqlite_rows(db: Path, query: str) -> list[tuple]:
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return conn.execute(query).fetchall()
+    except sqlite3.OperationalError:  # tables not created yet
+        return []
+    finally:
+        conn.close()
+
+
+def run_cmd(dataset: Path, server: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "synthq.cli", "run", "--dataset", str(dataset),
+            "--server", server, "--model", "sim-model", "--max-tokens", "64", *extra]
+
+
+def test_run_killed_and_rerun_resumes_without_regenerating(
+        simulator: Callable[..., Any], tmp_path: Path) -> None:
+    sim = simulator("--latency", "0.2", "--capacity", "64")
+    prompts = [f"resume test prompt {i}" for i in range(200)]
+    dataset = tmp_path / "prompts.jsonl"
+    write_dataset(dataset, prompts)
+    env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
+                    SYNTHQ_BROKER_URL="")
+    db = tmp_path / "data" / "synthq.db"
+    first = Proc(run_cmd(dataset, sim.url, "--inflight", "8"), env, tmp_path / "run1.log")
+    wait_for(lambda: sqlite_rows(db, "select count(*) from samples where state='done'")
+             and sqlite_rows(db, "select count(*) from samples where state='done'")[0][0] >= 40,
+             60, "first run made no progress")
+    first.kill9()
+    done_before = {r[0] for r in sqlite_rows(
+        db, "select json_extract(prompt, '$[0].content') from samples where state='done'")}
+    assert 40 <= len(done_before) < len(prompts)
+
+    second = subprocess.run(run_cmd(dataset, sim.url, "--inflight", "8", "--json"), env=env,
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["counts"]["done"] == len(prompts) and summary["finished"]
+    seen = sim.stats()["prompts"]
+    # No sample that was done before the kill was sent to the server again.
+    assert all(seen[p] == 1 for p in done_before), {p: seen[p] for p in done_before if seen[p] != 1}
+    # Every sample was sent at most twice (once more only if it was in flight at the kill).
+    assert max(seen[p] for p in prompts) <= 2
+
+
+def test_run_skips_malformed_rows_with_reasons(simulator: Callable[..., Any],
+                                               tmp_path: Path) -> None:
+    sim = simulator("--latency", "0")
+    dataset = tmp_path / "mixed.jsonl"
+    bad = [
+        "{not json",
+        json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),
+        json.dumps({"messages": [{"role": "system", "content": "only a system prompt"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ["a", "list"]}]}),
+        json.dumps({"conversations": []}),
+        json.dumps({"prompt": "x" * 300_000}),
+    ]
+    write_dataset(dataset, [f"good prompt {i}" for i in range(10)], bad)
+    env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
+                    SYNTHQ_BROKER_URL="")
+    result = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["counts"]["done"] == 10
+    assert summary["counts"]["skipped"] == len(bad)
+    reasons = [r[0] for r in sqlite_rows(
+        tmp_path / "data" / "synthq.db",
+        "select error_message from samples where state='skipped' order by dataset_index")]
+    expected = ["not valid JSON", "unknown role 'robot'", "no user turn", "not a string",
+                "empty conversation", "over the limit"]
+    for reason, fragment in zip(reasons, expected, strict=True):
+        assert fragment in reason
+
+
+def test_run_rejects_bad_input_clearly(tmp_path: Path) -> None:
+    env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
+                    SYNTHQ_BROKER_URL="")
+    dataset = tmp_path / "d.jsonl"
+    write_dataset(dataset, ["hi"])
+    cases = [
+        (run_cmd(tmp_path / "missing.jsonl", "http://127.0.0.1:1/v1"), "no such file"),
+        (run_cmd(dataset, "localhost:8000"), "is not an http(s) URL"),
+        (run_cmd(dataset, "http://127.0.0.1:1/v1", "--inflight", "0"), "--inflight must be"),
+        (run_cmd(dataset, "http://127.0.0.1:1/v1", "--chat-template-kwargs", "{bad"),
+         "not valid JSON"),
+    ]
+    for cmd, message in cases:
+        result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, (cmd, result.stdout, result.stderr)
+        assert message in " ".join(result.stderr.split()), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_stops_cleanly_and_resumes(simulator: Callable[..., Any], tmp_path: Path) -> None:
+    sim = simulator("--latency", "0.3")
+    dataset = tmp_path / "p.jsonl"
+    write_dataset(dataset, [f"ctrl-c prompt {i}" for i in range(80)])
+    env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
+                    SYNTHQ_BROKER_URL="")
+    db = tmp_path / "data" / "synthq.db"
+    proc = Proc(run_cmd(dataset, sim.url, "--inflight", "4"), env, tmp_path / "run.log")
+    wait_for(lambda: (sqlite_rows(db, "select count(*) from samples where state='done'")
+                      or [(0,)])[0][0] >= 8, 60, "no progress")
+    proc.proc.send_signal(signal.SIGINT)
+    assert proc.proc.wait(30) == 130
+    rows = sqlite_rows(db, "select state, count(*) from samples group by state")
+    states = dict(rows)
+    assert states.get("running", 0) == 0 and states.get("queued", 0) == 0, states
+    proc.stop()
+    again = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert json.loads(again.stdout.strip().splitlines()[-1])["counts"]["done"] == 80

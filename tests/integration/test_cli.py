@@ -1,0 +1,96 @@
+"""The CLI against real PostgreSQL: enqueue, status, requeue, pause, sample."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+from support import REPO, child_env
+
+from synthq.db import session_scope
+from synthq.models import Sample
+
+pytestmark = pytest.mark.integration
+
+
+def synthq(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr + result.stdout
+    return result
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    path = tmp_path / "data.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(20)]
+    rows += [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+             {"prompt": "plain prompt", "system": "be brief"}, {"messages": "nope"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def enqueue_args(dataset: Path, *extra: str) -> list[str]:
+    return ["enqueue", "-d", str(dataset), "-s", "http://127.0.0.1:9/v1", "-m", "m", "--job",
+            "cli-job", "--json", *extra]
+
+
+def test_enqueue_twice_adds_nothing(pg: str, dataset: Path) -> None:
+    first = json.loads(synthq(*enqueue_args(dataset)).stdout)
+    assert (first["created"], first["rows"], first["inserted"], first["skipped"]) == \
+        (True, 23, 23, 1)
+    again = json.loads(synthq(*enqueue_args(dataset)).stdout)
+    assert (again["created"], again["inserted"], again["duplicates"]) == (False, 0, 23)
+    human = synthq(*enqueue_args(dataset)[:-1])
+    assert "nothing new to add" in human.stdout
+
+
+def test_enqueue_with_other_generation_settings_is_refused(pg: str, dataset: Path) -> None:
+    synthq(*enqueue_args(dataset))
+    result = synthq(*enqueue_args(dataset, "--temperature", "0.7"), check=False)
+    assert result.returncode == 2
+    assert "other generation settings" in result.stderr
+
+
+def test_status_requeue_pause(pg: str, dataset: Path) -> None:
+    job_id = json.loads(synthq(*enqueue_args(dataset)).stdout)["job_id"]
+    with session_scope() as s:
+        s.execute(update(Sample).where(Sample.id <= 3).values(
+            state="failed", error_class="timeout", error_message="x"))
+        s.execute(update(Sample).where(Sample.id == 4).values(
+            state="failed", error_class="context_length", error_message="y"))
+    status = json.loads(synthq("status", "cli-job", "--json").stdout)
+    assert status["id"] == job_id
+    assert status["counts"]["failed"] == 4 and status["failures"] == {"timeout": 3,
+                                                                      "context_length": 1}
+    assert "requeued 3" in synthq("requeue", "cli-job", "--failed", "--class", "timeout").stdout
+    bad = synthq("requeue", "cli-job", "--class", "nonsense", check=False)
+    assert bad.returncode == 2 and "unknown class" in bad.stderr
+    assert "active → paused" in synthq("pause", str(job_id)).stdout
+    assert "paused → active" in synthq("resume", "cli-job").stdout
+    synthq("cancel", "cli-job")
+    assert "cannot be resumed" in synthq("resume", "cli-job", check=False).stderr
+    missing = synthq("status", "no-such-job", check=False)
+    assert missing.returncode == 2 and "no job 'no-such-job'" in missing.stderr
+    shown = json.loads(synthq("sample", "4", "--json").stdout)
+    assert shown["error_class"] == "context_length" and shown["attempt_log"] == []
+    jobs = json.loads(synthq("jobs", "--json").stdout)
+    assert [j["name"] for j in jobs] == ["cli-job"]
+
+
+def test_every_command_has_an_example_in_help() -> None:
+    from typer.main import get_command
+
+    from synthq.cli import app
+
+    group = get_command(app)
+    names = [n for n in group.commands if n != "db"] + ["db upgrade"]  # type: ignore[attr-defined]
+    for name in names:
+        out = subprocess.run([sys.executable, "-m", "synthq.cli", *name.split(), "--help"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+        assert "Example" in out, name

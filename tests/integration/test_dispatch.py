@@ -1,0 +1,144 @@
+"""Dispatcher, sweep and state transitions on real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, update
+from support import counts
+
+from synthq import states
+from synthq.db import session_scope, utcnow
+from synthq.dispatch import Dispatched, dispatch, sweep
+from synthq.models import Job, Sample
+from synthq.states import JobState
+
+pytestmark = pytest.mark.integration
+
+
+def queued_on(server: str) -> int:
+    with session_scope() as s:
+        return s.scalar(select(func.count()).select_from(Sample).where(
+            Sample.server == server, Sample.state.in_(["queued", "running"]))) or 0
+
+
+def test_concurrent_dispatchers_respect_the_limit(job_factory: Callable[..., Any]) -> None:
+    server = "http://10.255.0.1:8000/v1"  # never called: nothing is processed here
+    report = job_factory([f"p{i}" for i in range(500)], servers=[server], inflight_limit=16)
+    taken: list[Dispatched] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def publish(batch: Any) -> None:
+        with lock:
+            taken.extend(batch)
+
+    def run() -> None:
+        barrier.wait()
+        for _ in range(5):
+            dispatch(publish)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == 16
+    assert len({d.sample_id for d in taken}) == 16
+    assert queued_on(server) == 16
+    assert counts(report.job_id)["pending"] == 500 - 16
+
+
+def test_two_jobs_share_a_server_limit(job_factory: Callable[..., Any]) -> None:
+    server = "http://10.255.0.2:8000/v1"
+    job_factory(["a1", "a2", "a3", "a4"], servers=[server], inflight_limit=3)
+    job_factory(["b1", "b2", "b3", "b4"], servers=[server], inflight_limit=5)
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    dispatch(batch.extend)
+    assert len(batch) == 3  # the stricter limit holds for both jobs together
+
+
+def test_samples_spread_over_servers(job_factory: Callable[..., Any]) -> None:
+    a, b = "http://10.255.0.3:8000/v1", "http://10.255.0.4:8000/v1"
+    job_factory([f"p{i}" for i in range(50)], servers=[a, b], inflight_limit=10)
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert sorted({d.server for d in batch}) == [a, b]
+    assert queued_on(a) == 10 and queued_on(b) == 10
+
+
+def test_paused_job_is_not_dispatched_and_its_messages_are_released(
+        job_factory: Callable[..., Any]) -> None:
+    from synthq.process import process_sample
+
+    report = job_factory(["x", "y"], servers=["http://10.255.0.5:8000/v1"])
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert len(batch) == 2
+    with session_scope() as s:
+        s.execute(update(Job).values(state=JobState.PAUSED))
+    more: list[Dispatched] = []
+    dispatch(more.extend)
+    assert more == []
+    # A message that arrives for a paused job gives its slot back without a call.
+    assert process_sample(batch[0].sample_id, batch[0].token).value == "stale"
+    assert counts(report.job_id)["pending"] == 1
+
+
+def test_claim_is_compare_and_set(sample_factory: Callable[..., int]) -> None:
+    now = utcnow()
+    sid = sample_factory("queued", claim="tok", server="http://s/v1",
+                         lease_expires_at=now + timedelta(seconds=60))
+    with session_scope() as s:
+        assert states.claim(s, sid, "wrong", new_token="n1", lease_until=now, worker="w",
+                            now=now) is None
+        assert states.claim(s, sid, "tok", new_token="n1", lease_until=now, worker="w",
+                            now=now) is not None
+    with session_scope() as s:  # a duplicate delivery of the same message
+        assert states.claim(s, sid, "tok", new_token="n2", lease_until=now, worker="w",
+                            now=now) is None
+        assert not states.complete(s, sid, "tok", now=now, response_content="late")
+        assert states.complete(s, sid, "n1", now=now, response_content="first")
+        assert not states.complete(s, sid, "n1", now=now, response_content="again")
+        assert not states.retry(s, sid, "n1", now=now, next_attempt_at=now,
+                                error_class="timeout", error_message="x")
+    with session_scope() as s:
+        smp = s.get_one(Sample, sid)
+        assert (smp.state, smp.response_content, smp.attempts) == ("done", "first", 1)
+
+
+def test_sweep_returns_expired_leases_and_fails_exhausted(
+        sample_factory: Callable[..., int], job_factory: Callable[..., Any]) -> None:
+    job_id = job_factory([], max_attempts=3).job_id
+    past = utcnow() - timedelta(seconds=1)
+    future = utcnow() + timedelta(seconds=60)
+    lost_queued = sample_factory("queued", job_id=job_id, claim="a", lease_expires_at=past)
+    lost_running = sample_factory("running", job_id=job_id, claim="b", attempts=1,
+                                  lease_expires_at=past)
+    exhausted = sample_factory("running", job_id=job_id, claim="c", attempts=3,
+                               lease_expires_at=past)
+    alive = sample_factory("running", job_id=job_id, claim="d", attempts=1,
+                           lease_expires_at=future)
+    assert sweep() == 3
+    with session_scope() as s:
+        got = {i: (s.get_one(Sample, i).state, s.get_one(Sample, i).claim)
+               for i in (lost_queued, lost_running, exhausted, alive)}
+    assert got == {lost_queued: ("pending", None), lost_running: ("pending", None),
+                   exhausted: ("failed", None), alive: ("running", "d")}
+
+
+def test_requeue_failed_by_class(sample_factory: Callable[..., int],
+                                 job_factory: Callable[..., Any]) -> None:
+    job_id = job_factory([]).job_id
+    t = sample_factory("failed", job_id=job_id, error_class="timeout", attempts=5)
+    c = sample_factory("failed", job_id=job_id, error_class="context_length", attempts=1)
+    with session_scope() as s:
+        assert states.requeue(s, job_id, classes=["timeout"], now=utcnow()) == 1
+    with session_scope() as s:
+        assert s.get_one(Sample, t).state == "pending" and s.get_one(Sample, t).attempts == 0
+        assert s.get_one(Sample, c).state == "failed"
