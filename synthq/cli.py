@@ -281,6 +281,9 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
     if status.retrying:
         console.print("waiting to retry: " + ", ".join(
             f"{k} {v:,}" for k, v in status.retrying.items()))
+    if status.calls:
+        console.print(f"calls to servers: {sum(status.calls.values()):,} (" + ", ".join(
+            f"{k} {v:,}" for k, v in sorted(status.calls.items(), key=lambda x: -x[1])) + ")")
     if status.inflight:
         console.print("in flight: " + ", ".join(f"{k} {v}" for k, v in status.inflight.items()))
     if status.finished:

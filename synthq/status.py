@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
-from synthq.models import Job, Sample
+from synthq.models import Attempt, Job, Sample
 from synthq.states import INFLIGHT, SampleState
 
 __all__ = ["JobStatus", "job_status", "state_counts"]
@@ -36,6 +36,8 @@ class JobStatus:
     retrying: dict[str, int]
     inflight: dict[str, int]
     servers: list[str] = field(default_factory=list)
+    #: Calls made to servers, by outcome (``ok`` or a failure class).
+    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def open(self) -> int:
@@ -73,13 +75,16 @@ def job_status(session: Session, job: Job) -> JobStatus:
             Sample.job_id == job.id, Sample.state == SampleState.DONE,
             Sample.finished_at >= now - RATE_WINDOW)
     ) or 0
-    # Rate over the window, or since the first sample finished if that is more recent.
-    first = session.scalar(
-        select(func.min(Sample.finished_at)).where(
+    # Rate over the window, or since the first sample in it finished; once
+    # nothing is open, up to the last one (so a finished job keeps its rate).
+    first, last = session.execute(
+        select(func.min(Sample.finished_at), func.max(Sample.finished_at)).where(
             Sample.job_id == job.id, Sample.state == SampleState.DONE,
             Sample.finished_at >= now - RATE_WINDOW)
-    )
-    span = (now - first).total_seconds() if first is not None else 0.0
+    ).one()
+    is_open = any(counts[s] for s in ("pending", "queued", "running"))
+    end = now if is_open or last is None else last
+    span = (end - first).total_seconds() if first is not None else 0.0
     rate = recent / max(span, 1.0) if recent else 0.0
     status = JobStatus(
         id=job.id, name=job.name, state=str(job.state), model=job.model,
@@ -98,6 +103,11 @@ def job_status(session: Session, job: Job) -> JobStatus:
             .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
             .group_by(Sample.server)).tuples().all()),
         servers=list(job.servers),
+        calls=dict(session.execute(
+            select(Attempt.outcome, func.count())
+            .join(Sample, Sample.id == Attempt.sample_id)
+            .where(Sample.job_id == job.id, Attempt.outcome.is_not(None))
+            .group_by(Attempt.outcome)).tuples().all()),
     )
     if rate > 0:
         status.eta_s = status.open / rate

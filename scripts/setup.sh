@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install synthq with its test and training extras.
+# torch is pinned and installed first: that version comes from a local CPU
+# wheel; an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
+pip torch==2.13.0
+pip -e '.[dev,train]'
+.venv/bin/python -c "import synthq, celery, torch"
