@@ -11,4 +11,5 @@ if command -v docker-compose >/dev/null 2>&1; then
   echo "docker-compose.yml: valid"
 fi
 .venv/bin/ruff check synthq worker api tests bench
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -322,7 +321,7 @@ def jobs(as_json: JsonOpt = False) -> None:
         _ensure_db()
     except UserError as exc:
         raise _fail(str(exc)) from None
-    rows = []
+    rows: list[dict[str, Any]] = []
     with session_scope() as s:
         for job in s.scalars(select(Job).order_by(Job.id)):
             rows.append({"id": job.id, "name": job.name, "state": str(job.state),
@@ -638,7 +637,7 @@ def simulate(
         raise _fail("--port must be 1..65535")
     config = SimConfig(capacity=capacity, latency=latency, tokens_per_second=tokens_per_second,
                        response_tokens=response_tokens, reasoning=reasoning, model=model,
-                       retry_after=retry_after, seed=seed, **rates)
+                       retry_after=retry_after, seed=seed, **rates)  # type: ignore[arg-type]
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)
 

@@ -79,7 +79,8 @@ def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
     status = exc.status_code
     message = f"HTTP {status}: {exc.message}"[:2000]
     if status == 429:
-        return errors.RateLimited(message, parse_retry_after(exc.response.headers.get("retry-after")))
+        retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
+        return errors.RateLimited(message, retry_after)
     if status >= 500 or status in (408, 409):
         return errors.ServerError(message)
     if _is_context_length(str(exc.message)) or _is_context_length(str(exc.body)):
@@ -151,9 +152,9 @@ class InferenceClient:
         ttft: float | None = None
         done = False
         try:
-            with self._client.chat.completions.with_streaming_response.create(
+            with self._client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
                 model=request.model,
-                messages=request.messages,  # type: ignore[arg-type]
+                messages=request.messages,
                 max_tokens=request.max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},

@@ -9,9 +9,9 @@ nothing.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +25,6 @@ from synthq.db import session_scope, utcnow
 from synthq.inference import ChatRequest, ChatResult, get_client
 from synthq.models import Attempt, Job, Sample
 from synthq.retry import backoff_delay
-from synthq.states import SampleState
 
 __all__ = ["Outcome", "process_sample", "worker_name", "pack_ids"]
 
@@ -100,6 +99,7 @@ def _claim(sample_id: int, token: str, worker: str) -> _Claimed | None:
         prompt, server = s.execute(
             select(Sample.prompt, Sample.server).where(Sample.id == sample_id)
         ).one()
+        assert server is not None, "a queued sample always has its server"
         attempt_id = s.execute(
             insert(Attempt).values(sample_id=sample_id, server=server, worker=worker,
                                    started_at=now).returning(Attempt.id)

@@ -98,7 +98,8 @@ def _cas(
 
 
 def queue(
-    session: Session, sample_ids: Sequence[int], *, server: str, token: str, deadline: datetime, now: datetime
+    session: Session, sample_ids: Sequence[int], *, server: str, token: str,
+    deadline: datetime, now: datetime,
 ) -> int:
     """pending → queued, for ids the dispatcher locked. Returns how many moved."""
     Sample = _samples()

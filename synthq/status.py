@@ -57,6 +57,10 @@ class JobStatus:
         return data
 
 
+def _by_key(rows: Any) -> dict[str, int]:
+    return {str(key) if key is not None else "unknown": n for key, n in rows}
+
+
 def state_counts(session: Session, job_id: int) -> dict[str, int]:
     counts = {s.value: 0 for s in SampleState}
     rows = session.execute(
@@ -89,21 +93,21 @@ def job_status(session: Session, job: Job) -> JobStatus:
     status = JobStatus(
         id=job.id, name=job.name, state=str(job.state), model=job.model,
         total=sum(counts.values()), counts=counts, done_per_s=rate, eta_s=None,
-        failures=dict(session.execute(
+        failures=_by_key(session.execute(
             select(Sample.error_class, func.count())
             .where(Sample.job_id == job.id, Sample.state == SampleState.FAILED)
             .group_by(Sample.error_class)).tuples().all()),
-        retrying=dict(session.execute(
+        retrying=_by_key(session.execute(
             select(Sample.error_class, func.count())
             .where(Sample.job_id == job.id, Sample.state == SampleState.PENDING,
                    Sample.error_class.is_not(None))
             .group_by(Sample.error_class)).tuples().all()),
-        inflight=dict(session.execute(
+        inflight=_by_key(session.execute(
             select(Sample.server, func.count())
             .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
             .group_by(Sample.server)).tuples().all()),
         servers=list(job.servers),
-        calls=dict(session.execute(
+        calls=_by_key(session.execute(
             select(Attempt.outcome, func.count())
             .join(Sample, Sample.id == Attempt.sample_id)
             .where(Sample.job_id == job.id, Attempt.outcome.is_not(None))

@@ -54,7 +54,7 @@ def attempt_outcomes(sample_id: int) -> list[str]:
 
 
 CASES = [
-    # directive,            job fields,                            state,    class,            attempts
+    # directive, job fields, final state, error class, attempts
     ("error*2",             {},                                    "done",   None,             3),
     ("error",               {},                                    "failed", "server_error",   3),
     ("rate_limit*1",        {},                                    "done",   None,             2),
