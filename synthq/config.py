@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     #: Redis redelivers an unacknowledged message after this many seconds;
     #: keep it above the longest total timeout of any job.
     visibility_timeout: float = 4 * 3600.0
+    #: Database connections one process keeps (PostgreSQL), and how many more it
+    #: may open under load. Threads wait for a free one; transactions are short.
+    db_pool_size: int = 8
+    db_max_overflow: int = 16
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

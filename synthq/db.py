@@ -55,7 +55,11 @@ def _make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_size=20, max_overflow=200, pool_pre_ping=True)
+    from synthq.config import get_settings
+
+    settings = get_settings()
+    return create_engine(url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow, pool_pre_ping=True)
 
 
 def get_engine(url: str | None = None) -> Engine:

@@ -31,7 +31,8 @@ from synthq.db import session_scope, utcnow
 from synthq.models import Attempt, Job, Sample
 from synthq.states import INFLIGHT, JobState, SampleState
 
-__all__ = ["Dispatched", "Publisher", "dispatch", "sweep", "inflight_by_server"]
+__all__ = ["Dispatched", "Publisher", "dispatch", "sweep", "inflight_by_server",
+           "server_is_down"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,12 @@ class _Server:
     url: str
     limit: int
     job_ids: list[int] = field(default_factory=list)
+    #: Its latest calls all failed to connect: one probe at a time.
+    down: bool = False
+
+    @property
+    def effective_limit(self) -> int:
+        return 1 if self.down else self.limit
 
 
 def _lock_key(url: str) -> int:
@@ -81,6 +88,34 @@ def inflight_by_server(session: Session) -> dict[str, int]:
     return {url: n for url, n in rows if url}
 
 
+#: A server whose last this-many calls all failed to connect is treated as down.
+TRIP_AFTER = 3
+#: Seconds between probes of a down server.
+PROBE_INTERVAL = 2.0
+
+
+def server_is_down(session: Session, url: str) -> bool:
+    """True when the server's latest calls all failed to connect (refused, reset, DNS).
+
+    A down server gets a probe (one request) every PROBE_INTERVAL instead of
+    its whole limit: samples do not burn their attempts on it, and the first
+    probe that succeeds gives it its full limit back. Derived from the
+    attempts table, so every dispatcher on every machine agrees.
+    """
+    latest = session.execute(
+        select(Attempt.outcome, Attempt.ended_at)
+        .where(Attempt.server == url, Attempt.outcome.is_not(None))
+        .order_by(Attempt.id.desc()).limit(TRIP_AFTER)
+    ).all()
+    return len(latest) == TRIP_AFTER and all(o == "connection" for o, _ in latest)
+
+
+def _probe_due(session: Session, url: str) -> bool:
+    last = session.scalar(select(Attempt.started_at).where(Attempt.server == url)
+                          .order_by(Attempt.id.desc()).limit(1))
+    return last is None or (utcnow() - last).total_seconds() >= PROBE_INTERVAL
+
+
 def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) -> list[Dispatched]:
     with session_scope() as s:
         if s.get_bind().dialect.name == "postgresql":
@@ -89,18 +124,26 @@ def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) 
             select(func.count()).select_from(Sample)
             .where(Sample.server == server.url, Sample.state.in_(INFLIGHT))
         ) or 0
-        room = min(server.limit - inflight, max_batch)
+        room = min(server.effective_limit - inflight, max_batch)
+        if server.down and not _probe_due(s, server.url):
+            room = 0
         if room <= 0:
             return []
         now = utcnow()
-        ids = list(s.scalars(
-            select(Sample.id)
-            .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-                   Sample.next_attempt_at <= now)
-            .order_by(Sample.next_attempt_at, Sample.id)
-            .limit(room)
-            .with_for_update(skip_locked=True)
-        ))
+        due = [Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+               Sample.next_attempt_at <= now]
+        ids: list[int] = []
+        # A probe of a down server takes a sample that has not failed yet, so
+        # probing does not wear out one sample's attempts.
+        for extra in ([Sample.attempts == 0], []) if server.down else ([],):
+            ids = list(s.scalars(
+                select(Sample.id).where(*due, *extra)
+                .order_by(Sample.next_attempt_at, Sample.id)
+                .limit(room)
+                .with_for_update(skip_locked=True)
+            ))
+            if ids:
+                break
         if not ids:
             return []
         token = secrets.token_hex(16)
@@ -115,11 +158,13 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
     settings = get_settings()
     with session_scope() as s:
         servers = _servers(s, job_ids)
+        if server is not None:
+            servers = [x for x in servers if x.url == server]
         load = inflight_by_server(s)
-    if server is not None:
-        servers = [x for x in servers if x.url == server]
-    # Least loaded first: when there is less work than room, it goes where room is.
-    servers.sort(key=lambda x: load.get(x.url, 0) - x.limit)
+        for entry in servers:
+            entry.down = server_is_down(s, entry.url)
+    # Most room first: when there is less work than room, it goes where room is.
+    servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
     total = 0
     for entry in servers:
         batch = _dispatch_server(entry, max_batch=settings.dispatch_batch,

@@ -208,6 +208,14 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     if not source.strip():
         raise UserError("--dataset is empty")
     spec.dataset = source
+    from synthq.config import get_settings
+
+    visibility = get_settings().visibility_timeout
+    if spec.total_timeout >= visibility:
+        raise UserError(
+            f"--timeout {spec.total_timeout:g} s is not below the broker's visibility timeout "
+            f"({visibility:g} s, SYNTHQ_VISIBILITY_TIMEOUT): Redis would hand the message to a "
+            "second worker while the first still runs")
     with session_scope() as s:
         job, created, changed = get_or_create_job(s, spec)
         job_id, settings = job.id, job.generation_settings()

@@ -173,6 +173,10 @@ class Attempt(Base):
     """One call to a server for one sample: when, where, how it ended."""
 
     __tablename__ = "attempts"
+    __table_args__ = (
+        # The dispatcher's health check: a server's latest calls.
+        Index("ix_attempts_server_id", "server", "id"),
+    )
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True)
     sample_id: Mapped[int] = mapped_column(

@@ -117,3 +117,42 @@ def test_redis_flushall_mid_run_loses_nothing(workers: Any, simulator: Callable[
     wait_for(lambda: counts(report.job_id)["done"] == n, 120,
              f"{counts(report.job_id)}\n{workers.logs()}")
     assert_all_done_once(report.job_id, n, sim)
+
+
+def test_flower_shows_generate_tasks_behind_basic_auth(workers: Any, simulator: Callable[..., Any],
+                                                       job_factory: Callable[..., Any],
+                                                       tmp_path: Any) -> None:
+    import sys
+
+    import httpx
+    from support import Proc, child_env, free_port
+
+    sim = simulator("--latency", "0.05")
+    port = free_port()
+    flower = Proc([sys.executable, "-m", "celery", "-A", "worker.app", "flower",
+                   f"--port={port}", "--address=127.0.0.1", "--basic-auth=ops:s3cret-pass"],
+                  child_env(), tmp_path / "flower.log")
+    workers.procs.append(flower)
+    url = f"http://127.0.0.1:{port}"
+
+    def flower_up() -> bool:
+        try:
+            return httpx.get(f"{url}/healthcheck", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(flower_up, 30, flower.log())
+    time.sleep(1.0)  # flower subscribes to events before the tasks run
+    report = job_factory([f"flower {i}" for i in range(5)], servers=[sim.url])
+    workers.worker(concurrency=4)
+    workers.beat()
+    wait_for(lambda: counts(report.job_id)["done"] == 5, 60, workers.logs())
+    assert httpx.get(f"{url}/api/tasks", timeout=5).status_code == 401
+
+    def generate_tasks() -> list[dict[str, Any]]:
+        tasks = httpx.get(f"{url}/api/tasks", auth=("ops", "s3cret-pass"), timeout=5).json()
+        return [t for t in tasks.values()
+                if t.get("name") == "synthq.generate" and t.get("state") == "SUCCESS"]
+
+    done = wait_for(lambda: len(generate_tasks()) >= 5 and generate_tasks(), 30, flower.log())
+    assert {t["result"] for t in done} <= {"'done'", "'stale'", "done", "stale"}

@@ -142,3 +142,25 @@ def test_requeue_failed_by_class(sample_factory: Callable[..., int],
     with session_scope() as s:
         assert s.get_one(Sample, t).state == "pending" and s.get_one(Sample, t).attempts == 0
         assert s.get_one(Sample, c).state == "failed"
+
+
+def test_down_server_gets_one_probe_at_a_time(job_factory: Callable[..., Any]) -> None:
+    from synthq.models import Attempt
+
+    up, down = "http://10.255.0.6:8000/v1", "http://10.255.0.7:8000/v1"
+    job_factory([f"p{i}" for i in range(40)], servers=[up, down], inflight_limit=8)
+    now = utcnow() - timedelta(seconds=10)  # the last probe is long past
+    with session_scope() as s:
+        sid = s.scalar(select(Sample.id).limit(1))
+        for outcome in ["ok", "connection", "connection", "connection"]:
+            s.add(Attempt(sample_id=sid, server=down, started_at=now, ended_at=now,
+                          outcome=outcome))
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert queued_on(up) == 8 and queued_on(down) == 1
+    dispatch(batch.extend)
+    assert queued_on(down) == 1  # one probe at a time
+    with session_scope() as s:  # the probe succeeds: full limit again
+        s.add(Attempt(sample_id=sid, server=down, started_at=now, ended_at=now, outcome="ok"))
+    dispatch(batch.extend)
+    assert queued_on(down) == 8

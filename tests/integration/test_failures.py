@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, dispatch
@@ -139,3 +139,23 @@ def test_retry_after_is_a_floor(simulator: Callable[..., Any],
     smp = only_sample(report.job_id)
     assert smp.error_class == "rate_limited"
     assert (smp.next_attempt_at - before).total_seconds() >= 0.99
+
+
+def test_job_finishes_with_one_server_dead(simulator: Callable[..., Any],
+                                           job_factory: Callable[..., Any]) -> None:
+    """Two servers, one refusing connections: the embedded runner finishes every sample,
+    and the dead server gets probes, not its whole limit."""
+    from support import free_port
+
+    from synthq.embedded import run_job
+
+    sim = simulator("--latency", "0.05")
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    report = job_factory([f"q{i}" for i in range(60)], servers=[dead, sim.url],
+                         inflight_limit=8, max_attempts=5, backoff_base=0.05, backoff_cap=0.2)
+    status = run_job(report.job_id)
+    assert status.counts["done"] == 60, status
+    with session_scope() as s:
+        dead_calls = s.scalar(select(func.count()).select_from(Attempt)
+                              .where(Attempt.server == dead))
+    assert dead_calls < 8 + 10, dead_calls  # first wave of 8, then about one probe a tick
