@@ -106,6 +106,25 @@ class Job(Base):
     state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.ACTIVE)
     #: Where the samples came from (a path or a Hugging Face id), for people.
     dataset: Mapped[str] = mapped_column(Text, default="")
+
+    # Tokenization (synthq.tokenize). No tokenizer: a sample is done once its
+    # response is stored.
+    #: Path or Hugging Face id of the target model's tokenizer.
+    tokenizer: Mapped[str | None] = mapped_column(String(500))
+    #: Chat template text overriding the tokenizer's own (from --chat-template FILE).
+    chat_template: Mapped[str | None] = mapped_column(Text)
+    #: Extra variables for the template, e.g. {"enable_thinking": true}.
+    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    max_seq_len: Mapped[int] = mapped_column(Integer, default=4096)
+    #: ``keep``: reasoning is rendered into the assistant turn and supervised; ``drop``.
+    reasoning: Mapped[str] = mapped_column(String(8), default="keep")
+    #: Markers wrapped around reasoning when the template has no reasoning_content.
+    think_open: Mapped[str] = mapped_column(String(64), default="<think>\n")
+    think_close: Mapped[str] = mapped_column(String(64), default="\n</think>\n\n")
+    #: ``last_turn`` (the generated answer) or ``all_assistant_turns``.
+    mask: Mapped[str] = mapped_column(String(24), default="last_turn")
+    #: Bumped by ``synthq retokenize``; samples tokenized at an older version are stale.
+    tokenize_version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
@@ -160,6 +179,17 @@ class Sample(Base):
     #: Token ids the server returned (vLLM ``return_token_ids``), little-endian int32.
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # The training example (synthq.tokenize), written with the done transition.
+    #: Token ids, little-endian int32.
+    input_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    #: Loss mask, one bit per token (numpy.packbits order).
+    loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
+    num_tokens: Mapped[int | None] = mapped_column(Integer)
+    num_supervised: Mapped[int | None] = mapped_column(Integer)
+    #: The job's tokenize_version this result was computed at.
+    tokenize_version: Mapped[int | None] = mapped_column(Integer)
+    #: The server's completion token ids differ from ours (None: not compared).
+    token_mismatch: Mapped[bool | None] = mapped_column(Boolean)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     queued_at: Mapped[datetime | None]

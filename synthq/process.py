@@ -24,9 +24,10 @@ from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.inference import ChatRequest, ChatResult, get_client
 from synthq.models import Attempt, Job, Sample
+from synthq.packing import pack_ids
 from synthq.retry import backoff_delay
 
-__all__ = ["Outcome", "process_sample", "worker_name", "pack_ids"]
+__all__ = ["Outcome", "process_sample", "worker_name"]
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +48,6 @@ class LeaseLost(Exception):
 
 def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def pack_ids(ids: list[int] | None) -> bytes | None:
-    """Token ids as little-endian int32 bytes (4 bytes a token)."""
-    if ids is None:
-        return None
-    import array
-
-    arr = array.array("i", ids)
-    if arr.itemsize != 4:  # pragma: no cover - every platform we run on
-        raise RuntimeError("int32 array expected")
-    return arr.tobytes()
 
 
 @dataclass(slots=True)
