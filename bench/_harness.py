@@ -170,10 +170,8 @@ class Proc:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         # The leader may be gone while group members (children) linger.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -215,6 +213,10 @@ class Simulator(Proc):
 # --------------------------------------------------------------------------
 
 
+def _raise_exit(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class Bench:
     """Fresh database + Redis db + process bookkeeping for one benchmark run.
 
@@ -237,6 +239,10 @@ class Bench:
     # -- lifecycle ---------------------------------------------------------
 
     def __enter__(self) -> Bench:
+        # `timeout`, `kill` and a closed terminal send SIGTERM/SIGHUP, whose default
+        # action skips `finally`: turn them into SystemExit so the cleanup runs.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_exit)
         try:
             self._setup()
         except BaseException:
@@ -347,8 +353,11 @@ class Bench:
 
     def wait_ready(self, workers: Iterable[Proc], timeout: float = 60) -> None:
         """Wait for each worker's ``ready.`` log line (Celery logs it at INFO)."""
+        def ready(w: Proc) -> Callable[[], bool]:
+            return lambda: " ready." in w.log()
+
         for w in workers:
-            wait_until(lambda w=w: " ready." in w.log(), timeout, f"{w.name} ready", procs=[w])
+            wait_until(ready(w), timeout, f"{w.name} ready", procs=[w])
 
     def alarms(self, limit: int = 40) -> list[str]:
         """Suspicious lines (tracebacks, ERROR) from all process logs so far."""
@@ -438,24 +447,41 @@ def window_rate(times: Sequence[float], lo: float = 0.1, hi: float = 0.9) -> tup
 
 
 def wait_done(job_id: int, total: int, timeout: float, procs: Sequence[Proc] = (),
-              interval: float = 0.25, progress_every: float = 5.0) -> dict[str, int]:
-    """Poll SQL counts until ``total`` samples are in a final state; print progress."""
+              interval: float = 0.25, progress_every: float = 5.0,
+              stall_after: float = 60.0, bench: Bench | None = None) -> dict[str, int]:
+    """Poll SQL counts until ``total`` samples are in a final state; print progress.
+
+    Raises if nothing finishes for ``stall_after`` seconds (a stuck run, e.g.
+    samples left ``running`` by a task that raised), showing ``bench``'s log alarms.
+    """
     last_print = time.monotonic()
     start = time.monotonic()
+    last_finished, last_change = -1, time.monotonic()
 
     def finished() -> dict[str, int] | None:
-        nonlocal last_print
+        nonlocal last_print, last_finished, last_change
         c = counts(job_id)
+        n_final = c["done"] + c["failed"] + c["skipped"]
+        if n_final != last_finished:
+            last_finished, last_change = n_final, time.monotonic()
+        elif time.monotonic() - last_change > stall_after:
+            alarms = "\n".join(bench.alarms(20)) if bench else ""
+            raise RuntimeError(f"no sample finished for {stall_after:.0f}s: {c}\n{alarms}")
         if time.monotonic() - last_print >= progress_every:
             last_print = time.monotonic()
             print(f"[bench] t={time.monotonic() - start:5.1f}s  " +
                   " ".join(f"{k}={v}" for k, v in c.items() if v), file=sys.stderr)
-        return c if c["done"] + c["failed"] + c["skipped"] >= total else None
+        return c if n_final >= total else None
 
     return wait_until(finished, timeout, f"{total} samples finished", interval=interval,
                       procs=procs)
 
 
 def summary(name: str, figures: dict[str, Any]) -> None:
-    """The final one-line JSON summary every benchmark prints."""
-    print(json.dumps({"bench": name, **figures}, default=str))
+    """The final one-line JSON summary every benchmark prints.
+
+    ``cpus`` and ``loadavg_1m`` (at the end of the run) say how busy the machine
+    was: on a small shared machine other processes move these figures.
+    """
+    print(json.dumps({"bench": name, **figures, "cpus": os.cpu_count(),
+                      "loadavg_1m": round(os.getloadavg()[0], 2)}, default=str))

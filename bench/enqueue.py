@@ -32,6 +32,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from _harness import Bench, summary
 
@@ -41,6 +42,7 @@ def write_dataset(path: Path, n: int) -> int:
     with path.open("w", encoding="utf-8") as f:
         for i in range(n):
             form = i % 3
+            row: dict[str, Any]
             if form == 0:
                 row = {"messages": [
                     {"role": "system", "content": "You are a helpful assistant."},

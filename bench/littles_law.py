@@ -33,8 +33,16 @@ import argparse
 import sys
 import time
 
-from _harness import (Bench, cpu_seconds, create_job, done_times, prompts, summary,
-                      wait_done, window_rate)
+from _harness import (
+    Bench,
+    cpu_seconds,
+    create_job,
+    done_times,
+    prompts,
+    summary,
+    wait_done,
+    window_rate,
+)
 
 
 def main() -> None:
@@ -62,7 +70,8 @@ def main() -> None:
         cpu0 = cpu_seconds(worker.pid)
         t0 = time.time()
         report = create_job(spec, prompts(args.samples, "ll"))
-        c = wait_done(report.job_id, args.samples, args.timeout, procs=[worker, beat, sim])
+        c = wait_done(report.job_id, args.samples, args.timeout, procs=[worker, beat, sim],
+                      bench=b)
         wall = time.time() - t0
         cpu = cpu_seconds(worker.pid) - cpu0
         stats = sim.stats()

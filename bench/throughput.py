@@ -30,8 +30,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from _harness import (Bench, cpu_seconds, create_job, done_times, prompts, summary,
-                      wait_done, window_rate)
+from _harness import (
+    Bench,
+    cpu_seconds,
+    create_job,
+    done_times,
+    prompts,
+    summary,
+    wait_done,
+    window_rate,
+)
 
 
 def main() -> None:
@@ -60,7 +68,7 @@ def main() -> None:
         cpu0 = {p.name: cpu_seconds(p.pid) for p in watched}
         t0 = time.time()
         report = create_job(spec, prompts(args.samples, "tp"))
-        c = wait_done(report.job_id, args.samples, args.timeout, procs=watched)
+        c = wait_done(report.job_id, args.samples, args.timeout, procs=watched, bench=b)
         wall = time.time() - t0
         cpu = {p.name: cpu_seconds(p.pid) - cpu0[p.name] for p in watched}
         stats = sim.stats()

@@ -33,8 +33,18 @@ import argparse
 import statistics
 import time
 
-from _harness import (Bench, counts, cpu_seconds, create_job, prompts, rss_kb, set_job_state,
-                      summary, thread_count, wait_until)
+from _harness import (
+    Bench,
+    counts,
+    cpu_seconds,
+    create_job,
+    prompts,
+    rss_kb,
+    set_job_state,
+    summary,
+    thread_count,
+    wait_until,
+)
 
 
 def sample_rss(pid: int, seconds: float, every: float = 0.5) -> list[int]:
@@ -105,7 +115,7 @@ def main() -> None:
           f"(+{growth_kib:.0f} KiB per request in flight)")
     print(f"worker CPU        {cpu_pct:.1f} % of a core over {wall:.1f} s "
           f"(~{chunks_per_s:.0f} chunks/s -> {us_per_chunk:.0f} us/chunk)")
-    print(f"sample states     " + " ".join(f"{k}={v}" for k, v in c.items() if v))
+    print("sample states     " + " ".join(f"{k}={v}" for k, v in c.items() if v))
     summary("worker_rss", {
         "inflight": target, "concurrency": args.concurrency,
         "idle_rss_mib": round(idle_mib, 1), "loaded_rss_mib_max": round(peak_mib, 1),

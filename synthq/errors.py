@@ -17,7 +17,10 @@
             ├── InvalidInput          the sample itself is unusable    (invalid_input)
             ├── EmptyResponse         the server answered nothing      (empty_response)
             ├── Truncated             finish_reason=length, not kept   (truncated)
-            └── BoundaryUnstable      chat template renders unstably   (boundary_unstable)
+            ├── BoundaryUnstable      chat template renders unstably   (boundary_unstable)
+            ├── MaskMismatch          mask fails its self-check        (mask_mismatch)
+            └── NoSupervisedTokens    nothing left after truncation    (no_supervised_tokens;
+                                      the sample ends skipped, not failed)
 
 ``openai``/``httpx`` exceptions are converted at the boundary
 (:mod:`synthq.inference`) with ``raise ... from exc``.
@@ -42,6 +45,9 @@ __all__ = [
     "EmptyResponse",
     "Truncated",
     "BoundaryUnstable",
+    "MaskMismatch",
+    "NoSupervisedTokens",
+    "TOKENIZATION_CLASSES",
     "RETRYABLE_CLASSES",
     "PERMANENT_CLASSES",
 ]
@@ -147,10 +153,27 @@ class BoundaryUnstable(PermanentError):
     error_class = "boundary_unstable"
 
 
+class MaskMismatch(PermanentError):
+    """The supervised tokens do not decode to the assistant text."""
+
+    error_class = "mask_mismatch"
+
+
+class NoSupervisedTokens(PermanentError):
+    """Truncation to max_seq_len left no supervised token."""
+
+    error_class = "no_supervised_tokens"
+
+
+#: Failures of the tokenization step: the response is stored, only the
+#: example is missing, so `retokenize` (not a new generation) repairs them.
+TOKENIZATION_CLASSES = frozenset({"boundary_unstable", "mask_mismatch", "no_supervised_tokens"})
+
 RETRYABLE_CLASSES = frozenset(
     c.error_class for c in (TimeoutError_, StalledError, ConnectionFailed, RateLimited, ServerError)
 )
 PERMANENT_CLASSES = frozenset(
     c.error_class
-    for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable)
+    for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable,
+              MaskMismatch, NoSupervisedTokens)
 )

@@ -1,0 +1,319 @@
+"""Turn a conversation into a training example: token ids and an assistant-only loss mask.
+
+The drafter learns only what the mask marks, so the mask is built the one way
+that cannot drift from the text:
+
+1. For each supervised assistant turn ``i``, render ``messages[:i]`` with
+   ``add_generation_prompt=True`` (the *prefix*: everything the model saw
+   before it started writing) and ``messages[:i+1]``. The second must extend
+   the first, or the template is not stable at the boundary and the sample
+   fails with ``boundary_unstable`` — never a silently wrong mask.
+2. The turn's span is the text between the two, up to and including its
+   end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, …) and without what
+   the template writes after it (a newline): the tokens the model generated.
+3. The whole conversation is tokenized **once**, with character offsets; a
+   token is supervised when its characters lie inside a span. No arithmetic on
+   token-prefix lengths, which breaks where BPE merges across the boundary.
+4. Every result is checked: the supervised tokens of each span decode to
+   exactly that span's text, else ``mask_mismatch``. Where the template has
+   ``{% generation %}`` blocks, the mask must also agree with transformers'
+   ``return_assistant_tokens_mask``.
+
+Reasoning (``reasoning_content``) is rendered the way the template renders it
+when the template knows the field, else wrapped in think markers inside the
+content; with ``reasoning="drop"`` it is left out. An empty think block that
+a template injects in front of an answer (``<think>\\n\\n</think>``) is never
+supervised: the model did not write it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from synthq import errors
+
+__all__ = [
+    "TokenizeSettings",
+    "Tokenized",
+    "ChatTokenizer",
+    "TokenizerSetupError",
+    "get_chat_tokenizer",
+    "REASONING_MODES",
+    "MASK_MODES",
+]
+
+REASONING_MODES = ("keep", "drop")
+MASK_MODES = ("last_turn", "all_assistant_turns")
+
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE = "synthq-probe-7f3a"
+
+
+class TokenizerSetupError(errors.UserError):
+    """The tokenizer or template cannot be used; raised at enqueue, not per sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeSettings:
+    """How a job turns conversations into examples (columns of ``jobs``)."""
+
+    tokenizer: str
+    chat_template: str | None = None
+    #: JSON text of the template variables (a string so the settings are hashable).
+    chat_template_kwargs: str = "{}"
+    max_seq_len: int = 4096
+    reasoning: str = "keep"
+    think_open: str = "<think>\n"
+    think_close: str = "\n</think>\n\n"
+    mask: str = "last_turn"
+
+    @classmethod
+    def from_job(cls, job: Any) -> TokenizeSettings | None:
+        if not job.tokenizer:
+            return None
+        return cls(tokenizer=job.tokenizer, chat_template=job.chat_template,
+                   chat_template_kwargs=json.dumps(job.chat_template_kwargs or {},
+                                                   sort_keys=True),
+                   max_seq_len=job.max_seq_len, reasoning=job.reasoning,
+                   think_open=job.think_open, think_close=job.think_close, mask=job.mask)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(json.loads(self.chat_template_kwargs))
+
+    def check(self) -> None:
+        if self.reasoning not in REASONING_MODES:
+            raise TokenizerSetupError(f"--reasoning must be one of {REASONING_MODES}")
+        if self.mask not in MASK_MODES:
+            raise TokenizerSetupError(f"--mask must be one of {MASK_MODES}")
+        if self.max_seq_len < 2:
+            raise TokenizerSetupError("--max-seq-len must be at least 2")
+
+
+@dataclass(slots=True)
+class Tokenized:
+    """One training example."""
+
+    input_ids: np.ndarray  # (T,) int32
+    loss_mask: np.ndarray  # (T,) uint8, 1 = supervised
+    #: The conversation was cut at max_seq_len.
+    truncated: bool
+    #: Our token ids of the last assistant span (to compare with the server's).
+    completion_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_supervised(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+class ChatTokenizer:
+    """A target model's tokenizer and chat template, loaded once per process."""
+
+    def __init__(self, settings: TokenizeSettings) -> None:
+        settings.check()
+        self.settings = settings
+        self.kwargs = settings.template_kwargs
+        try:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(settings.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
+            raise TokenizerSetupError(
+                f"cannot load tokenizer {settings.tokenizer!r}: {type(exc).__name__}: "
+                f"{str(exc)[:500]}") from exc
+        if not getattr(self.tok, "is_fast", False):
+            raise TokenizerSetupError(f"tokenizer {settings.tokenizer!r} is not a fast "
+                                      "tokenizer; character offsets need one (tokenizer.json)")
+        self.template = settings.chat_template or self.tok.chat_template
+        if not self.template:
+            raise TokenizerSetupError(f"tokenizer {settings.tokenizer!r} has no chat template; "
+                                      "pass --chat-template FILE")
+        self.has_generation_blocks = bool(_GENERATION_BLOCK.search(self.template))
+        # Markers that may end a turn: the tokenizer's special tokens, longest first.
+        specials = {t.content for t in self.tok.added_tokens_decoder.values() if t.special}
+        self.end_markers = sorted((s for s in specials if s), key=len, reverse=True)
+        self._empty_think = re.compile(
+            r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
+            + re.escape(settings.think_close.strip()) + r"\s*")
+        self.reasoning_field = self._probe_reasoning()
+
+    # -- rendering -----------------------------------------------------------------
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool) -> str:
+        text = self.tok.apply_chat_template(
+            list(messages), chat_template=self.template, tokenize=False,
+            add_generation_prompt=generation_prompt, **self.kwargs)
+        return str(text)
+
+    def _probe_reasoning(self) -> bool:
+        """Whether the template renders ``reasoning_content``; check keep is possible."""
+        user = {"role": "user", "content": "q"}
+        try:
+            with_field = self.render([user, {"role": "assistant", "content": "a",
+                                             "reasoning_content": _PROBE}],
+                                     generation_prompt=False)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
+            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
+                                      f"{exc}") from exc
+        if _PROBE in with_field:
+            return True
+        if self.settings.reasoning == "keep":
+            wrapped = self.render([user, {"role": "assistant", "content":
+                                          self.settings.think_open + _PROBE
+                                          + self.settings.think_close + "a"}],
+                                  generation_prompt=False)
+            if _PROBE not in wrapped:
+                raise TokenizerSetupError(
+                    "the chat template drops reasoning from assistant turns, so "
+                    "--reasoning keep cannot keep it: pass --reasoning drop, or a "
+                    "--chat-template that renders reasoning")
+        return False
+
+    def conversation(self, prompt: Sequence[Mapping[str, str]], content: str,
+                     reasoning: str | None) -> list[dict[str, str]]:
+        """The prompt plus the generated answer, reasoning placed per the settings."""
+        answer: dict[str, str] = {"role": "assistant", "content": content}
+        if reasoning and self.settings.reasoning == "keep":
+            if self.reasoning_field:
+                answer["reasoning_content"] = reasoning
+            else:
+                answer["content"] = (self.settings.think_open + reasoning
+                                     + self.settings.think_close + content)
+        return [dict(m) for m in prompt] + [answer]
+
+    # -- spans and mask ------------------------------------------------------------
+
+    def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str) -> tuple[int, int]:
+        prefix = self.render(messages[:i], generation_prompt=True)
+        through = self.render(messages[: i + 1], generation_prompt=False)
+        if not through.startswith(prefix):
+            raise errors.BoundaryUnstable(
+                f"assistant turn {i}: rendering the conversation through the turn does not "
+                "extend the rendering up to it with the generation prompt")
+        if not full.startswith(through):
+            raise errors.BoundaryUnstable(
+                f"assistant turn {i} renders differently once later turns follow (the "
+                "template rewrites history, e.g. drops earlier reasoning); use --mask last_turn")
+        start, end = len(prefix), len(through)
+        # End at the turn's end-of-turn marker, not at what the template adds after it.
+        for marker in self.end_markers:
+            at = through.rfind(marker, start, end)
+            if at >= 0 and not through[at + len(marker):end].strip():
+                end = at + len(marker)
+                break
+        # An empty think block in front of the answer was written by the template.
+        empty = self._empty_think.match(through, start, end)
+        if empty and self.settings.think_open.strip() and empty.end() < end:
+            start = empty.end()
+        return start, end
+
+    def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
+        """Render, tokenize once, mask, truncate and self-check one conversation."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not turns:
+            raise errors.InvalidInput("the conversation has no assistant turn")
+        if self.settings.mask == "last_turn":
+            turns = turns[-1:]
+        full = self.render(messages, generation_prompt=False)
+        spans = [self._span(messages, i, full) for i in turns]
+
+        # The chat template writes BOS and every marker itself: no special tokens added.
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int32)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        in_span = []
+        for a, b in spans:
+            inside = (starts >= a) & (ends <= b) & (ends > starts)
+            mask |= inside.astype(np.uint8)
+            in_span.append(inside)
+        if self.has_generation_blocks:
+            self._cross_check(messages, ids, mask, turns)
+        completion_ids = ids[in_span[-1]].tolist()
+
+        limit = self.settings.max_seq_len
+        truncated = len(ids) > limit
+        ids, mask = ids[:limit], mask[:limit]
+        # Self-check: each span's supervised tokens decode to exactly its text.
+        for (a, b), inside in zip(spans, in_span, strict=True):
+            kept = np.flatnonzero(inside[:limit])
+            expected = full[a:b] if not truncated else full[a:min(b, int(ends[limit - 1]))]
+            got = self.tok.decode(ids[kept].tolist(), skip_special_tokens=False,
+                                  clean_up_tokenization_spaces=False) if len(kept) else ""
+            if got != expected:
+                raise errors.MaskMismatch(
+                    f"supervised tokens decode to {got[:80]!r}… but the assistant text is "
+                    f"{expected[:80]!r}… (a token crosses the turn boundary?)")
+        if not mask.any():
+            raise errors.NoSupervisedTokens(
+                f"no supervised token within max_seq_len={limit} (the prompt is "
+                f"{spans[0][0]} characters long)")
+        return Tokenized(input_ids=ids, loss_mask=mask, truncated=truncated,
+                         completion_ids=completion_ids)
+
+    def _cross_check(self, messages: Sequence[Mapping[str, Any]], ids: np.ndarray,
+                     mask: np.ndarray, turns: list[int]) -> None:
+        """Compare with transformers' mask from ``{% generation %}`` blocks."""
+        out = self.tok.apply_chat_template(
+            list(messages), chat_template=self.template, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True, add_generation_prompt=False, **self.kwargs)
+        theirs = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        their_ids = np.asarray(out["input_ids"], dtype=np.int32)
+        if their_ids.shape != ids.shape or not np.array_equal(their_ids, ids):
+            return  # tokenized with special tokens added: masks are not comparable
+        if self.settings.mask == "last_turn" and len(turns) < sum(
+                1 for m in messages if m.get("role") == "assistant"):
+            # Only the last turn is ours: compare from its first supervised token on.
+            first = int(np.flatnonzero(mask)[0]) if mask.any() else len(mask)
+            theirs = theirs.copy()
+            theirs[:first] = 0
+        if not np.array_equal(theirs, mask):
+            diff = np.flatnonzero(theirs != mask)
+            raise errors.MaskMismatch(
+                f"mask disagrees with the template's generation blocks at {len(diff)} "
+                f"tokens (first at position {int(diff[0])})")
+
+    # -- identity ------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, str | None]:
+        """Hashes that identify the tokenizer files and the template text."""
+        return {"tokenizer": self.settings.tokenizer,
+                "tokenizer_hash": tokenizer_files_hash(self.settings.tokenizer),
+                "template_hash": hashlib.sha256(self.template.encode()).hexdigest()}
+
+
+def tokenizer_files_hash(path: str) -> str | None:
+    """sha256 over a local tokenizer's ``tokenizer.json`` and ``tokenizer_config.json``."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        file = folder / name
+        if file.exists():
+            digest.update(name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+_cache: dict[TokenizeSettings, ChatTokenizer] = {}
+_cache_lock = threading.Lock()
+
+
+def get_chat_tokenizer(settings: TokenizeSettings) -> ChatTokenizer:
+    """This process's tokenizer for ``settings`` (loaded once, shared by threads)."""
+    with _cache_lock:
+        tok = _cache.get(settings)
+        if tok is None:
+            tok = _cache[settings] = ChatTokenizer(settings)
+        return tok

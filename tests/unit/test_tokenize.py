@@ -1,0 +1,236 @@
+"""Loss masks on real tokenizers and real chat templates.
+
+The invariant under test: the supervised tokens are exactly the tokens the
+model generated for its assistant turn(s) — reasoning when kept, the answer,
+its end-of-turn marker — and nothing of the headers or other roles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import chat_tokenizers as ct
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from synthq import errors
+from synthq.tokenize import ChatTokenizer, TokenizerSetupError, TokenizeSettings
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(root: Path) -> dict[str, ChatTokenizer]:
+    qwen = ct.qwen3(root)
+    return {
+        "deepseek-v3": ChatTokenizer(TokenizeSettings(ct.deepseek_v3(), reasoning="drop")),
+        "llama3": ChatTokenizer(TokenizeSettings(ct.llama3(root))),
+        "qwen3": ChatTokenizer(TokenizeSettings(qwen)),
+        "qwen3-drop": ChatTokenizer(TokenizeSettings(qwen, reasoning="drop")),
+        "qwen3-nothink": ChatTokenizer(TokenizeSettings(
+            qwen, reasoning="drop", chat_template_kwargs='{"enable_thinking": false}')),
+        "generation": ChatTokenizer(TokenizeSettings(ct.generation_blocks(root))),
+    }
+
+
+END = {"deepseek-v3": "<｜end▁of▁sentence｜>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
+       "qwen3-drop": "<|im_end|>", "qwen3-nothink": "<|im_end|>", "generation": "<|im_end|>"}
+
+
+def supervised_text(tok: ChatTokenizer, result) -> str:  # type: ignore[no-untyped-def]
+    return tok.tok.decode(result.input_ids[result.loss_mask == 1].tolist(),
+                          skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+PROMPTS = {
+    "single turn": [{"role": "user", "content": "What is 2 + 2?"}],
+    "system and multi-turn": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "Another one?"},
+    ],
+    "unicode": [{"role": "user", "content": "翻译成中文: good morning 🌅 — ça va? Ñandú"}],
+    "template text in the prompt": [
+        {"role": "user", "content": "Explain <|im_end|> and <|eot_id|> and <｜Assistant｜>."}],
+}
+
+
+@pytest.mark.parametrize("name", list(END))
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_mask_is_exactly_the_answer(tokenizers: dict[str, ChatTokenizer], name: str,
+                                    case: str) -> None:
+    tok = tokenizers[name]
+    answer = "Four. 四 ✅ — done"
+    result = tok.tokenize(tok.conversation(PROMPTS[case], answer, None))
+    assert supervised_text(tok, result) == answer + END[name]
+    # The mask is one contiguous run ending at the end-of-turn marker, and the
+    # marker's token is supervised (a shifted mask would miss it).
+    on = np.flatnonzero(result.loss_mask)
+    assert np.array_equal(on, np.arange(on[0], on[-1] + 1))
+    assert tok.tok.decode([int(result.input_ids[on[-1]])]) == END[name]
+    assert result.input_ids.dtype == np.int32 and len(result.input_ids) == len(result.loss_mask)
+
+
+def test_reasoning_kept_through_the_templates_own_field(
+        tokenizers: dict[str, ChatTokenizer]) -> None:
+    tok = tokenizers["qwen3"]
+    assert tok.reasoning_field
+    result = tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", "2 plus 2 is 4"))
+    assert supervised_text(tok, result) == "<think>\n2 plus 2 is 4\n</think>\n\n4<|im_end|>"
+
+
+def test_reasoning_kept_with_markers_where_the_template_has_no_field(
+        tokenizers: dict[str, ChatTokenizer]) -> None:
+    tok = tokenizers["llama3"]
+    assert not tok.reasoning_field
+    result = tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", "2 plus 2 is 4"))
+    assert supervised_text(tok, result) == "<think>\n2 plus 2 is 4\n</think>\n\n4<|eot_id|>"
+
+
+def test_reasoning_dropped_and_no_empty_think_supervised(
+        tokenizers: dict[str, ChatTokenizer]) -> None:
+    # Qwen3's template writes "<think>\n\n</think>\n\n" before a last answer without
+    # reasoning; the model did not generate it, so it must not be supervised.
+    tok = tokenizers["qwen3-drop"]
+    result = tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", "secret reasoning"))
+    text = supervised_text(tok, result)
+    assert text == "4<|im_end|>"
+    full = tok.tok.decode(result.input_ids.tolist())
+    assert "secret reasoning" not in full
+    # With enable_thinking=false the block is part of the generation prompt.
+    tok = tokenizers["qwen3-nothink"]
+    result = tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", None))
+    assert supervised_text(tok, result) == "4<|im_end|>"
+
+
+def test_deepseek_template_that_drops_reasoning_refuses_keep() -> None:
+    with pytest.raises(TokenizerSetupError, match="drops reasoning"):
+        ChatTokenizer(TokenizeSettings(ct.deepseek_v3(), reasoning="keep"))
+
+
+def test_all_assistant_turns(tokenizers: dict[str, ChatTokenizer], root: Path) -> None:
+    tok = ChatTokenizer(TokenizeSettings(ct.llama3(root), mask="all_assistant_turns"))
+    result = tok.tokenize(tok.conversation(PROMPTS["system and multi-turn"], "Eleven.", None))
+    assert supervised_text(tok, result) == "Seven.<|eot_id|>Eleven.<|eot_id|>"
+
+
+def test_template_rewriting_history_is_boundary_unstable(root: Path) -> None:
+    """Qwen3 drops the reasoning of earlier turns once a later user turn follows."""
+    tok = ChatTokenizer(TokenizeSettings(ct.qwen3(root), mask="all_assistant_turns"))
+    messages = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b", "reasoning_content": "think b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(errors.BoundaryUnstable):
+        tok.tokenize(messages)
+
+
+def test_unstable_template_is_refused(root: Path) -> None:
+    # A template whose generation prompt is not how it renders an assistant turn.
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]\n{% endif %}")
+    tok = ChatTokenizer(TokenizeSettings(ct.qwen3(root), chat_template=template,
+                                         reasoning="drop"))
+    with pytest.raises(errors.BoundaryUnstable, match="does not extend"):
+        tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", None))
+
+
+def test_generation_blocks_cross_check(tokenizers: dict[str, ChatTokenizer],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = tokenizers["generation"]
+    assert tok.has_generation_blocks
+    messages = tok.conversation(PROMPTS["system and multi-turn"], "Eleven.", None)
+    tok.tokenize(messages)  # agrees
+    # A mask that disagrees with the template's blocks (an end marker dropped) is caught.
+    original = tok._span
+
+    def short_span(*args, **kwargs):  # type: ignore[no-untyped-def]
+        a, b = original(*args, **kwargs)
+        return a, b - len("<|im_end|>")
+
+    monkeypatch.setattr(tok, "_span", short_span)
+    with pytest.raises(errors.MaskMismatch, match="generation blocks"):
+        tok.tokenize(messages)
+
+
+def test_truncation_at_and_around_every_boundary(tokenizers: dict[str, ChatTokenizer]) -> None:
+    base = tokenizers["qwen3"]
+    messages = base.conversation(PROMPTS["system and multi-turn"], "Eleven, then 13.", "primes")
+    full = base.tokenize(messages)
+    n = len(full.input_ids)
+    first = int(np.flatnonzero(full.loss_mask)[0])
+    tok = ChatTokenizer(base.settings)
+    for limit in range(2, n + 3):
+        tok.settings = replace(base.settings, max_seq_len=limit)
+        if limit <= first:
+            with pytest.raises(errors.NoSupervisedTokens):
+                tok.tokenize(messages)
+            continue
+        result = tok.tokenize(messages)
+        assert len(result.input_ids) == min(limit, n)
+        assert result.truncated == (limit < n)
+        assert np.array_equal(result.input_ids, full.input_ids[:limit])
+        assert np.array_equal(result.loss_mask, full.loss_mask[:limit])
+        # What is supervised is a prefix of the answer's text.
+        full_text = supervised_text(base, full)
+        assert full_text.startswith(supervised_text(tok, result))
+
+
+def test_empty_answer_supervises_only_the_end_marker(tokenizers: dict[str, ChatTokenizer]) -> None:
+    tok = tokenizers["llama3"]
+    result = tok.tokenize(tok.conversation(PROMPTS["single turn"], "", None))
+    assert supervised_text(tok, result) == "<|eot_id|>"
+
+
+def test_bad_tokenizer_is_a_setup_error(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerSetupError, match="cannot load tokenizer"):
+        ChatTokenizer(TokenizeSettings(str(tmp_path / "nope")))
+    with pytest.raises(TokenizerSetupError, match="--mask"):
+        ChatTokenizer(TokenizeSettings(ct.deepseek_v3(), mask="everything"))
+
+
+#: Property-test outcomes: refusals are allowed, but most examples must be checked.
+REFUSED: list[str] = []
+ACCEPTED: list[int] = []
+
+text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+               min_size=1, max_size=60).filter(lambda s: s.strip())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(text, text), min_size=1, max_size=3), system=st.none() | text,
+       answer=text, name=st.sampled_from(["llama3", "qwen3-drop", "deepseek-v3", "generation"]))
+def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatTokenizer],
+                                                     turns, system, answer, name) -> None:  # type: ignore[no-untyped-def]
+    tok = tokenizers[name]
+    prompt = [{"role": "system", "content": system}] if system else []
+    for i, (user, assistant) in enumerate(turns):
+        prompt.append({"role": "user", "content": user})
+        if i < len(turns) - 1:
+            prompt.append({"role": "assistant", "content": assistant})
+    try:
+        result = tok.tokenize(tok.conversation(prompt, answer, None))
+    except (errors.MaskMismatch, errors.BoundaryUnstable) as exc:
+        REFUSED.append(repr(exc))
+        return
+    ACCEPTED.append(1)
+    rendered = tok.render(tok.conversation(prompt, answer, None), generation_prompt=False)
+    got = supervised_text(tok, result)
+    assert got.endswith(END[name])
+    body = got[: -len(END[name])]
+    # The template may trim the answer (Llama-3 does); the text is the rendered answer.
+    assert body == answer or body == answer.strip()
+    assert rendered.count(got) >= 1
+
+
+def test_property_test_was_not_vacuous() -> None:
+    """Runs after the property test: refusals stay rare (a refusal is safe, not a pass)."""
+    if not ACCEPTED and not REFUSED:
+        pytest.skip("property test not run")
+    assert len(ACCEPTED) >= 4 * len(REFUSED), REFUSED[:5]
