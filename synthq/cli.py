@@ -642,6 +642,64 @@ def simulate(
     serve(config, host=host, port=port)
 
 
+@app.command()
+def export(
+    job: JobArg,
+    out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
+                   "atomically: it appears complete or not at all).")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="`parquet` (id, input_ids, "
+                   "loss_mask, conversations) or `jsonl` (SpecForge conversations).")] = "parquet",
+    shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
+    include_truncated: Annotated[bool, typer.Option("--include-truncated/--exclude-truncated",
+                                 help="Export answers cut by max_tokens (kept as done by "
+                                 "--keep-truncated).")] = True,
+    allow_stale: Annotated[bool, typer.Option("--allow-stale", help="Parquet: leave out done "
+                           "samples not yet retokenized instead of refusing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export "
+                         "in --out.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a job's done samples as Parquet or JSONL shards plus manifest.json.
+
+    Example: `synthq export my-job --format parquet --out exports/my-job --shard-size 50000`
+    """
+    from pathlib import Path
+
+    from rich.progress import MofNCompleteColumn
+
+    from synthq.export import check_options, export_job
+
+    try:
+        check_options(fmt, shard_size)
+    except UserError as exc:
+        raise _fail(str(exc)) from None
+    job_id = _with_job(job, lambda s, j: j.id)
+    kwargs: dict[str, Any] = dict(fmt=fmt, shard_size=shard_size, overwrite=overwrite,
+                                  include_truncated=include_truncated, allow_stale=allow_stale)
+    try:
+        if as_json:
+            manifest = export_job(job_id, Path(out), **kwargs)
+        else:
+            with Progress(TextColumn("[bold]exporting"), BarColumn(), TaskProgressColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console) as progress:
+                bar = progress.add_task("export", total=None)
+                manifest = export_job(job_id, Path(out), progress=lambda n, total:
+                                      progress.update(bar, completed=n, total=total), **kwargs)
+    except UserError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        print(manifest.to_json())
+        return
+    tokens = (f", {manifest.num_tokens:,} tokens ({manifest.num_supervised:,} supervised)"
+              if manifest.num_tokens is not None else "")
+    console.print(f"exported {manifest.exported:,} samples to {out} in "
+                  f"{len(manifest.shards)} {fmt} shard(s){tokens}")
+    left_out = {k: v for k, v in manifest.excluded.items() if v}
+    if left_out:
+        console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
+
+
 def main() -> None:  # pragma: no cover
     app()
 

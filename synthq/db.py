@@ -8,16 +8,23 @@ with "database is locked" on the lock upgrade.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["utcnow", "get_engine", "session_scope", "dispose_engines"]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -89,3 +96,24 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
     factory = sessionmaker(bind=engine or get_engine(), expire_on_commit=False)
     with factory() as session, session.begin():
         yield session
+
+
+def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, what: str = "database") -> T:
+    """Run ``fn`` (one whole transaction), again after a transient database error.
+
+    A dropped connection, a full connection table or a locked SQLite file must
+    not strand a sample whose answer is in hand: 6 tries over about 6 s.
+    Each try must be a complete, idempotent transaction (our CAS writes are).
+    """
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, DBAPIError) as exc:
+            transient = isinstance(exc, OperationalError) or exc.connection_invalidated
+            if not transient or attempt == attempts - 1:
+                raise
+            delay = min(2.0, 0.1 * 2**attempt)
+            log.warning("%s: transient error (%s); retrying in %.1f s", what,
+                        str(exc).splitlines()[0][:200], delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

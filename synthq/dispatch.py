@@ -40,6 +40,7 @@ class Dispatched:
     sample_id: int
     token: str
     server: str
+    job_id: int
 
 
 #: Receives the samples one dispatcher run queued, after their commit.
@@ -132,24 +133,24 @@ def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) 
         now = utcnow()
         due = [Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
                Sample.next_attempt_at <= now]
-        ids: list[int] = []
+        rows: list[tuple[int, int]] = []
         # A probe of a down server takes a sample that has not failed yet, so
         # probing does not wear out one sample's attempts.
         for extra in ([Sample.attempts == 0], []) if server.down else ([],):
-            ids = list(s.scalars(
-                select(Sample.id).where(*due, *extra)
+            rows = [(r[0], r[1]) for r in s.execute(
+                select(Sample.id, Sample.job_id).where(*due, *extra)
                 .order_by(Sample.next_attempt_at, Sample.id)
                 .limit(room)
-                .with_for_update(skip_locked=True)
-            ))
-            if ids:
+                .with_for_update(of=Sample, skip_locked=True)
+            )]
+            if rows:
                 break
-        if not ids:
+        if not rows:
             return []
         token = secrets.token_hex(16)
-        states.queue(s, ids, server=server.url, token=token, now=now,
+        states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
                      deadline=now + timedelta(seconds=queued_timeout))
-    return [Dispatched(i, token, server.url) for i in ids]
+    return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 
 def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,

@@ -60,7 +60,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
 
     def work(item: Dispatched) -> None:
         try:
-            process_sample(item.sample_id, item.token, worker=me)
+            process_sample(item.sample_id, item.token, job_id=item.job_id, worker=me)
         finally:
             wake.set()
 

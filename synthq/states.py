@@ -35,6 +35,8 @@ __all__ = [
     "release",
     "renew",
     "complete",
+    "store_response",
+    "skip",
     "retry",
     "fail",
     "requeue",
@@ -116,23 +118,26 @@ def queue(
 def claim(
     session: Session, sample_id: int, token: str, *, new_token: str, lease_until: datetime,
     worker: str, now: datetime,
-) -> tuple[int, int] | None:
+) -> Any:
     """queued → running, only if the message's token still matches and the job is active.
 
-    Counts the attempt. Returns ``(job_id, attempts)`` or ``None`` if the claim lost.
+    Counts the attempt. Returns the row's ``job_id, attempts, prompt, server,
+    response_content, reasoning_content, finish_reason, completion_token_ids``,
+    or ``None`` if the claim lost.
     """
     from synthq.models import Job, Sample
 
     job_active = exists().where(Job.id == Sample.job_id, Job.state == JobState.ACTIVE)
-    row = session.execute(
+    return session.execute(
         update(Sample)
         .where(Sample.id == sample_id, Sample.state == SampleState.QUEUED,
                Sample.claim == token, job_active)
         .values(state=SampleState.RUNNING, claim=new_token, lease_expires_at=lease_until,
                 worker=worker, attempts=Sample.attempts + 1, started_at=now, updated_at=now)
-        .returning(Sample.job_id, Sample.attempts)
+        .returning(Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
+                   Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
+                   Sample.completion_token_ids)
     ).first()
-    return (row[0], row[1]) if row else None
 
 
 def release(session: Session, sample_id: int, token: str, *, now: datetime) -> bool:
@@ -154,6 +159,22 @@ def complete(session: Session, sample_id: int, token: str, *, now: datetime, **r
                 dict(state=SampleState.DONE, claim=None, lease_expires_at=None,
                      error_class=None, error_message=None, finished_at=now, updated_at=now,
                      **result), claim_token=token)
+
+
+def store_response(session: Session, sample_id: int, token: str, *, now: datetime,
+                   **response: Any) -> bool:
+    """running → running, saving the raw response before tokenization (invariant 4)."""
+    return _cas(session, sample_id, [SampleState.RUNNING], dict(updated_at=now, **response),
+                claim_token=token)
+
+
+def skip(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
+         now: datetime) -> bool:
+    """running → skipped: the sample is fine but yields no training example."""
+    return _cas(session, sample_id, [SampleState.RUNNING],
+                dict(state=SampleState.SKIPPED, claim=None, lease_expires_at=None,
+                     error_class=error_class, error_message=error_message, finished_at=now,
+                     updated_at=now), claim_token=token)
 
 
 def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: datetime,

@@ -150,7 +150,7 @@ class ChatTokenizer:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool) -> str:
         text = self.tok.apply_chat_template(
-            list(messages), chat_template=self.template, tokenize=False,
+            [dict(m) for m in messages], chat_template=self.template, tokenize=False,
             add_generation_prompt=generation_prompt, **self.kwargs)
         return str(text)
 
@@ -264,9 +264,10 @@ class ChatTokenizer:
     def _cross_check(self, messages: Sequence[Mapping[str, Any]], ids: np.ndarray,
                      mask: np.ndarray, turns: list[int]) -> None:
         """Compare with transformers' mask from ``{% generation %}`` blocks."""
-        out = self.tok.apply_chat_template(
-            list(messages), chat_template=self.template, tokenize=True, return_dict=True,
-            return_assistant_tokens_mask=True, add_generation_prompt=False, **self.kwargs)
+        out: Any = self.tok.apply_chat_template(
+            [dict(m) for m in messages], chat_template=self.template, tokenize=True,
+            return_dict=True, return_assistant_tokens_mask=True, add_generation_prompt=False,
+            **self.kwargs)
         theirs = np.asarray(out["assistant_masks"], dtype=np.uint8)
         their_ids = np.asarray(out["input_ids"], dtype=np.int32)
         if their_ids.shape != ids.shape or not np.array_equal(their_ids, ids):

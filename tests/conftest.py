@@ -32,13 +32,14 @@ TEST_ENV = {
 
 
 def _reset_process_state() -> None:
-    from synthq import inference
+    from synthq import inference, process
     from synthq.config import get_settings
     from synthq.db import dispose_engines
 
     get_settings.cache_clear()
     dispose_engines()
     inference._clients.clear()
+    process._jobs.clear()  # job ids restart at 1 in every test
 
 
 @pytest.fixture(scope="session")

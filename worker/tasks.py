@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 
 from synthq.dispatch import Dispatched, dispatch, sweep
@@ -16,19 +18,52 @@ def publish(batch: Sequence[Dispatched]) -> None:
     """Send one ``generate`` message per queued sample, over one connection."""
     with app.producer_or_acquire() as producer:
         for item in batch:
-            generate.apply_async((item.sample_id, item.token), producer=producer,
+            generate.apply_async((item.sample_id, item.token, item.job_id), producer=producer,
                                  **GENERATE_ROUTE)
 
 
+class _Refill:
+    """Refills the slots that finished samples free, soon and without one dispatch each.
+
+    Each finished sample pokes it; one thread per worker process runs the
+    dispatcher at most every ``interval`` seconds while pokes arrive. (One
+    dispatch per sample cost a quarter of a worker's CPU at 50 samples/s.)
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="synthq-refill",
+                                                 daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                dispatch(publish)
+            except Exception:  # the beat tick will do it; never stop refilling
+                log.exception("refill dispatch failed")
+            time.sleep(self.interval)
+
+
+refill = _Refill()
+
+
 @app.task(name="synthq.generate")
-def generate(sample_id: int, token: str) -> str:
-    """Run one sample; then refill its server's freed slot right away."""
-    outcome = process_sample(sample_id, token)
+def generate(sample_id: int, token: str, job_id: int | None = None) -> str:
+    """Run one sample; then have its server's freed slot refilled."""
+    outcome = process_sample(sample_id, token, job_id=job_id)
     if outcome is not Outcome.STALE:
-        try:
-            dispatch(publish)
-        except Exception:  # the beat tick will do it; never fail the sample for this
-            log.exception("dispatch after sample %s failed", sample_id)
+        refill.poke()
     return outcome.value
 
 

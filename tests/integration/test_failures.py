@@ -30,7 +30,7 @@ def run_until_settled(job_id: int, max_rounds: int = 20) -> list[Outcome]:
         batch: list[Dispatched] = []
         dispatch(batch.extend, job_ids=[job_id])
         for item in batch:
-            outcomes.append(process_sample(item.sample_id, item.token))
+            outcomes.append(process_sample(item.sample_id, item.token, job_id=item.job_id))
         with session_scope() as s:
             open_ = s.scalars(select(Sample.id).where(
                 Sample.job_id == job_id, Sample.state.in_(["pending", "queued", "running"]))).all()

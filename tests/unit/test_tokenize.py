@@ -203,7 +203,8 @@ text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
                min_size=1, max_size=60).filter(lambda s: s.strip())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turns=st.lists(st.tuples(text, text), min_size=1, max_size=3), system=st.none() | text,
        answer=text, name=st.sampled_from(["llama3", "qwen3-drop", "deepseek-v3", "generation"]))
 def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatTokenizer],

@@ -1,0 +1,479 @@
+"""Export a job's done samples as training data: Parquet or JSONL shards plus a manifest.
+
+Layout of an export directory::
+
+    OUT/
+      data-00000-of-00003.parquet   (or .jsonl), ``shard_size`` rows each, id order
+      data-00001-of-00003.parquet
+      data-00002-of-00003.parquet
+      manifest.json                 counts, shards, token totals, tokenizer, settings
+
+Parquet columns (``datasets.load_dataset("parquet", data_files="OUT/*.parquet")``):
+``id`` (string), ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 0/1, as
+long as ``input_ids``), ``conversations`` (list<struct<role, content,
+reasoning_content>>: the prompt messages, then the generated assistant answer).
+JSONL is SpecForge's layout: ``{"id", "conversations": [{"role", "content"}, ...]}``,
+the answer's reasoning under ``reasoning_content`` when the job keeps reasoning.
+
+Rows are streamed with keyset pagination (``id > last ORDER BY id LIMIT BATCH``),
+one Parquet row group per page, so memory does not grow with the job. On
+PostgreSQL every query runs in one read-only REPEATABLE READ transaction: the
+counts in the manifest and the rows in the shards are the same snapshot even
+while workers keep finishing samples.
+
+The export is atomic: everything is written into a temporary directory next
+to ``OUT`` and renamed into place at the end; on any error it is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, func, or_, select
+from sqlalchemy.orm import Session
+
+import synthq
+from synthq.db import get_engine, session_scope, utcnow
+from synthq.errors import UserError
+from synthq.models import Job, Sample
+from synthq.packing import unpack_ids, unpack_mask
+from synthq.states import SampleState
+
+__all__ = ["FORMATS", "Manifest", "export_job", "check_options", "tokenizer_fingerprint",
+           "parquet_schema"]
+
+#: Output formats.
+FORMATS = ("parquet", "jsonl")
+#: Rows per database query (and per Parquet row group).
+BATCH = 1000
+MANIFEST = "manifest.json"
+#: Files whose bytes identify a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: Job columns recorded in the manifest: what produced the data.
+SETTINGS = ("model", "max_tokens", "sampling", "extra_body", "keep_truncated", "tokenizer",
+            "chat_template_kwargs", "max_seq_len", "reasoning", "think_open", "think_close",
+            "mask", "tokenize_version")
+
+
+def parquet_schema() -> Any:
+    import pyarrow as pa
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string()),
+                         ("reasoning_content", pa.string())])
+    return pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                      ("loss_mask", pa.list_(pa.int8())),
+                      ("conversations", pa.list_(message))])
+
+
+@dataclass
+class Manifest:
+    """What an export holds; written as ``manifest.json`` and returned by :func:`export_job`."""
+
+    format: str
+    job: dict[str, Any]
+    #: The job's generation and tokenization settings.
+    settings: dict[str, Any]
+    #: Samples of the job per state (all of them, not only the exported ones).
+    counts: dict[str, int]
+    #: Rows written.
+    exported: int
+    #: Done samples left out, by reason (``stale``: not tokenized at the job's current
+    #: tokenize_version, with --allow-stale; ``truncated``: with --exclude-truncated).
+    excluded: dict[str, int]
+    #: ``[{"file": "data-00000-of-00002.parquet", "rows": 10000}, ...]`` in id order.
+    shards: list[dict[str, Any]]
+    #: Sums over the exported rows tokenized at the current version (None: no tokenizer).
+    num_tokens: int | None
+    num_supervised: int | None
+    tokenizer: str | None
+    #: sha256 of the tokenizer's tokenizer.json + tokenizer_config.json (None: not found here).
+    tokenizer_hash: str | None
+    #: sha256 of the chat template text: the job's own, else the tokenizer's.
+    chat_template_hash: str | None
+    #: ``job``, ``tokenizer`` or None.
+    chat_template_source: str | None
+    synthq_version: str = synthq.__version__
+    created_at: str = field(default_factory=lambda: utcnow().isoformat())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+
+
+def check_options(fmt: str, shard_size: int) -> None:
+    """Raise :class:`UserError` for an unknown format or a shard size below 1."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if shard_size < 1:
+        raise UserError(f"--shard-size must be at least 1, got {shard_size}")
+
+
+# --- tokenizer fingerprint --------------------------------------------------------------
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _cached_file(repo_id: str, filename: str) -> Path | None:
+    """``filename`` of a Hugging Face repo from the local cache only (never the network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, filename)
+    except Exception:  # noqa: BLE001 - not a valid repo id, or no hub library: not cached
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _tokenizer_files(path: str) -> dict[str, Path]:
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return {name: local / name for name in TOKENIZER_FILES if (local / name).is_file()}
+    files = {name: _cached_file(path, name) for name in TOKENIZER_FILES}
+    return {name: p for name, p in files.items() if p is not None}
+
+
+def _tokenizer_template(path: str, local_dir: bool) -> str | None:
+    """The tokenizer's own chat template, loaded from local files only; None if unavailable."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=not local_dir)
+    except Exception:  # noqa: BLE001 - any failure to load means "unknown", not an error
+        return None
+    template = getattr(tok, "chat_template", None)
+    if template is None or isinstance(template, str):
+        return template
+    # Several named templates: hash them all, in a stable order.
+    return json.dumps(template, sort_keys=True)
+
+
+def tokenizer_fingerprint(path: str | None, chat_template: str | None = None) -> dict[str, Any]:
+    """Hashes that identify the tokenizer and chat template behind an export.
+
+    ``tokenizer_hash``: sha256 over the names and bytes of ``tokenizer.json`` and
+    ``tokenizer_config.json`` found in ``path`` (a local directory) or in the
+    Hugging Face cache (a hub id); None when neither holds them.
+    ``chat_template_hash``: sha256 of ``chat_template`` when given (the job's
+    override), else of the tokenizer's own template. Nothing is downloaded: an
+    export never waits on the network, so a tokenizer this machine has not
+    seen gives None rather than a guess.
+    """
+    result: dict[str, Any] = {"tokenizer": path, "tokenizer_hash": None,
+                              "chat_template_hash": None, "chat_template_source": None}
+    files = _tokenizer_files(path) if path else {}
+    if files:
+        digest = hashlib.sha256()
+        for name in sorted(files):
+            digest.update(name.encode() + b"\0")
+            digest.update(files[name].read_bytes())
+            digest.update(b"\0")
+        result["tokenizer_hash"] = digest.hexdigest()
+    if chat_template is not None:
+        result.update(chat_template_hash=_sha256_text(chat_template),
+                      chat_template_source="job")
+    elif path and files:  # only try to load what is here (importing transformers is slow)
+        template = _tokenizer_template(path, Path(path).expanduser().is_dir())
+        if template is not None:
+            result.update(chat_template_hash=_sha256_text(template),
+                          chat_template_source="tokenizer")
+    return result
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+@contextmanager
+def _snapshot(engine: Engine) -> Iterator[Callable[[], AbstractContextManager[Session]]]:
+    """Yields a factory of sessions that all read one consistent state where possible.
+
+    PostgreSQL: one read-only REPEATABLE READ transaction for the whole export.
+    SQLite: a short transaction per query (a long one would hold its write lock
+    and stall the embedded runner).
+    """
+    if engine.dialect.name != "postgresql":
+        yield lambda: session_scope(engine)
+        return
+    with engine.connect() as raw:
+        conn = raw.execution_options(isolation_level="REPEATABLE READ",
+                                     postgresql_readonly=True)
+        with conn.begin(), Session(bind=conn) as session:
+            yield lambda: nullcontext(session)
+
+
+@dataclass
+class _Plan:
+    job_id: int
+    job_name: str
+    version: int
+    tokenized: bool  # parquet: rows carry input_ids / loss_mask
+    reasoning: bool  # put reasoning_content into the answer
+    include_truncated: bool
+
+    def filters(self) -> list[Any]:
+        conds: list[Any] = [Sample.job_id == self.job_id, Sample.state == SampleState.DONE]
+        if not self.include_truncated:
+            conds.append(or_(Sample.finish_reason.is_(None), Sample.finish_reason != "length"))
+        if self.tokenized:
+            conds += [Sample.input_ids.is_not(None), Sample.tokenize_version == self.version]
+        return conds
+
+
+def _columns(plan: _Plan) -> list[Any]:
+    cols: list[Any] = [Sample.id, Sample.prompt, Sample.response_content,
+                       Sample.num_tokens, Sample.num_supervised,
+                       (Sample.input_ids.is_not(None)
+                        & (Sample.tokenize_version == plan.version)).label("current")]
+    if plan.reasoning:
+        cols.append(Sample.reasoning_content)
+    if plan.tokenized:
+        cols += [Sample.input_ids, Sample.loss_mask]
+    return cols
+
+
+def _pages(sessions: Callable[[], AbstractContextManager[Session]],
+           plan: _Plan) -> Iterator[list[Any]]:
+    """Pages of at most BATCH rows in id order: ``WHERE id > last ORDER BY id LIMIT BATCH``."""
+    last = 0
+    cols, conds = _columns(plan), plan.filters()
+    while True:
+        batch = BATCH
+        with sessions() as s:
+            rows = list(s.execute(select(*cols).where(*conds, Sample.id > last)
+                                  .order_by(Sample.id).limit(batch)))
+        if rows:
+            yield rows
+        if len(rows) < batch:
+            return
+        last = rows[-1].id
+
+
+def _conversation(row: Any, plan: _Plan) -> list[dict[str, Any]]:
+    messages = [{"role": m.get("role"), "content": m.get("content")} for m in row.prompt or []]
+    answer: dict[str, Any] = {"role": "assistant", "content": row.response_content or ""}
+    if plan.reasoning and row.reasoning_content:
+        answer["reasoning_content"] = row.reasoning_content
+    return [*messages, answer]
+
+
+def _tokens(row: Any) -> tuple[np.ndarray, np.ndarray]:
+    ids = unpack_ids(row.input_ids)
+    assert ids is not None  # the query selects tokenized rows only
+    n = len(ids)
+    if len(row.loss_mask or b"") != (n + 7) // 8 or (row.num_tokens not in (None, n)):
+        raise UserError(f"sample {row.id}: its loss mask or num_tokens does not match its "
+                        f"{n} input_ids; run `synthq retokenize` on the job")
+    return ids, unpack_mask(row.loss_mask, n)
+
+
+# --- writing ----------------------------------------------------------------------------
+
+
+class _Shards:
+    """Rows into ``part-NNNNN`` files of ``shard_size`` rows; renamed by :meth:`finish`."""
+
+    def __init__(self, directory: Path, fmt: str, shard_size: int) -> None:
+        self.directory, self.fmt, self.shard_size = directory, fmt, shard_size
+        self.rows: list[int] = []  # rows per shard written so far
+        self._writer: Any = None
+
+    def _room(self) -> int:
+        """Rows the current shard still takes, opening a new shard if it is full."""
+        if not self.rows or self.rows[-1] >= self.shard_size:
+            self._close()
+            path = self.directory / f"part-{len(self.rows):05d}.{self.fmt}"
+            self.rows.append(0)
+            if self.fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                self._writer = pq.ParquetWriter(path, parquet_schema(), compression="zstd")
+            else:
+                self._writer = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in _close
+        return self.shard_size - self.rows[-1]
+
+    def write(self, records: Any) -> None:
+        """``records``: a list of dicts (jsonl) or a pyarrow Table (parquet)."""
+        start = 0
+        while start < len(records):
+            n = min(self._room(), len(records) - start)
+            if self.fmt == "parquet":
+                self._writer.write_table(records.slice(start, n))
+            else:
+                self._writer.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                           for r in records[start:start + n]))
+            self.rows[-1] += n
+            start += n
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._close()
+        total = len(self.rows)
+        shards = []
+        for i, rows in enumerate(self.rows):
+            name = f"data-{i:05d}-of-{total:05d}.{self.fmt}"
+            os.rename(self.directory / f"part-{i:05d}.{self.fmt}", self.directory / name)
+            shards.append({"file": name, "rows": rows})
+        return shards
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._close()
+
+
+def _table(rows: list[Any], plan: _Plan) -> Any:
+    """One page as a pyarrow Table (list columns built from flat numpy buffers)."""
+    import pyarrow as pa
+
+    ids, masks = zip(*(_tokens(r) for r in rows), strict=True)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(i) for i in ids], out=offsets[1:])
+    schema = parquet_schema()
+    conversations = [[{"reasoning_content": None, **m} for m in _conversation(r, plan)]
+                     for r in rows]
+    return pa.Table.from_arrays([
+        pa.array([str(r.id) for r in rows], pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), pa.int32())),
+        pa.ListArray.from_arrays(pa.array(offsets),
+                                 pa.array(np.concatenate(masks).astype(np.int8), pa.int8())),
+        pa.array(conversations, schema.field("conversations").type),
+    ], schema=schema)
+
+
+# --- the export -------------------------------------------------------------------------
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        return "synthq_version" in json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"--out {out} exists; choose a new directory or pass --overwrite")
+    if not _is_export(out):
+        raise UserError(f"--out {out} holds files that are not a synthq export (no "
+                        f"{MANIFEST}); refusing to replace it even with --overwrite")
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``out``; with ``overwrite`` the old export goes only once the new is in."""
+    _check_out(out, overwrite)
+    if not (out.is_dir() and any(out.iterdir())):
+        try:
+            os.rename(tmp, out)  # replaces an empty directory
+        except OSError as exc:
+            raise UserError(f"cannot create --out {out}: {exc}") from exc
+        return
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+    os.rename(out, old / "export")
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        os.rename(old / "export", out)
+        shutil.rmtree(old, ignore_errors=True)
+        raise UserError(f"cannot replace --out {out}: {exc}") from exc
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: int = 10_000,
+               include_truncated: bool = True, allow_stale: bool = False,
+               overwrite: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> Manifest:
+    """Write the job's done samples to ``out_dir`` as ``fmt`` shards plus ``manifest.json``.
+
+    Parquet needs the job's tokenization: it holds the samples tokenized at the
+    job's current ``tokenize_version``, and refuses while others are stale
+    (``synthq retokenize`` still running) unless ``allow_stale`` leaves them out.
+    JSONL holds the conversations of every done sample. ``progress(written,
+    total)`` is called after each page. Raises :class:`UserError` for anything
+    the user can fix; ``out_dir`` then does not appear.
+    """
+    check_options(fmt, shard_size)
+    out = Path(out_dir).expanduser().absolute()
+    _check_out(out, overwrite)
+    engine = get_engine()
+    with _snapshot(engine) as sessions:
+        with sessions() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise UserError(f"no job {job_id}")
+            if fmt == "parquet" and not job.tokenizer:
+                raise UserError("job has no tokenizer: parquet needs input_ids; use --format "
+                                "jsonl or set one with synthq retokenize")
+            plan = _Plan(job_id=job.id, job_name=job.name, version=job.tokenize_version,
+                         tokenized=fmt == "parquet", reasoning=job.reasoning == "keep",
+                         include_truncated=include_truncated)
+            info = {"id": job.id, "name": job.name, "dataset": job.dataset}
+            has_tokenizer = bool(job.tokenizer)
+            settings = {k: getattr(job, k) for k in SETTINGS}
+            fingerprint = tokenizer_fingerprint(job.tokenizer, job.chat_template)
+            from synthq.status import state_counts
+
+            counts = state_counts(s, job.id)
+            done = [Sample.job_id == job.id, Sample.state == SampleState.DONE]
+            truncated = 0 if include_truncated else s.scalar(
+                select(func.count()).where(*done, Sample.finish_reason == "length")) or 0
+            total = s.scalar(select(func.count()).where(*plan.filters())) or 0
+        stale = counts[SampleState.DONE] - truncated - total if plan.tokenized else 0
+        if stale and not allow_stale:
+            raise UserError(
+                f"{stale:,} of {counts[SampleState.DONE]:,} done samples are not tokenized at "
+                f"the job's current tokenize_version {plan.version}: wait for `synthq "
+                f"retokenize` to finish (see `synthq status`), or pass --allow-stale to "
+                f"export only the {total:,} current ones")
+        if not total:
+            raise UserError(f"job {plan.job_name} has no done samples to export yet "
+                            "(see `synthq status`)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        shards = _Shards(tmp, fmt, shard_size)
+        try:
+            written = tokens = supervised = 0
+            for rows in _pages(sessions, plan):
+                current = [r for r in rows if r.current]
+                tokens += sum(r.num_tokens or 0 for r in current)
+                supervised += sum(r.num_supervised or 0 for r in current)
+                if plan.tokenized:
+                    shards.write(_table(rows, plan))
+                else:
+                    shards.write([{"id": str(r.id), "conversations": _conversation(r, plan)}
+                                  for r in rows])
+                written += len(rows)
+                if progress:
+                    progress(written, total)
+            manifest = Manifest(
+                format=fmt, job=info, settings=settings, counts=counts, exported=written,
+                excluded={"stale": stale, "truncated": truncated}, shards=shards.finish(),
+                num_tokens=tokens if has_tokenizer else None,
+                num_supervised=supervised if has_tokenizer else None, **fingerprint)
+            (tmp / MANIFEST).write_text(manifest.to_json(indent=2) + "\n", encoding="utf-8")
+            _install(tmp, out, overwrite)
+        except BaseException:
+            shards.abort()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return manifest
