@@ -103,6 +103,8 @@ class _Claimed:
     token: str
     #: Set when a previous attempt already stored the response.
     stored: ChatResult | None
+    #: The attempts row of the call about to be made (None when no call is needed).
+    attempt_id: int | None
 
 
 def _lease_seconds(job: Job) -> float:
@@ -127,11 +129,18 @@ def _claim(sample_id: int, token: str, worker: str, job_id: int | None) -> _Clai
             if row is None:
                 # Not ours: a duplicate or stale message, or the job is not active.
                 states.release(s, sample_id, token, now=now)
-            return row
+                return None
+            attempt_id = None
+            if row.response_content is None:  # a call will be made: log it
+                attempt_id = s.execute(insert(Attempt).values(
+                    sample_id=sample_id, server=row.server, worker=worker, started_at=now,
+                ).returning(Attempt.id)).scalar_one()
+            return row, attempt_id
 
-    row = with_db_retry(attempt, what=f"claim sample {sample_id}")
-    if row is None:
+    won = with_db_retry(attempt, what=f"claim sample {sample_id}")
+    if won is None:
         return None
+    row, attempt_id = won
     job_id, attempts, prompt, server, content, reasoning, finish, completion_ids = row
     assert server is not None, "a queued sample always has its server"
     job = known if known is not None and known.id == job_id else _job(job_id)
@@ -146,17 +155,8 @@ def _claim(sample_id: int, token: str, worker: str, job_id: int | None) -> _Clai
                             prompt_tokens=None, completion_tokens=None, prompt_token_ids=None,
                             completion_token_ids=ids.tolist() if ids is not None else None,
                             latency_s=0.0, ttft_s=None)
-    return _Claimed(sample_id, job, prompt or [], attempts, server, new_token, stored)
-
-
-def _open_attempt(c: _Claimed, worker: str) -> int:
-    def write() -> int:
-        with session_scope() as s:
-            return int(s.execute(insert(Attempt).values(
-                sample_id=c.sample_id, server=c.server, worker=worker, started_at=utcnow(),
-            ).returning(Attempt.id)).scalar_one())
-
-    return with_db_retry(write, what=f"attempt of sample {c.sample_id}")
+    return _Claimed(sample_id, job, prompt or [], attempts, server, new_token, stored,
+                    attempt_id)
 
 
 def _close_attempt(s: Session, attempt_id: int, *, outcome: str, message: str | None,
@@ -231,7 +231,8 @@ def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
                                 lease_until=utcnow() + timedelta(seconds=lease)):
                 raise LeaseLost(f"sample {sample_id}: lease lost")
 
-    attempt_id = _open_attempt(c, worker)
+    attempt_id = c.attempt_id
+    assert attempt_id is not None
     client = get_client(c.server, max_connections=job.inflight_limit)
     request = ChatRequest(model=job.model, messages=c.prompt, max_tokens=job.max_tokens,
                           sampling=dict(job.sampling), extra_body=dict(job.extra_body))
