@@ -155,6 +155,43 @@ def _insert_stmt(dialect: str):  # type: ignore[no-untyped-def]
     return ins(Sample).on_conflict_do_nothing(index_elements=["job_id", "content_key"])
 
 
+#: Columns a new sample is inserted with (the rest take their defaults).
+_COPY_COLUMNS = ("job_id", "content_key", "dataset_index", "prompt", "state", "attempts",
+                 "next_attempt_at", "created_at", "updated_at", "finished_at", "error_class",
+                 "error_message")
+
+
+def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
+    """PostgreSQL: COPY the batch into a temporary table, then insert what is new.
+
+    About ten times faster than a multi-row INSERT, whose long statement
+    psycopg re-parses for every batch. Returns how many samples were new.
+    """
+    cols = ", ".join(_COPY_COLUMNS)
+    cursor = conn.connection.driver_connection.cursor()
+    with cursor:
+        cursor.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS synthq_enqueue (job_id bigint, content_key text, "
+            "dataset_index integer, prompt jsonb, state text, attempts integer, "
+            "next_attempt_at timestamptz, created_at timestamptz, updated_at timestamptz, "
+            "finished_at timestamptz, error_class text, error_message text) "
+            "ON COMMIT DELETE ROWS")
+        with cursor.copy(f"COPY synthq_enqueue ({cols}) FROM STDIN") as copy:
+            for values in batch:
+                prompt = values["prompt"]
+                copy.write_row([
+                    values["job_id"], values["content_key"], values["dataset_index"],
+                    None if prompt is None else json.dumps(prompt, ensure_ascii=False),
+                    str(values["state"]), values["attempts"], values["next_attempt_at"],
+                    values["created_at"], values["updated_at"], values["finished_at"],
+                    values["error_class"], values["error_message"]])
+        # Dataset order becomes id order, which is dispatch order.
+        cursor.execute(
+            f"INSERT INTO samples ({cols}) SELECT {cols} FROM synthq_enqueue "
+            "ORDER BY dataset_index ON CONFLICT (job_id, content_key) DO NOTHING")
+        return int(cursor.rowcount)
+
+
 def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
                 report: EnqueueReport,
                 progress: Callable[[EnqueueReport], None] | None = None) -> None:
@@ -167,8 +204,11 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
         if not batch:
             return
         with engine.begin() as conn:
-            # RETURNING yields only the rows that were new: the rest already existed.
-            added = len(conn.execute(stmt.returning(Sample.id), batch).all())
+            if engine.dialect.name == "postgresql":
+                added = _copy_batch(conn, batch)
+            else:
+                # RETURNING yields only the rows that were new: the rest already existed.
+                added = len(conn.execute(stmt.returning(Sample.id), batch).all())
         report.inserted += added
         report.duplicates += len(batch) - added
         batch.clear()

@@ -164,3 +164,14 @@ def test_down_server_gets_one_probe_at_a_time(job_factory: Callable[..., Any]) -
         s.add(Attempt(sample_id=sid, server=down, started_at=now, ended_at=now, outcome="ok"))
     dispatch(batch.extend)
     assert queued_on(down) == 8
+
+
+def test_bulk_insert_keeps_dataset_order_and_dedupes(job_factory: Callable[..., Any]) -> None:
+    prompts = [f"p{i}" for i in range(12_000)] + ["p5", "p7"]  # two repeats
+    report = job_factory(prompts)
+    assert (report.inserted, report.duplicates) == (12_000, 2)
+    with session_scope() as s:
+        order = s.scalars(select(Sample.dataset_index).order_by(Sample.id)).all()
+    assert list(order) == list(range(12_000))
+    again = job_factory(prompts, name=report.job_name)
+    assert (again.inserted, again.duplicates) == (0, 12_002)
