@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -107,32 +108,50 @@ TokenIdsOpt = Annotated[bool, typer.Option(help="Ask vLLM for token ids (return_
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
 
 
-def _spec(dataset: str, server: list[str], model: str, job: str | None, max_tokens: int,
-          temperature: float | None, top_p: float | None, timeout: float, stall_timeout: float,
-          max_attempts: int, backoff_base: float, backoff_cap: float, inflight: int,
-          keep_truncated: bool, chat_template_kwargs: str | None, extra_body: str | None,
-          return_token_ids: bool):  # type: ignore[no-untyped-def]
-    from pathlib import Path
+TokenizerOpt = Annotated[str | None, typer.Option(help="The target model's tokenizer (a local "
+                        "path or Hugging Face id). With it, each answer is tokenized with an "
+                        "assistant-only loss mask; without it, a sample is done once its answer "
+                        "is stored.")]
+ChatTemplateOpt = Annotated[Path | None, typer.Option(help="A Jinja chat template file that "
+                            "overrides the tokenizer's own.", exists=True, dir_okay=False)]
+MaxSeqLenOpt = Annotated[int, typer.Option(help="Truncate training examples to this many "
+                         "tokens.")]
+ReasoningOpt = Annotated[str, typer.Option(help="keep: reasoning_content is rendered into the "
+                         "assistant turn and supervised; drop: left out.")]
+MaskOpt = Annotated[str, typer.Option(help="last_turn: supervise the generated answer; "
+                    "all_assistant_turns: also the dataset's earlier assistant turns.")]
 
+
+def _spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """A JobSpec from the options shared by `enqueue` and `run`."""
     from synthq.enqueue import JobSpec
 
     sampling: dict[str, Any] = {}
-    if temperature is not None:
-        sampling["temperature"] = temperature
-    if top_p is not None:
-        sampling["top_p"] = top_p
-    body = _json_option(extra_body, "--extra-body")
-    kwargs = _json_option(chat_template_kwargs, "--chat-template-kwargs")
-    if kwargs:
+    if opts["temperature"] is not None:
+        sampling["temperature"] = opts["temperature"]
+    if opts["top_p"] is not None:
+        sampling["top_p"] = opts["top_p"]
+    body = _json_option(opts["extra_body"], "--extra-body")
+    kwargs = _json_option(opts["chat_template_kwargs"], "--chat-template-kwargs")
+    if kwargs:  # the server renders with them, and so does our tokenizer
         body["chat_template_kwargs"] = kwargs
-    if return_token_ids:
+    if opts["return_token_ids"]:
         body["return_token_ids"] = True
-    name = job or Path(dataset.rstrip("/")).name.split(".")[0] or "job"
-    return JobSpec(name=name, model=model, servers=[s.rstrip("/") for s in server],
-                   max_tokens=max_tokens, sampling=sampling, extra_body=body,
-                   total_timeout=timeout, stall_timeout=stall_timeout, max_attempts=max_attempts,
-                   backoff_base=backoff_base, backoff_cap=backoff_cap, inflight_limit=inflight,
-                   keep_truncated=keep_truncated)
+    template = None
+    if opts["chat_template"] is not None:
+        template = opts["chat_template"].read_text()
+    dataset = opts["dataset"]
+    name = opts["job"] or Path(dataset.rstrip("/")).name.split(".")[0] or "job"
+    return JobSpec(name=name, model=opts["model"],
+                   servers=[s.rstrip("/") for s in opts["server"]],
+                   max_tokens=opts["max_tokens"], sampling=sampling, extra_body=body,
+                   total_timeout=opts["timeout"], stall_timeout=opts["stall_timeout"],
+                   max_attempts=opts["max_attempts"], backoff_base=opts["backoff_base"],
+                   backoff_cap=opts["backoff_cap"], inflight_limit=opts["inflight"],
+                   keep_truncated=opts["keep_truncated"], tokenizer=opts["tokenizer"],
+                   chat_template=template, chat_template_kwargs=kwargs,
+                   max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],
+                   mask=opts["mask"])
 
 
 def _enqueue(spec, dataset: str, quiet: bool):  # type: ignore[no-untyped-def]
@@ -167,16 +186,17 @@ def enqueue(
     backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
     inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, as_json: JsonOpt = False,
+    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn", as_json: JsonOpt = False,
 ) -> None:
     """Add a dataset's prompts to a job (created if new). Prints the job id.
 
-    Example: `synthq enqueue -d prompts.jsonl -s http://vllm:8000/v1 -m kimi-k2.5 --max-tokens 8192`
+    Example: `synthq enqueue -d p.jsonl -s http://vllm:8000/v1 -m kimi --tokenizer /models/kimi`
     """
+    opts = dict(locals())
     try:
-        spec = _spec(dataset, server, model, job, max_tokens, temperature, top_p, timeout,
-                     stall_timeout, max_attempts, backoff_base, backoff_cap, inflight,
-                     keep_truncated, chat_template_kwargs, extra_body, return_token_ids)
+        spec = _spec(opts)
         report = _enqueue(spec, dataset, quiet=as_json)
     except UserError as exc:
         raise _fail(str(exc)) from None
@@ -194,7 +214,9 @@ def run(
     backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
     inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, as_json: JsonOpt = False,
+    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn", as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 
@@ -204,6 +226,7 @@ def run(
 
     Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
     """
+    opts = dict(locals())
     from synthq.embedded import exclusive, run_job
 
     settings = get_settings()
@@ -211,9 +234,7 @@ def run(
         if not settings.embedded:
             raise UserError("`synthq run` is the embedded mode; unset SYNTHQ_BROKER_URL, or use "
                             "`synthq enqueue` with workers")
-        spec = _spec(dataset, server, model, job, max_tokens, temperature, top_p, timeout,
-                     stall_timeout, max_attempts, backoff_base, backoff_cap, inflight,
-                     keep_truncated, chat_template_kwargs, extra_body, return_token_ids)
+        spec = _spec(opts)
         with exclusive(settings.data_dir):
             report = _enqueue(spec, dataset, quiet=as_json)
             if not as_json:
@@ -283,6 +304,14 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
     if status.calls:
         console.print(f"calls to servers: {sum(status.calls.values()):,} (" + ", ".join(
             f"{k} {v:,}" for k, v in sorted(status.calls.items(), key=lambda x: -x[1])) + ")")
+    if status.tokenizer:
+        stale = (f", [yellow]{status.stale_examples:,} examples still at an older version[/]"
+                 if status.stale_examples else "")
+        mismatch = (f", {status.token_mismatches:,} differ from the server's token ids"
+                    if status.token_mismatches else "")
+        console.print(f"examples: {status.num_tokens:,} tokens, {status.num_supervised:,} "
+                      f"supervised (tokenizer {status.tokenizer}, version "
+                      f"{status.tokenize_version}){stale}{mismatch}")
     if status.inflight:
         console.print("in flight: " + ", ".join(f"{k} {v}" for k, v in status.inflight.items()))
     if status.finished:
@@ -501,7 +530,8 @@ def show_sample(
         attempts = s.scalars(select(Attempt).where(Attempt.sample_id == sample_id)
                              .order_by(Attempt.id)).all()
         data = {c.name: getattr(smp, c.name) for c in Sample.__table__.columns
-                if c.name not in ("prompt_token_ids", "completion_token_ids")}
+                if c.name not in ("prompt_token_ids", "completion_token_ids", "input_ids",
+                                  "loss_mask")}
         data["attempt_log"] = [{c.name: getattr(a, c.name) for c in Attempt.__table__.columns}
                                for a in attempts]
     if as_json:
@@ -519,6 +549,9 @@ def show_sample(
         console.print(f"[green]assistant:[/] {data['response_content']}")
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
+    if data["num_tokens"] is not None:
+        console.print(f"example: {data['num_tokens']} tokens, {data['num_supervised']} "
+                      f"supervised (tokenize_version {data['tokenize_version']})")
     table = Table("#", "server", "started", "outcome", "latency s", "ttft s", "tokens", "message")
     for i, a in enumerate(data["attempt_log"], 1):
         table.add_row(str(i), a["server"], str(a["started_at"])[:19], a["outcome"] or "running",
@@ -549,8 +582,8 @@ def worker(
     """
     if concurrency < 1:
         raise _fail("--concurrency must be at least 1")
-    _celery(["worker", "-Q", "generate,control", "-P", "threads", "-c", str(concurrency), "-E",
-             "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
+    _celery(["worker", "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
+             "-E", "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -698,6 +731,93 @@ def export(
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
         console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
+
+
+@app.command()
+def retokenize(
+    job: JobArg,
+    tokenizer: Annotated[str | None, typer.Option(help="A new tokenizer (path or id).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(
+        help="JSON object of template variables for tokenizing.")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
+    reasoning: Annotated[str | None, typer.Option(help="keep or drop.")] = None,
+    mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Samples per task.")] = 200,
+    wait: Annotated[bool, typer.Option(help="Wait and show progress until every example is "
+                    "recomputed (with workers).")] = True,
+) -> None:
+    """Recompute every example from the stored responses, with zero calls to the servers.
+
+    Changes the job's tokenization settings (or keeps them), then re-tokenizes
+    done samples and those tokenization failed or skipped. With a broker the
+    batches run on the workers' `tokenize` queue; in embedded mode, here.
+
+    Example: `synthq retokenize my-job --max-seq-len 8192 --chat-template fixed.jinja`
+    """
+    from synthq import retokenize as rt
+    from synthq.db import session_scope
+
+    if batch_size < 1:
+        raise _fail("--batch-size must be at least 1")
+    changes: dict[str, Any] = {}
+    try:
+        if tokenizer is not None:
+            changes["tokenizer"] = tokenizer
+        if chat_template is not None:
+            changes["chat_template"] = chat_template.read_text()
+        if chat_template_kwargs is not None:
+            changes["chat_template_kwargs"] = _json_option(chat_template_kwargs,
+                                                           "--chat-template-kwargs")
+        if max_seq_len is not None:
+            changes["max_seq_len"] = max_seq_len
+        if reasoning is not None:
+            changes["reasoning"] = reasoning
+        if mask is not None:
+            changes["mask"] = mask
+        job_id, version = _with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
+    except UserError as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"job {job}: tokenize_version {version}"
+                  + (f" ({', '.join(changes)} changed)" if changes else ""))
+    settings = get_settings()
+    with Progress(TextColumn("[bold]retokenizing"), BarColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("retokenize", total=None)
+
+        def show(stale: int, total: int) -> None:
+            progress.update(bar, total=total, completed=total - stale)
+
+        if settings.embedded:
+            result = rt.run_in_process(job_id, batch_size=batch_size, progress=show)
+            progress.stop()
+            console.print(f"{result.done:,} done, {result.failed:,} failed, "
+                          f"{result.skipped:,} skipped")
+            return
+        from worker.tasks import publish_retokenize
+
+        sent = False
+        last_stale, moved_at = -1, time.monotonic()
+        while True:
+            with session_scope() as s:
+                stale, total = rt.count_stale(s, job_id, version)
+                show(stale, total)
+                if stale != last_stale:
+                    last_stale, moved_at = stale, time.monotonic()
+                # Send what is stale at first, and again when nothing moved for 30 s:
+                # a lost message, or samples a worker finished at the old version.
+                if stale and (not sent or time.monotonic() - moved_at > 30):
+                    ids = rt.stale_ids(s, job_id, version, limit=10**9)
+                    publish_retokenize(job_id, [ids[i:i + batch_size]
+                                                for i in range(0, len(ids), batch_size)])
+                    sent, moved_at = True, time.monotonic()
+            if not stale or not wait:
+                break
+            time.sleep(1.0)
+    if wait:
+        console.print(f"every example of job {job} is at tokenize_version {version}")
+    else:
+        console.print("batches sent; `synthq status` shows the progress")
 
 
 def main() -> None:  # pragma: no cover

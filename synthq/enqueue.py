@@ -24,6 +24,7 @@ from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.states import JobState, SampleState
+from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
            "find_job"]
@@ -50,6 +51,13 @@ class JobSpec:
     inflight_limit: int = 64
     keep_truncated: bool = False
     dataset: str = ""
+    # Tokenization (synthq.tokenize); no tokenizer means none.
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_seq_len: int = 4096
+    reasoning: str = "keep"
+    mask: str = "last_turn"
 
     def check(self) -> None:
         """Raise :class:`UserError` naming the first bad setting."""
@@ -80,6 +88,17 @@ class JobSpec:
                                                                      set(self.extra_body))
         if reserved:
             raise UserError(f"sampling options may not set {sorted(reserved)}")
+
+    def tokenize_settings(self) -> Any:
+        """The tokenization settings, or None without a tokenizer."""
+        from synthq.tokenize import TokenizeSettings
+
+        if not self.tokenizer:
+            return None
+        return TokenizeSettings(
+            tokenizer=self.tokenizer, chat_template=self.chat_template,
+            chat_template_kwargs=json.dumps(self.chat_template_kwargs, sort_keys=True),
+            max_seq_len=self.max_seq_len, reasoning=self.reasoning, mask=self.mask)
 
     def generation_settings(self) -> dict[str, Any]:
         return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
@@ -142,6 +161,11 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
         raise UserError(
             f"job {spec.name!r} exists with other generation settings "
             f"({json.dumps(job.generation_settings())}); pick another --job name")
+    theirs, ours = TokenizeSettings.from_job(job), spec.tokenize_settings()
+    if theirs != ours:
+        raise UserError(
+            f"job {spec.name!r} exists with other tokenization settings; change them with "
+            f"`synthq retokenize {spec.name} ...` (no new generation), or pick another --job")
     changed = [k for k in _OPERATIONAL if getattr(job, k) != getattr(spec, k)]
     for key in changed:
         setattr(job, key, getattr(spec, key))
@@ -248,6 +272,11 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     if not source.strip():
         raise UserError("--dataset is empty")
     spec.dataset = source
+    tokenize = spec.tokenize_settings()
+    if tokenize is not None:
+        # Load it now: a tokenizer or template that cannot work is an error here,
+        # not a failure of every sample.
+        get_chat_tokenizer(tokenize)
     from synthq.config import get_settings
 
     visibility = get_settings().visibility_timeout

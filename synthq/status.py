@@ -38,6 +38,15 @@ class JobStatus:
     servers: list[str] = field(default_factory=list)
     #: Calls made to servers, by outcome (``ok`` or a failure class).
     calls: dict[str, int] = field(default_factory=dict)
+    #: Tokenization: the job's tokenizer and version, examples still at an older
+    #: version (retokenize running), token totals, and samples whose tokens
+    #: differ from the ones the server reported (return_token_ids).
+    tokenizer: str | None = None
+    tokenize_version: int = 1
+    stale_examples: int = 0
+    num_tokens: int = 0
+    num_supervised: int = 0
+    token_mismatches: int = 0
 
     @property
     def open(self) -> int:
@@ -115,4 +124,18 @@ def job_status(session: Session, job: Job) -> JobStatus:
     )
     if rate > 0:
         status.eta_s = status.open / rate
+    if job.tokenizer:
+        from synthq.retokenize import stale_query
+
+        status.tokenizer, status.tokenize_version = job.tokenizer, job.tokenize_version
+        status.stale_examples = session.scalar(
+            select(func.count()).select_from(Sample)
+            .where(stale_query(job.id, job.tokenize_version))) or 0
+        tokens, supervised, mismatches = session.execute(
+            select(func.coalesce(func.sum(Sample.num_tokens), 0),
+                   func.coalesce(func.sum(Sample.num_supervised), 0),
+                   func.count().filter(Sample.token_mismatch.is_(True)))
+            .where(Sample.job_id == job.id, Sample.state == SampleState.DONE)).one()
+        status.num_tokens, status.num_supervised = int(tokens), int(supervised)
+        status.token_mismatches = int(mismatches or 0)
     return status

@@ -2,7 +2,7 @@
 
 Start the generation worker with::
 
-    celery -A worker.app worker -Q generate,control -P threads -c 128 -E
+    celery -A worker.app worker -Q generate,control,tokenize -P threads -c 128 -E
     celery -A worker.app beat
 
 (``synthq worker`` and ``synthq beat`` wrap exactly these.)
@@ -14,7 +14,7 @@ from celery import Celery
 
 from synthq.config import get_settings
 
-__all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE"]
+__all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE"]
 
 settings = get_settings()
 
@@ -23,6 +23,7 @@ settings = get_settings()
 # Redis restart without persistence) the dispatcher's messages still arrive.
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
+TOKENIZE_ROUTE = {"queue": "tokenize", "exchange": "", "routing_key": "tokenize"}
 
 app = Celery("synthq", broker=settings.broker_url or "redis://127.0.0.1:6379/0",
              include=["worker.tasks"])
@@ -42,7 +43,8 @@ app.conf.update(
     # Flower shows tasks only with events on, and "sent" only with this.
     worker_send_task_events=True,
     task_send_sent_event=True,
-    task_routes={"synthq.generate": GENERATE_ROUTE, "synthq.dispatch": CONTROL_ROUTE},
+    task_routes={"synthq.generate": GENERATE_ROUTE, "synthq.dispatch": CONTROL_ROUTE,
+                 "synthq.retokenize": TOKENIZE_ROUTE},
     task_default_queue="control",
     beat_schedule={
         "dispatch": {

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from synthq.dispatch import Dispatched, dispatch, sweep
 from synthq.process import Outcome, process_sample
-from worker.app import GENERATE_ROUTE, app
+from synthq.retokenize import retokenize_batch
+from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, app
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +75,17 @@ def dispatch_tick() -> int:
     if swept:
         log.info("sweep returned %d samples to pending", swept)
     return dispatch(publish)
+
+
+def publish_retokenize(job_id: int, batches: Sequence[Sequence[int]]) -> None:
+    """One ``retokenize`` message per batch of sample ids."""
+    with app.producer_or_acquire() as producer:
+        for ids in batches:
+            retokenize.apply_async((job_id, list(ids)), producer=producer, **TOKENIZE_ROUTE)
+
+
+@app.task(name="synthq.retokenize")
+def retokenize(job_id: int, sample_ids: list[int]) -> dict[str, int]:
+    """Recompute a batch of examples from stored responses (no server call)."""
+    result = retokenize_batch(job_id, sample_ids)
+    return {"done": result.done, "failed": result.failed, "skipped": result.skipped}
