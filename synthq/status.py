@@ -136,6 +136,6 @@ def job_status(session: Session, job: Job) -> JobStatus:
                    func.coalesce(func.sum(Sample.num_supervised), 0),
                    func.count().filter(Sample.token_mismatch.is_(True)))
             .where(Sample.job_id == job.id, Sample.state == SampleState.DONE)).one()
-        status.num_tokens, status.num_supervised = int(tokens), int(supervised)
+        status.num_tokens, status.num_supervised = int(tokens or 0), int(supervised or 0)
         status.token_mismatches = int(mismatches or 0)
     return status
