@@ -257,6 +257,8 @@ class _ChatRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    #: vLLM's ``return_token_ids``: stream fake token ids with each chunk.
+    return_token_ids: bool = False
 
 
 @dataclass
@@ -327,6 +329,7 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
         include_usage=include_usage,
+        return_token_ids=bool(body.get("return_token_ids", False)),
     )
 
 
@@ -542,7 +545,8 @@ class _Simulator:
         }
         return json.dumps(document).encode()
 
-    def stream_events(self, plan: _Plan, include_usage: bool) -> tuple[list[bytes], int]:
+    def stream_events(self, plan: _Plan, include_usage: bool,
+                      token_ids: bool = False) -> tuple[list[bytes], int]:
         """SSE events of a streamed answer, and how many of them are token chunks.
 
         Order: a role chunk, one chunk per reasoning word, one per answer word, a
@@ -556,6 +560,11 @@ class _Simulator:
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
             tail = ',"logprobs":null,"finish_reason":' + json.dumps(finish) + "}]}\n\n"
+            piece = delta.get("content") or delta.get("reasoning_content")
+            if token_ids and piece:
+                # Not a real tokenizer's ids: stable per word, one per chunk, as vLLM sends.
+                fake = int.from_bytes(piece.strip().encode()[:3].ljust(3, b"\0"), "big") % 50_000
+                tail = f',"token_ids":[{fake}]' + tail
             return (choice_head + json.dumps(delta) + tail).encode()
 
         events = [chunk({"role": "assistant", "content": ""})]
@@ -642,7 +651,7 @@ class _ChatCompletions:
             if sim.config.latency > 0:
                 await asyncio.sleep(sim.config.latency)
             if request.stream:
-                await self._stream(plan, request.include_usage, send)
+                await self._stream(plan, request.include_usage, send, request.return_token_ids)
             else:
                 await self._respond(plan, send)
 
@@ -659,9 +668,10 @@ class _ChatCompletions:
         )
         await self._misbehave(plan.fault)
 
-    async def _stream(self, plan: _Plan, include_usage: bool, send: Send) -> None:
+    async def _stream(self, plan: _Plan, include_usage: bool, send: Send,
+                      token_ids: bool = False) -> None:
         """Send a streamed answer; stall/reset stop after a few token chunks."""
-        events, n_tokens = self.sim.stream_events(plan, include_usage)
+        events, n_tokens = self.sim.stream_events(plan, include_usage, token_ids)
         partial = plan.fault in ("stall", "reset")
         if partial:
             n_tokens = min(n_tokens, _PARTIAL_TOKEN_CHUNKS)

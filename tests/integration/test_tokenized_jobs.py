@@ -1,0 +1,152 @@
+"""Tokenization inside the queue, on real PostgreSQL with real tokenizers and the
+simulator over HTTP: examples written with the done transition, stored responses
+never regenerated, retokenize without server calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import chat_tokenizers as ct
+import pytest
+from sqlalchemy import select, update
+from support import counts
+
+from synthq.db import session_scope
+from synthq.dispatch import Dispatched, dispatch
+from synthq.embedded import run_job
+from synthq.models import Attempt, Job, Sample
+from synthq.packing import unpack_ids, unpack_mask
+from synthq.process import process_sample
+from synthq.tokenize import ChatTokenizer, TokenizeSettings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return ct.qwen3(tmp_path_factory.mktemp("tok"))
+
+
+def supervised(tok: ChatTokenizer, smp: Sample) -> str:
+    ids = unpack_ids(smp.input_ids)
+    assert ids is not None and smp.loss_mask is not None and smp.num_tokens == len(ids)
+    mask = unpack_mask(smp.loss_mask, len(ids))
+    return tok.tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+
+
+def test_run_writes_examples_that_decode_to_the_answers(
+        simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
+    sim = simulator("--latency", "0", "--reasoning")
+    report = job_factory([f"question {i}: 你好 🎉" for i in range(20)], servers=[sim.url],
+                         tokenizer=qwen3_dir, max_seq_len=4096)
+    status = run_job(report.job_id)
+    assert status.counts["done"] == 20 and status.num_supervised > 0
+    tok = ChatTokenizer(TokenizeSettings(qwen3_dir))
+    with session_scope() as s:
+        for smp in s.scalars(select(Sample)):
+            assert smp.reasoning_content and smp.tokenize_version == 1
+            assert supervised(tok, smp) == (f"<think>\n{smp.reasoning_content}\n</think>\n\n"
+                                            f"{smp.response_content}<|im_end|>")
+
+
+def test_tokenization_failure_keeps_the_response_and_requeue_does_not_regenerate(
+        simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
+    from synthq import states
+    from synthq.db import utcnow
+
+    sim = simulator("--latency", "0")
+    # max_seq_len 4: the prompt alone is longer, so nothing is left to supervise.
+    report = job_factory(["a prompt that is long enough"], servers=[sim.url],
+                         tokenizer=qwen3_dir, max_seq_len=4)
+    run_job(report.job_id)
+    with session_scope() as s:
+        smp = s.scalars(select(Sample)).one()
+        assert (smp.state, smp.error_class) == ("skipped", "no_supervised_tokens")
+        assert smp.response_content  # the answer is kept
+        s.execute(update(Job).values(max_seq_len=4096))
+        s.execute(update(Sample).values(state="failed"))
+    with session_scope() as s:
+        assert states.requeue(s, report.job_id, now=utcnow()) == 1
+    from synthq import process
+
+    process._jobs.clear()
+    run_job(report.job_id)
+    with session_scope() as s:
+        smp = s.scalars(select(Sample)).one()
+        assert smp.state == "done" and smp.num_supervised
+        calls = s.scalars(select(Attempt.outcome)).all()
+    assert calls == ["ok"]  # one generation, ever
+    assert sim.stats()["prompts"]["a prompt that is long enough"] == 1
+
+
+def test_stored_response_is_tokenized_without_a_call(
+        sample_factory: Callable[..., int], job_factory: Callable[..., Any],
+        qwen3_dir: str) -> None:
+    """A worker died after storing the answer: the next claim tokenizes, never calls."""
+    job_id = job_factory([], servers=["http://127.0.0.1:9/v1"], tokenizer=qwen3_dir).job_id
+    sid = sample_factory("pending", job_id=job_id, response_content="stored answer",
+                         finish_reason="stop")
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert process_sample(batch[0].sample_id, batch[0].token, job_id=job_id).value == "done"
+    with session_scope() as s:
+        smp = s.get_one(Sample, sid)
+        assert smp.state == "done" and smp.attempts == 1
+        assert s.scalars(select(Attempt)).all() == []  # no call was made
+    tok = ChatTokenizer(TokenizeSettings(qwen3_dir))
+    assert supervised(tok, smp) == "stored answer<|im_end|>"
+
+
+def test_retokenize_in_process_changes_examples_without_calls(
+        simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
+    from synthq import retokenize as rt
+
+    sim = simulator("--latency", "0", "--response-tokens", "60")
+    report = job_factory([f"q{i}" for i in range(12)], servers=[sim.url], tokenizer=qwen3_dir)
+    run_job(report.job_id)
+    requests = sim.stats()["requests"]
+    with session_scope() as s:
+        before = {smp.id: smp.num_tokens for smp in s.scalars(select(Sample))}
+        version = rt.configure(s, s.get_one(Job, report.job_id), {"max_seq_len": 40})
+    assert version == 2
+    result = rt.run_in_process(report.job_id, batch_size=5)
+    assert result.done == 12
+    with session_scope() as s:
+        for smp in s.scalars(select(Sample)):
+            assert smp.tokenize_version == 2 and smp.num_tokens == min(40, before[smp.id])
+    assert sim.stats()["requests"] == requests  # zero calls to the server
+
+
+def test_retokenize_rejects_a_broken_tokenizer(job_factory: Callable[..., Any],
+                                               qwen3_dir: str, tmp_path: Path) -> None:
+    from synthq import retokenize as rt
+    from synthq.errors import UserError
+
+    report = job_factory(["x"], tokenizer=qwen3_dir)
+    with session_scope() as s, pytest.raises(UserError, match="cannot load tokenizer"):
+        rt.configure(s, s.get_one(Job, report.job_id), {"tokenizer": str(tmp_path / "none")})
+    with session_scope() as s:
+        assert s.get_one(Job, report.job_id).tokenize_version == 1
+
+
+def test_server_token_ids_are_compared(simulator: Callable[..., Any],
+                                       job_factory: Callable[..., Any], qwen3_dir: str) -> None:
+    """With return_token_ids the server's completion ids are compared with ours."""
+    sim = simulator("--latency", "0")
+    report = job_factory(["compare ids"], servers=[sim.url], tokenizer=qwen3_dir,
+                         extra_body={"return_token_ids": True})
+    run_job(report.job_id)
+    with session_scope() as s:
+        smp = s.scalars(select(Sample)).one()
+    assert smp.state == "done"
+    server_ids = unpack_ids(smp.completion_token_ids)
+    assert server_ids is not None and len(server_ids) == smp.completion_tokens
+    # The simulator's ids are not a real model's: a mismatch, counted, not fatal.
+    assert smp.token_mismatch is True
+    with session_scope() as s:
+        from synthq.status import job_status
+
+        assert job_status(s, s.get_one(Job, report.job_id)).token_mismatches == 1
+    assert counts(report.job_id)["done"] == 1
