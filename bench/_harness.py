@@ -337,7 +337,7 @@ class Bench:
         """A real generation worker: celery, threads pool, generate + control queues."""
         name = name or f"w{sum(p.name.startswith('w') for p in self.procs)}"
         cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "worker",
-               "-Q", "generate,control", "-P", "threads", "-c", str(concurrency),
+               "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
                "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
                *extra]
         proc = Proc(name, cmd, self.child_env(), self.tmp / f"{name}.log")
