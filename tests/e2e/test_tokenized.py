@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 def test_run_then_export_parquet_reads_back_in_datasets(simulator: Callable[..., Any],
                                                         tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     from transformers import AutoTokenizer
 
     sim = simulator("--latency", "0", "--reasoning", "--response-tokens", "24")
