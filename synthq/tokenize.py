@@ -28,13 +28,11 @@ supervised: the model did not write it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -283,28 +281,6 @@ class ChatTokenizer:
             raise errors.MaskMismatch(
                 f"mask disagrees with the template's generation blocks at {len(diff)} "
                 f"tokens (first at position {int(diff[0])})")
-
-    # -- identity ------------------------------------------------------------------
-
-    def fingerprint(self) -> dict[str, str | None]:
-        """Hashes that identify the tokenizer files and the template text."""
-        return {"tokenizer": self.settings.tokenizer,
-                "tokenizer_hash": tokenizer_files_hash(self.settings.tokenizer),
-                "template_hash": hashlib.sha256(self.template.encode()).hexdigest()}
-
-
-def tokenizer_files_hash(path: str) -> str | None:
-    """sha256 over a local tokenizer's ``tokenizer.json`` and ``tokenizer_config.json``."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        file = folder / name
-        if file.exists():
-            digest.update(name.encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()
 
 
 _cache: dict[TokenizeSettings, ChatTokenizer] = {}
