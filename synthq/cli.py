@@ -120,6 +120,10 @@ ReasoningOpt = Annotated[str, typer.Option(help="keep: reasoning_content is rend
                          "assistant turn and supervised; drop: left out.")]
 MaskOpt = Annotated[str, typer.Option(help="last_turn: supervise the generated answer; "
                     "all_assistant_turns: also the dataset's earlier assistant turns.")]
+ThinkOpenOpt = Annotated[str, typer.Option(help="Opens kept reasoning where the template has no "
+                         "reasoning_content (escapes like \\n are read).")]
+ThinkCloseOpt = Annotated[str, typer.Option(help="Closes kept reasoning where the template has "
+                          "no reasoning_content.")]
 
 
 def _spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
@@ -151,7 +155,13 @@ def _spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
                    keep_truncated=opts["keep_truncated"], tokenizer=opts["tokenizer"],
                    chat_template=template, chat_template_kwargs=kwargs,
                    max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],
-                   mask=opts["mask"])
+                   mask=opts["mask"], think_open=_unescape(opts["think_open"]),
+                   think_close=_unescape(opts["think_close"]))
+
+
+def _unescape(text: str) -> str:
+    """``\\n`` typed on a command line becomes a newline."""
+    return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
 def _enqueue(spec, dataset: str, quiet: bool):  # type: ignore[no-untyped-def]
@@ -188,7 +198,9 @@ def enqueue(
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
     return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn", as_json: JsonOpt = False,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    as_json: JsonOpt = False,
 ) -> None:
     """Add a dataset's prompts to a job (created if new). Prints the job id.
 
@@ -216,7 +228,9 @@ def run(
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
     return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn", as_json: JsonOpt = False,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 

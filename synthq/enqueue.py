@@ -58,6 +58,8 @@ class JobSpec:
     max_seq_len: int = 4096
     reasoning: str = "keep"
     mask: str = "last_turn"
+    think_open: str = "<think>\n"
+    think_close: str = "\n</think>\n\n"
 
     def check(self) -> None:
         """Raise :class:`UserError` naming the first bad setting."""
@@ -98,7 +100,8 @@ class JobSpec:
         return TokenizeSettings(
             tokenizer=self.tokenizer, chat_template=self.chat_template,
             chat_template_kwargs=json.dumps(self.chat_template_kwargs, sort_keys=True),
-            max_seq_len=self.max_seq_len, reasoning=self.reasoning, mask=self.mask)
+            max_seq_len=self.max_seq_len, reasoning=self.reasoning, mask=self.mask,
+            think_open=self.think_open, think_close=self.think_close)
 
     def generation_settings(self) -> dict[str, Any]:
         return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
