@@ -51,7 +51,9 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.5, help="simulator latency, s")
     ap.add_argument("--capacity", type=int, default=256, help="simulator capacity")
     ap.add_argument("--limit", type=int, default=64, help="job inflight_limit")
-    ap.add_argument("--concurrency", type=int, default=64, help="worker threads (-c)")
+    ap.add_argument("--concurrency", type=int, default=64,
+                    help="worker threads (-c), split over --workers processes")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes")
     ap.add_argument("--redis-db", type=int, default=14)
     ap.add_argument("--timeout", type=float, default=300, help="give up after this many s")
     ap.add_argument("--keep-logs", action="store_true")
@@ -62,18 +64,19 @@ def main() -> None:
     ideal = args.limit / args.latency if args.latency > 0 else float("inf")
     with Bench("littles_law", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:
         sim = b.simulator("--latency", str(args.latency), "--capacity", str(args.capacity))
-        worker = b.worker(args.concurrency)
+        workers = [b.worker(max(1, args.concurrency // args.workers))
+                   for _ in range(args.workers)]
         beat = b.beat()
-        b.wait_ready([worker])
+        b.wait_ready(workers)
         spec = JobSpec(name="littles-law", model="sim-model", servers=[sim.url],
                        inflight_limit=args.limit, max_tokens=256)
-        cpu0 = cpu_seconds(worker.pid)
+        cpu0 = sum(cpu_seconds(w.pid) for w in workers)
         t0 = time.time()
         report = create_job(spec, prompts(args.samples, "ll"))
-        c = wait_done(report.job_id, args.samples, args.timeout, procs=[worker, beat, sim],
+        c = wait_done(report.job_id, args.samples, args.timeout, procs=[*workers, beat, sim],
                       bench=b)
         wall = time.time() - t0
-        cpu = cpu_seconds(worker.pid) - cpu0
+        cpu = sum(cpu_seconds(w.pid) for w in workers) - cpu0
         stats = sim.stats()
         times = done_times(report.job_id)
         steady, window = window_rate(times)
@@ -90,9 +93,10 @@ def main() -> None:
           f"{'OK' if stats['max_active'] <= args.limit else 'LIMIT EXCEEDED'})")
     print(f"sim requests      {stats['requests']}  completed {stats['completed']}")
     print(f"wall time         {wall:.1f} s  (insert to last done)")
+    print(f"workers           {args.workers} x -c {max(1, args.concurrency // args.workers)}")
     print(f"worker CPU        {cpu:.1f} s  ({1000 * cpu / max(1, c['done']):.1f} ms/sample)")
     summary("littles_law", {
-        "samples": args.samples, "done": c["done"], "failed": c["failed"],
+        "samples": args.samples, "workers": args.workers, "done": c["done"], "failed": c["failed"],
         "ideal_per_s": round(ideal, 1), "steady_done_per_s": round(steady, 1),
         "first_to_last_per_s": round(overall, 1), "efficiency_pct": round(eff, 1),
         "max_active": stats["max_active"], "limit": args.limit,

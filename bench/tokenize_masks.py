@@ -45,7 +45,7 @@ Tokenizers (``--tokenizers``): ``deepseek`` = DeepSeek-V3 from the
 ``tests/chat_tokenizers.py`` (Llama-3 vocabulary + ChatML tokens, Qwen3's
 template), saved to a temp dir.
 
-Needs no database or Redis. Run: ``python bench/tokenize.py`` (options:
+Needs no database or Redis. Run: ``python bench/tokenize_masks.py`` (options:
 ``--n``, ``--repeats``, ``--target-tokens``, ``--tokenizers``).
 """
 
@@ -57,12 +57,6 @@ import sys
 # One core, set before tokenizers is imported (see the docstring).
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["RAYON_NUM_THREADS"] = "1"
-
-# This file shares its name with the stdlib's ``tokenize`` (which inspect,
-# linecache, … import): with bench/ first on sys.path they would import this
-# script instead. Move bench/ to the end, where ``_harness`` is still found.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE] + [_HERE]
 
 import argparse  # noqa: E402
 import random  # noqa: E402
