@@ -72,8 +72,11 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             for item in batch:
                 pool.submit(work, item)
 
-        # We hold the lock: anything in flight belongs to a run that died.
-        sweep(reclaim_all=True, job_ids=[job_id])
+        # With the embedded SQLite file we hold the data directory's lock, so
+        # anything in flight belongs to a run that died: reclaim it now. (On a
+        # shared database, workers elsewhere may hold leases: wait them out.)
+        if settings.is_sqlite:
+            sweep(reclaim_all=True, job_ids=[job_id])
         while True:
             sweep(job_ids=[job_id])
             if not stop.is_set():

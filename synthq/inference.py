@@ -114,7 +114,9 @@ class _Accumulator:
             if piece := delta.get("reasoning_content") or delta.get("reasoning"):
                 self.reasoning.append(piece)
             if ids := choice.get("token_ids"):
-                self.token_ids = (self.token_ids or []) + list(ids)
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 
