@@ -167,7 +167,8 @@ class NoSupervisedTokens(PermanentError):
 
 #: Failures of the tokenization step: the response is stored, only the
 #: example is missing, so `retokenize` (not a new generation) repairs them.
-TOKENIZATION_CLASSES = frozenset({"boundary_unstable", "mask_mismatch", "no_supervised_tokens"})
+TOKENIZATION_CLASSES = frozenset({"boundary_unstable", "mask_mismatch", "no_supervised_tokens",
+                                  "invalid_input"})
 
 RETRYABLE_CLASSES = frozenset(
     c.error_class for c in (TimeoutError_, StalledError, ConnectionFailed, RateLimited, ServerError)

@@ -302,6 +302,10 @@ def _finish(c: _Claimed, result: ChatResult, *, attempt_id: int | None) -> Outco
                                     result.completion_token_ids)
     except errors.PermanentError as exc:
         return _tokenization_failed(c, exc)
+    except Exception as exc:  # a bug or a tokenizer surprise: fail it, never loop on it
+        log.exception("sample %s: tokenization crashed", c.sample_id)
+        return _tokenization_failed(c, errors.InvalidInput(
+            f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000]))
     won = _write(c.sample_id, lambda s, now: states.complete(
         s, c.sample_id, c.token, now=now, **example))
     return Outcome.DONE if won else Outcome.LOST

@@ -118,7 +118,9 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
                                        ids.tolist() if ids is not None else None)
             values.update(state=SampleState.DONE, error_class=None, error_message=None)
             result.done += 1
-        except errors.PermanentError as exc:
+        except Exception as exc:  # noqa: BLE001 - recorded on the sample, like the worker does
+            if not isinstance(exc, errors.PermanentError):
+                exc = errors.InvalidInput(f"tokenization crashed: {type(exc).__name__}: {exc}")
             skip = isinstance(exc, errors.NoSupervisedTokens)
             values = dict(state=SampleState.SKIPPED if skip else SampleState.FAILED,
                           error_class=exc.error_class, error_message=str(exc), input_ids=None,

@@ -147,9 +147,15 @@ class ChatTokenizer:
     # -- rendering -----------------------------------------------------------------
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool) -> str:
-        text = self.tok.apply_chat_template(
-            [dict(m) for m in messages], chat_template=self.template, tokenize=False,
-            add_generation_prompt=generation_prompt, **self.kwargs)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tok.apply_chat_template(
+                [dict(m) for m in messages], chat_template=self.template, tokenize=False,
+                add_generation_prompt=generation_prompt, **self.kwargs)
+        except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
+            raise errors.InvalidInput(f"the chat template refused this conversation: "
+                                      f"{exc}") from exc
         return str(text)
 
     def _probe_reasoning(self) -> bool:

@@ -94,3 +94,20 @@ def test_every_command_has_an_example_in_help() -> None:
         out = subprocess.run([sys.executable, "-m", "synthq.cli", *name.split(), "--help"],
                              cwd=REPO, capture_output=True, text=True, timeout=60).stdout
         assert "Example" in out, name
+
+
+def test_enqueue_refuses_a_tokenizer_that_cannot_work(pg: str, dataset: Path,
+                                                      tmp_path: Path) -> None:
+    import chat_tokenizers as ct
+
+    missing = synthq(*enqueue_args(dataset, "--tokenizer", str(tmp_path / "nope")), check=False)
+    assert missing.returncode == 2 and "cannot load tokenizer" in missing.stderr
+    keep = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3()), check=False)
+    assert keep.returncode == 2 and "drops reasoning" in " ".join(keep.stderr.split())
+    assert json.loads(synthq("jobs", "--json").stdout) == []  # nothing was created
+    ok = json.loads(synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3(),
+                                         "--reasoning", "drop")).stdout)
+    assert ok["inserted"] == 23
+    changed = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3(), "--reasoning",
+                                   "drop", "--max-seq-len", "99"), check=False)
+    assert changed.returncode == 2 and "synthq retokenize" in changed.stderr

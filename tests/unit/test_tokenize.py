@@ -235,3 +235,16 @@ def test_property_test_was_not_vacuous() -> None:
     if not ACCEPTED and not REFUSED:
         pytest.skip("property test not run")
     assert len(ACCEPTED) >= 4 * len(REFUSED), REFUSED[:5]
+
+
+def test_template_that_refuses_a_conversation_is_invalid_input(root: Path) -> None:
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('no system prompts here') }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = ChatTokenizer(TokenizeSettings(ct.qwen3(root), chat_template=template,
+                                         reasoning="drop"))
+    with pytest.raises(errors.InvalidInput, match="no system prompts here"):
+        tok.tokenize(tok.conversation(PROMPTS["system and multi-turn"], "4", None))
+    # Without a system prompt the same template works.
+    assert tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", None)).num_supervised
