@@ -153,8 +153,7 @@ def test_server_token_ids_are_compared(simulator: Callable[..., Any],
 
 
 def test_a_tokenizer_crash_fails_the_sample_once_and_keeps_the_response(
-        simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
     """An unexpected exception while tokenizing must not strand or loop the sample."""
     sim = simulator("--latency", "0")
     report = job_factory(["crash me"], servers=[sim.url], tokenizer=qwen3_dir)
@@ -162,15 +161,15 @@ def test_a_tokenizer_crash_fails_the_sample_once_and_keeps_the_response(
     def boom(self, messages):  # type: ignore[no-untyped-def]
         raise RuntimeError("tokenizer exploded")
 
-    monkeypatch.setattr(ChatTokenizer, "tokenize", boom)
-    run_job(report.job_id)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChatTokenizer, "tokenize", boom)
+        run_job(report.job_id)
     with session_scope() as s:
         smp = s.scalars(select(Sample)).one()
     assert (smp.state, smp.error_class) == ("failed", "invalid_input")
     assert "tokenizer exploded" in (smp.error_message or "")
     assert smp.response_content and sim.stats()["requests"] == 1
     # Fixed (here: the patch undone), retokenize repairs it without a call.
-    monkeypatch.undo()
     from synthq import retokenize as rt
 
     with session_scope() as s:
