@@ -1,0 +1,98 @@
+"""The ``synthq`` command line.
+
+Every command validates its input and prints a clear error (exit 2) instead of
+a traceback. Commands that read or write jobs work on the database in
+``SYNTHQ_DATABASE_URL`` (default: a SQLite file under ``./synthq-data/``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from synthq.config import get_settings
+from synthq.errors import UserError
+
+app = typer.Typer(
+    name="synthq",
+    help="Durable generation of EAGLE-3 drafter training data: enqueue prompts, run them "
+    "against OpenAI-compatible servers, watch, repair.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+def ensure_db() -> None:
+    """SQLite is migrated on the fly; PostgreSQL must be at head (``synthq db upgrade``)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from synthq.db import get_engine
+    from synthq.migrate import alembic_config, upgrade
+
+    settings = get_settings()
+    if settings.is_sqlite:
+        upgrade(settings.database_url)
+        return
+    head = ScriptDirectory.from_config(alembic_config(settings.database_url)).get_current_head()
+    try:
+        with get_engine().connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except Exception as exc:  # noqa: BLE001 - any connection problem is the user's to fix
+        raise UserError(f"cannot reach the database {settings.database_url!r}: {exc}") from exc
+    if current != head:
+        raise UserError(f"the database is at revision {current}, not {head}: "
+                        "run `synthq db upgrade`")
+
+
+def json_option(value: str | None, flag: str) -> dict[str, Any]:
+    if not value:
+        return {}
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{flag} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{flag} must be a JSON object, e.g. '{{\"enable_thinking\": true}}'")
+    return data
+
+
+JobArg = Annotated[str, typer.Argument(help="Job name or id.")]
+
+
+def with_job(ref: str, fn):  # type: ignore[no-untyped-def]
+    from synthq.db import session_scope
+    from synthq.enqueue import find_job
+
+    try:
+        ensure_db()
+        with session_scope() as s:
+            return fn(s, find_job(s, ref))
+    except UserError as exc:
+        raise fail(str(exc)) from None
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
+
+
+# The commands register themselves on `app` when their modules are imported;
+# the order here is the order of `synthq --help`.
+from synthq.cli import generate, watch, manage, data, services  # noqa: E402, F401, I001
+
+
+def main() -> None:  # pragma: no cover
+    app()

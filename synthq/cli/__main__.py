@@ -1,0 +1,5 @@
+"""``python -m synthq.cli``."""
+
+from synthq.cli import main
+
+main()

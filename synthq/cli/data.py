@@ -1,0 +1,167 @@
+"""Training data: `synthq retokenize` and `synthq export`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+from synthq.cli import (
+    JobArg,
+    JsonOpt,
+    app,
+    console,
+    fail,
+    json_option,
+    with_job,
+)
+from synthq.cli.options import ChatTemplateOpt
+from synthq.config import get_settings
+from synthq.errors import UserError
+
+
+@app.command()
+def export(
+    job: JobArg,
+    out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
+                   "atomically: it appears complete or not at all).")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="`parquet` (id, input_ids, "
+                   "loss_mask, conversations) or `jsonl` (SpecForge conversations).")] = "parquet",
+    shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
+    include_truncated: Annotated[bool, typer.Option("--include-truncated/--exclude-truncated",
+                                 help="Export answers cut by max_tokens (kept as done by "
+                                 "--keep-truncated).")] = True,
+    allow_stale: Annotated[bool, typer.Option("--allow-stale", help="Parquet: leave out done "
+                           "samples not yet retokenized instead of refusing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export "
+                         "in --out.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a job's done samples as Parquet or JSONL shards plus manifest.json.
+
+    Example: `synthq export my-job --format parquet --out exports/my-job --shard-size 50000`
+    """
+
+    from rich.progress import MofNCompleteColumn
+
+    from synthq.export import check_options, export_job
+
+    try:
+        check_options(fmt, shard_size)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    job_id = with_job(job, lambda s, j: j.id)
+    kwargs: dict[str, Any] = dict(fmt=fmt, shard_size=shard_size, overwrite=overwrite,
+                                  include_truncated=include_truncated, allow_stale=allow_stale)
+    try:
+        if as_json:
+            manifest = export_job(job_id, Path(out), **kwargs)
+        else:
+            with Progress(TextColumn("[bold]exporting"), BarColumn(), TaskProgressColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console) as progress:
+                bar = progress.add_task("export", total=None)
+                manifest = export_job(job_id, Path(out), progress=lambda n, total:
+                                      progress.update(bar, completed=n, total=total), **kwargs)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        print(manifest.to_json())
+        return
+    tokens = (f", {manifest.num_tokens:,} tokens ({manifest.num_supervised:,} supervised)"
+              if manifest.num_tokens is not None else "")
+    console.print(f"exported {manifest.exported:,} samples to {out} in "
+                  f"{len(manifest.shards)} {fmt} shard(s){tokens}")
+    left_out = {k: v for k, v in manifest.excluded.items() if v}
+    if left_out:
+        console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
+
+
+@app.command()
+def retokenize(
+    job: JobArg,
+    tokenizer: Annotated[str | None, typer.Option(help="A new tokenizer (path or id).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(
+        help="JSON object of template variables for tokenizing.")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
+    reasoning: Annotated[str | None, typer.Option(help="keep or drop.")] = None,
+    mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Samples per task.")] = 200,
+    wait: Annotated[bool, typer.Option(help="Wait and show progress until every example is "
+                    "recomputed (with workers).")] = True,
+) -> None:
+    """Recompute every example from the stored responses, with zero calls to the servers.
+
+    Changes the job's tokenization settings (or keeps them), then re-tokenizes
+    done samples and those tokenization failed or skipped. With a broker the
+    batches run on the workers' `tokenize` queue; in embedded mode, here.
+
+    Example: `synthq retokenize my-job --max-seq-len 8192 --chat-template fixed.jinja`
+    """
+    from synthq import retokenize as rt
+    from synthq.db import session_scope
+
+    if batch_size < 1:
+        raise fail("--batch-size must be at least 1")
+    changes: dict[str, Any] = {}
+    try:
+        if tokenizer is not None:
+            changes["tokenizer"] = tokenizer
+        if chat_template is not None:
+            changes["chat_template"] = chat_template.read_text()
+        if chat_template_kwargs is not None:
+            changes["chat_template_kwargs"] = json_option(chat_template_kwargs,
+                                                           "--chat-template-kwargs")
+        if max_seq_len is not None:
+            changes["max_seq_len"] = max_seq_len
+        if reasoning is not None:
+            changes["reasoning"] = reasoning
+        if mask is not None:
+            changes["mask"] = mask
+        job_id, version = with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"job {job}: tokenize_version {version}"
+                  + (f" ({', '.join(changes)} changed)" if changes else ""))
+    settings = get_settings()
+    with Progress(TextColumn("[bold]retokenizing"), BarColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("retokenize", total=None)
+
+        def show(stale: int, total: int) -> None:
+            progress.update(bar, total=total, completed=total - stale)
+
+        if settings.embedded:
+            result = rt.run_in_process(job_id, batch_size=batch_size, progress=show)
+            progress.stop()
+            console.print(f"{result.done:,} done, {result.failed:,} failed, "
+                          f"{result.skipped:,} skipped")
+            return
+        from worker.tasks import publish_retokenize
+
+        sent = False
+        last_stale, moved_at = -1, time.monotonic()
+        while True:
+            with session_scope() as s:
+                stale, total = rt.count_stale(s, job_id, version)
+                show(stale, total)
+                if stale != last_stale:
+                    last_stale, moved_at = stale, time.monotonic()
+                # Send what is stale at first, and again when nothing moved for 30 s:
+                # a lost message, or samples a worker finished at the old version.
+                if stale and (not sent or time.monotonic() - moved_at > 30):
+                    ids = rt.stale_ids(s, job_id, version, limit=10**9)
+                    publish_retokenize(job_id, [ids[i:i + batch_size]
+                                                for i in range(0, len(ids), batch_size)])
+                    sent, moved_at = True, time.monotonic()
+            if not stale or not wait:
+                break
+            time.sleep(1.0)
+    if wait:
+        console.print(f"every example of job {job} is at tokenize_version {version}")
+    else:
+        console.print("batches sent; `synthq status` shows the progress")

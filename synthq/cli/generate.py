@@ -1,0 +1,171 @@
+"""`synthq enqueue` and `synthq run`: create or resume a job, and run it embedded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import typer
+
+from synthq.cli import (
+    JsonOpt,
+    app,
+    console,
+    ensure_db,
+    err,
+    fail,
+)
+from synthq.cli.options import (
+    AttemptsOpt,
+    BackoffBaseOpt,
+    BackoffCapOpt,
+    ChatTemplateOpt,
+    DatasetOpt,
+    ExtraBodyOpt,
+    InflightOpt,
+    JobOpt,
+    KeepTruncOpt,
+    MaskOpt,
+    MaxSeqLenOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    ReasoningOpt,
+    ServerOpt,
+    StallOpt,
+    TemperatureOpt,
+    TemplateKwOpt,
+    ThinkCloseOpt,
+    ThinkOpenOpt,
+    TimeoutOpt,
+    TokenIdsOpt,
+    TokenizerOpt,
+    TopPOpt,
+    job_spec,
+)
+from synthq.cli.render import job_progress, print_status
+from synthq.config import get_settings
+from synthq.errors import UserError
+
+
+def _enqueue(spec, dataset: str, quiet: bool):  # type: ignore[no-untyped-def]
+    from synthq.enqueue import enqueue
+
+    ensure_db()
+    if quiet:
+        return enqueue(spec, dataset)
+    with console.status("reading the dataset…") as st:
+        return enqueue(spec, dataset, progress=lambda r: st.update(
+            f"read {r.rows:,} rows, {r.inserted:,} new"))
+
+
+def _print_report(report) -> None:  # type: ignore[no-untyped-def]
+    verb = "created" if report.created else "found"
+    console.print(f"job [bold]{report.job_name}[/] (id {report.job_id}) {verb}: "
+                  f"{report.rows:,} rows read, {report.inserted:,} new samples, "
+                  f"{report.duplicates:,} already there, {report.skipped:,} skipped")
+    if report.rows and not report.inserted:
+        console.print("nothing new to add: this data is already in the job")
+    if report.updated_settings:
+        console.print(f"updated settings: {', '.join(report.updated_settings)}")
+    for index, reason in report.skip_examples[:5]:
+        console.print(f"  [yellow]skipped row {index}:[/] {reason}")
+
+
+@app.command()
+def enqueue(
+    dataset: DatasetOpt, server: ServerOpt, model: ModelOpt, job: JobOpt = None,
+    max_tokens: MaxTokensOpt = 4096, temperature: TemperatureOpt = None, top_p: TopPOpt = None,
+    timeout: TimeoutOpt = 1800.0, stall_timeout: StallOpt = 300.0, max_attempts: AttemptsOpt = 5,
+    backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
+    inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
+    chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
+    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    as_json: JsonOpt = False,
+) -> None:
+    """Add a dataset's prompts to a job (created if new). Prints the job id.
+
+    Example: `synthq enqueue -d p.jsonl -s http://vllm:8000/v1 -m kimi --tokenizer /models/kimi`
+    """
+    opts = dict(locals())
+    try:
+        spec = job_spec(opts)
+        report = _enqueue(spec, dataset, quiet=as_json)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        print(report.to_json())
+    else:
+        _print_report(report)
+
+
+@app.command()
+def run(
+    dataset: DatasetOpt, server: ServerOpt, model: ModelOpt, job: JobOpt = None,
+    max_tokens: MaxTokensOpt = 4096, temperature: TemperatureOpt = None, top_p: TopPOpt = None,
+    timeout: TimeoutOpt = 1800.0, stall_timeout: StallOpt = 300.0, max_attempts: AttemptsOpt = 5,
+    backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
+    inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
+    chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
+    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    as_json: JsonOpt = False,
+) -> None:
+    """Enqueue (or resume) a job and process it to the end in this process.
+
+    The embedded default: a SQLite file under ./synthq-data, no Redis. Kill it
+    (Ctrl-C, or kill -9) and run the same command again: it resumes, and done
+    samples are not generated again.
+
+    Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
+    """
+    opts = dict(locals())
+    from synthq.embedded import exclusive, run_job
+
+    settings = get_settings()
+    try:
+        if not settings.embedded:
+            raise UserError("`synthq run` is the embedded mode; unset SYNTHQ_BROKER_URL, or use "
+                            "`synthq enqueue` with workers")
+        spec = job_spec(opts)
+        with exclusive(settings.data_dir):
+            report = _enqueue(spec, dataset, quiet=as_json)
+            if not as_json:
+                _print_report(report)
+            stop = threading.Event()
+            _on_interrupt(stop)
+            status = _run_with_progress(run_job, report.job_id, stop, quiet=as_json)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(status.to_dict()))
+    else:
+        print_status(status)
+    if stop.is_set():
+        raise typer.Exit(130)
+
+
+def _on_interrupt(stop: threading.Event) -> None:
+    def handler(signum, frame):  # type: ignore[no-untyped-def]
+        if stop.is_set():  # second Ctrl-C: leave now; the next run reclaims the rest
+            err.print("\nstopped; in-flight samples will be redone on the next run")
+            os._exit(130)
+        stop.set()
+        err.print("\nstopping: no new requests; waiting for calls in flight "
+                  "(Ctrl-C again to leave now)")
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _run_with_progress(run_job, job_id: int, stop: threading.Event, quiet: bool):  # type: ignore[no-untyped-def]
+    if quiet:
+        return run_job(job_id, stop=stop)
+    with job_progress("generating") as update:
+        return run_job(job_id, on_tick=update, stop=stop)

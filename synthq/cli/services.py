@@ -1,0 +1,132 @@
+"""Processes: `synthq worker`, `synthq beat`, `synthq db upgrade`, `synthq simulate`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from synthq.cli import (
+    app,
+    console,
+    db_app,
+    err,
+    fail,
+)
+from synthq.config import get_settings
+
+
+def _celery(args: list[str]) -> None:
+    settings = get_settings()
+    if settings.embedded:
+        raise fail("SYNTHQ_BROKER_URL is not set: workers need a Redis broker "
+                    "(or use `synthq run`, the embedded mode)")
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.app", *args]
+    os.execv(sys.executable, cmd)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    concurrency: Annotated[int, typer.Option("-c", "--concurrency", help="Threads: calls in "
+                           "flight in this process.")] = 128,
+) -> None:
+    """Start a generation worker (celery worker, threads pool). Extra args go to celery.
+
+    Example: `SYNTHQ_BROKER_URL=redis://localhost:6379/0 synthq worker -c 128`
+    """
+    if concurrency < 1:
+        raise fail("--concurrency must be at least 1")
+    _celery(["worker", "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
+             "-E", "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def beat(ctx: typer.Context) -> None:
+    """Start the scheduler that runs the dispatcher and lease sweep every second.
+
+    Example: `SYNTHQ_BROKER_URL=redis://localhost:6379/0 synthq beat`
+    """
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _celery(["beat", "-l", "INFO", "--schedule", str(settings.data_dir / "celerybeat-schedule"),
+             *ctx.args])
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply the Alembic migrations to SYNTHQ_DATABASE_URL.
+
+    Example: `SYNTHQ_DATABASE_URL=postgresql://synthq@db/synthq synthq db upgrade`
+    """
+    from synthq.migrate import upgrade
+
+    url = get_settings().database_url
+    try:
+        upgrade(url, revision)
+    except Exception as exc:  # noqa: BLE001 - show the cause, not a traceback
+        raise fail(f"migration failed on {url}: {exc}") from None
+    console.print(f"database at {revision}")
+
+
+@app.command()
+def simulate(
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    capacity: Annotated[int, typer.Option(help="Requests served at once; more wait "
+                        "(like vLLM's max_num_seqs).")] = 64,
+    latency: Annotated[float, typer.Option(help="Seconds before the first token.")] = 0.5,
+    tokens_per_second: Annotated[float, typer.Option(help="Streaming speed per request "
+                                 "(0: all at once).")] = 0.0,
+    response_tokens: Annotated[int, typer.Option(help="Words in an answer.")] = 32,
+    reasoning: Annotated[bool, typer.Option(help="Stream reasoning_content first.")] = False,
+    model: Annotated[str, typer.Option(help="Model name to serve.")] = "sim-model",
+    hang_rate: Annotated[float, typer.Option(help="Share of requests never answered.")] = 0.0,
+    stall_rate: Annotated[float, typer.Option(help="Share of streams that stop "
+                          "mid-way.")] = 0.0,
+    rate_limit_rate: Annotated[float, typer.Option(help="Share answered 429 + "
+                               "Retry-After.")] = 0.0,
+    error_rate: Annotated[float, typer.Option(help="Share answered 500.")] = 0.0,
+    context_length_rate: Annotated[float, typer.Option(help="Share answered 400 context "
+                                   "length.")] = 0.0,
+    reset_rate: Annotated[float, typer.Option(help="Share whose connection is reset "
+                          "mid-stream.")] = 0.0,
+    empty_rate: Annotated[float, typer.Option(help="Share answered with empty content.")] = 0.0,
+    length_rate: Annotated[float, typer.Option(help="Share cut with "
+                           "finish_reason=length.")] = 0.0,
+    retry_after: Annotated[float, typer.Option(help="Retry-After seconds sent with "
+                           "429s.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Random seed for the fault draws.")] = None,
+) -> None:
+    """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
+
+    Latency, capacity and fault injection by rate; `GET /sim/stats` reports its
+    counters (including the most requests it served at once). A prompt whose
+    last user message contains `[[sim:error*2]]` gets that fault on its first 2
+    requests.
+
+    Example: `synthq simulate --port 8000 --capacity 16 --latency 0.5 --error-rate 0.05`
+    """
+    from synthq.simulator import SimConfig, serve
+
+    rates = dict(hang_rate=hang_rate, stall_rate=stall_rate, rate_limit_rate=rate_limit_rate,
+                 error_rate=error_rate, context_length_rate=context_length_rate,
+                 reset_rate=reset_rate, empty_rate=empty_rate, length_rate=length_rate)
+    for name, value in rates.items():
+        if not 0.0 <= value <= 1.0:
+            raise fail(f"--{name.replace('_', '-')} must be between 0 and 1")
+    if sum(rates.values()) > 1.0:
+        raise fail("the fault rates add up to more than 1")
+    if capacity < 1 or latency < 0 or tokens_per_second < 0 or response_tokens < 1 \
+            or retry_after < 0:
+        raise fail("--capacity and --response-tokens must be >= 1; --latency and "
+                    "--tokens-per-second >= 0")
+    if not 0 < port < 65536:
+        raise fail("--port must be 1..65535")
+    config = SimConfig(capacity=capacity, latency=latency, tokens_per_second=tokens_per_second,
+                       response_tokens=response_tokens, reasoning=reasoning, model=model,
+                       retry_after=retry_after, seed=seed, **rates)  # type: ignore[arg-type]
+    err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
+    serve(config, host=host, port=port)

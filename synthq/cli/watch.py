@@ -1,0 +1,164 @@
+"""Looking at jobs: `synthq jobs`, `synthq status`, `synthq sample`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from synthq.cli import (
+    JsonOpt,
+    app,
+    console,
+    ensure_db,
+    fail,
+    with_job,
+)
+from synthq.cli.render import job_progress, print_status
+from synthq.errors import UserError
+
+
+@app.command()
+def jobs(as_json: JsonOpt = False) -> None:
+    """List jobs with their progress.
+
+    Example: `synthq jobs --json`
+    """
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Job
+    from synthq.status import state_counts
+
+    try:
+        ensure_db()
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    rows: list[dict[str, Any]] = []
+    with session_scope() as s:
+        for job in s.scalars(select(Job).order_by(Job.id)):
+            rows.append({"id": job.id, "name": job.name, "state": str(job.state),
+                         "model": job.model, "created_at": job.created_at.isoformat(),
+                         **state_counts(s, job.id)})
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        console.print("no jobs yet: `synthq enqueue --help`")
+        return
+    table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
+    for r in rows:
+        table.add_row(str(r["id"]), r["name"], r["state"], r["model"], f"{r['done']:,}",
+                      f"{r['failed']:,}", f"{r['skipped']:,}",
+                      f"{r['pending'] + r['queued'] + r['running']:,}")
+    console.print(table)
+
+
+@app.command()
+def status(
+    job: Annotated[str | None, typer.Argument(help="Job name or id [default: the newest].")] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw a live progress bar "
+                     "until the job finishes (Ctrl-C to leave).")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between redraws with --watch.")] = 2.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Counts per state, done/s, ETA, failures by class and load per server.
+
+    Example: `synthq status my-job --watch`
+    """
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Job
+    from synthq.status import job_status
+
+    ref = job
+    if ref is None:
+        try:
+            ensure_db()
+        except UserError as exc:
+            raise fail(str(exc)) from None
+        with session_scope() as s:
+            newest = s.scalar(select(Job.id).order_by(Job.id.desc()).limit(1))
+        if newest is None:
+            raise fail("no jobs yet: `synthq enqueue --help`")
+        ref = str(newest)
+    if not watch:
+        result = with_job(ref, job_status)
+        if as_json:
+            print(json.dumps(result.to_dict()))
+        else:
+            print_status(result)
+        return
+    if interval <= 0:
+        raise fail("--interval must be positive")
+    try:
+        with job_progress(ref) as update:
+            while True:
+                st = with_job(ref, job_status)
+                update(st)
+                if st.finished:
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    print_status(with_job(ref, job_status))
+
+
+@app.command("sample")
+def show_sample(
+    sample_id: Annotated[int, typer.Argument(help="Sample id (see `synthq status`).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one sample: its prompt, response and every attempt.
+
+    Example: `synthq sample 42`
+    """
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample
+
+    try:
+        ensure_db()
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    with session_scope() as s:
+        smp = s.get(Sample, sample_id)
+        if smp is None:
+            raise fail(f"no sample {sample_id}")
+        attempts = s.scalars(select(Attempt).where(Attempt.sample_id == sample_id)
+                             .order_by(Attempt.id)).all()
+        data = {c.name: getattr(smp, c.name) for c in Sample.__table__.columns
+                if c.name not in ("prompt_token_ids", "completion_token_ids", "input_ids",
+                                  "loss_mask")}
+        data["attempt_log"] = [{c.name: getattr(a, c.name) for c in Attempt.__table__.columns}
+                               for a in attempts]
+    if as_json:
+        print(json.dumps(data, default=str))
+        return
+    console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row {data['dataset_index']}"
+                  f" — {data['state']}, {data['attempts']} attempts, server {data['server']}")
+    if data["error_class"]:
+        console.print(f"[red]{data['error_class']}[/]: {data['error_message']}")
+    for m in data["prompt"] or []:
+        console.print(f"[cyan]{m['role']}:[/] {m['content']}")
+    if data["reasoning_content"]:
+        console.print(f"[magenta]reasoning:[/] {data['reasoning_content']}")
+    if data["response_content"] is not None:
+        console.print(f"[green]assistant:[/] {data['response_content']}")
+        console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
+                      f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
+    if data["num_tokens"] is not None:
+        console.print(f"example: {data['num_tokens']} tokens, {data['num_supervised']} "
+                      f"supervised (tokenize_version {data['tokenize_version']})")
+    table = Table("#", "server", "started", "outcome", "latency s", "ttft s", "tokens", "message")
+    for i, a in enumerate(data["attempt_log"], 1):
+        table.add_row(str(i), a["server"], str(a["started_at"])[:19], a["outcome"] or "running",
+                      f"{a['latency_s']:.2f}" if a["latency_s"] is not None else "",
+                      f"{a['ttft_s']:.2f}" if a["ttft_s"] is not None else "",
+                      str(a["completion_tokens"] or ""), (a["error_message"] or "")[:80])
+    console.print(table)
