@@ -111,3 +111,11 @@ def test_enqueue_refuses_a_tokenizer_that_cannot_work(pg: str, dataset: Path,
     changed = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3(), "--reasoning",
                                    "drop", "--max-seq-len", "99"), check=False)
     assert changed.returncode == 2 and "synthq retokenize" in changed.stderr
+
+
+def test_status_watch_ends_when_the_job_finishes(pg: str, dataset: Path) -> None:
+    synthq(*enqueue_args(dataset))
+    with session_scope() as s:
+        s.execute(update(Sample).where(Sample.state == "pending").values(state="done"))
+    out = synthq("status", "cli-job", "--watch", "--interval", "0.2")
+    assert "100%" in out.stdout and "finished: 22 done" in " ".join(out.stdout.split())
