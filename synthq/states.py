@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, select, update
+from sqlalchemy import and_, case, exists, select, update
 from sqlalchemy.orm import Session
 
 __all__ = [
@@ -121,7 +121,8 @@ def claim(
 ) -> Any:
     """queued → running, only if the message's token still matches and the job is active.
 
-    Counts the attempt. Returns the row's ``job_id, attempts, prompt, server,
+    Counts the attempt (unless the response is already stored: no call then).
+    Returns the row's ``job_id, attempts, prompt, server,
     response_content, reasoning_content, finish_reason, completion_token_ids``,
     or ``None`` if the claim lost.
     """
@@ -133,7 +134,10 @@ def claim(
         .where(Sample.id == sample_id, Sample.state == SampleState.QUEUED,
                Sample.claim == token, job_active)
         .values(state=SampleState.RUNNING, claim=new_token, lease_expires_at=lease_until,
-                worker=worker, attempts=Sample.attempts + 1, started_at=now, updated_at=now)
+                worker=worker, started_at=now, updated_at=now,
+                # attempts counts calls: none is made for a response already stored.
+                attempts=case((Sample.response_content.is_(None), Sample.attempts + 1),
+                              else_=Sample.attempts))
         .returning(Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
                    Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
                    Sample.completion_token_ids)

@@ -93,8 +93,8 @@ def test_stored_response_is_tokenized_without_a_call(
     assert process_sample(batch[0].sample_id, batch[0].token, job_id=job_id).value == "done"
     with session_scope() as s:
         smp = s.get_one(Sample, sid)
-        assert smp.state == "done" and smp.attempts == 1
-        assert s.scalars(select(Attempt)).all() == []  # no call was made
+        assert smp.state == "done" and smp.attempts == 0  # attempts counts calls
+        assert s.scalars(select(Attempt)).all() == []  # and no call was made
     tok = ChatTokenizer(TokenizeSettings(qwen3_dir))
     assert supervised(tok, smp) == "stored answer<|im_end|>"
 
