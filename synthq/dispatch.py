@@ -25,14 +25,14 @@ from datetime import timedelta
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from synthq import states
+from synthq import health, states
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.models import Attempt, Job, Sample
 from synthq.states import INFLIGHT, JobState, SampleState
 
 __all__ = ["Dispatched", "Publisher", "dispatch", "sweep", "inflight_by_server",
-           "server_is_down"]
+           "server_is_down", "active_servers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,13 @@ class _Server:
     job_ids: list[int] = field(default_factory=list)
     #: Its latest calls all failed to connect: one probe at a time.
     down: bool = False
+    #: It failed its health probe (synthq.health): nothing is sent to it.
+    unhealthy: bool = False
 
     @property
     def effective_limit(self) -> int:
+        if self.unhealthy:
+            return 0
         return 1 if self.down else self.limit
 
 
@@ -153,6 +157,12 @@ def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) 
     return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 
+def active_servers(job_ids: Sequence[int] | None = None) -> list[str]:
+    """Base URLs of the active jobs' servers (what the health probe watches)."""
+    with session_scope() as s:
+        return [x.url for x in _servers(s, job_ids)]
+
+
 def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
              server: str | None = None) -> int:
     """Queue what is due, within each server's limit, and publish it. Returns the count."""
@@ -162,7 +172,9 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
         if server is not None:
             servers = [x for x in servers if x.url == server]
         load = inflight_by_server(s)
+        sick = health.unhealthy(s, [x.url for x in servers])
         for entry in servers:
+            entry.unhealthy = entry.url in sick
             entry.down = server_is_down(s, entry.url)
     # Most room first: when there is less work than room, it goes where room is.
     servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)

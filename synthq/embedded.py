@@ -19,8 +19,9 @@ from pathlib import Path
 
 from synthq.config import get_settings
 from synthq.db import session_scope
-from synthq.dispatch import Dispatched, dispatch, sweep
+from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.errors import UserError
+from synthq.health import probe_due
 from synthq.models import Job
 from synthq.process import process_sample, worker_name
 from synthq.status import JobStatus, job_status
@@ -78,6 +79,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
         if settings.is_sqlite:
             sweep(reclaim_all=True, job_ids=[job_id])
         while True:
+            probe_due(active_servers([job_id]))
             sweep(job_ids=[job_id])
             if not stop.is_set():
                 dispatch(publish, job_ids=[job_id])

@@ -32,7 +32,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.states import JobState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "UTCDateTime"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "UTCDateTime"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -223,3 +223,17 @@ class Attempt(Base):
     #: Seconds to the first streamed chunk.
     ttft_s: Mapped[float | None] = mapped_column(Float)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+
+
+class Server(Base):
+    """The last health probe of an inference server (``GET /health``), by base URL."""
+
+    __tablename__ = "servers"
+
+    url: Mapped[str] = mapped_column(String(500), primary_key=True)
+    #: False while the server fails its probe: the dispatcher sends it nothing.
+    healthy: Mapped[bool] = mapped_column(Boolean, default=True)
+    checked_at: Mapped[datetime]
+    #: Probes failed in a row (0 when healthy).
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)

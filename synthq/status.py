@@ -41,6 +41,8 @@ class JobStatus:
     #: Tokenization: the job's tokenizer and version, examples still at an older
     #: version (retokenize running), token totals, and samples whose tokens
     #: differ from the ones the server reported (return_token_ids).
+    #: Servers failing their health probe, with the error.
+    unhealthy: dict[str, str | None] = field(default_factory=dict)
     tokenizer: str | None = None
     tokenize_version: int = 1
     stale_examples: int = 0
@@ -124,6 +126,9 @@ def job_status(session: Session, job: Job) -> JobStatus:
     )
     if rate > 0:
         status.eta_s = status.open / rate
+    from synthq.health import unhealthy
+
+    status.unhealthy = unhealthy(session, job.servers)
     if job.tokenizer:
         from synthq.retokenize import stale_query
 

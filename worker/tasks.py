@@ -7,7 +7,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from synthq.dispatch import Dispatched, dispatch, sweep
+from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
+from synthq.health import probe_due
 from synthq.process import Outcome, process_sample
 from synthq.retokenize import retokenize_batch
 from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, app
@@ -70,7 +71,10 @@ def generate(sample_id: int, token: str, job_id: int | None = None) -> str:
 
 @app.task(name="synthq.dispatch")
 def dispatch_tick() -> int:
-    """Beat: return expired leases, then queue what is due."""
+    """Beat: probe servers' health, return expired leases, then queue what is due."""
+    for url, healthy in probe_due(active_servers()).items():
+        if not healthy:
+            log.warning("server %s failed its health probe: nothing is sent to it", url)
     swept = sweep()
     if swept:
         log.info("sweep returned %d samples to pending", swept)

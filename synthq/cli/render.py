@@ -60,6 +60,8 @@ def print_status(status: JobStatus) -> None:
         console.print(f"examples: {status.num_tokens:,} tokens, {status.num_supervised:,} "
                       f"supervised (tokenizer {status.tokenizer}, version "
                       f"{status.tokenize_version}){stale}{mismatch}")
+    for url, error in status.unhealthy.items():
+        console.print(f"[red]server {url} fails its health probe[/] ({error}): nothing is sent")
     if status.inflight:
         console.print("in flight: " + ", ".join(f"{k} {v}" for k, v in status.inflight.items()))
     if status.finished:

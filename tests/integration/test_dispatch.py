@@ -175,3 +175,33 @@ def test_bulk_insert_keeps_dataset_order_and_dedupes(job_factory: Callable[..., 
     assert list(order) == list(range(12_000))
     again = job_factory(prompts, name=report.job_name)
     assert (again.inserted, again.duplicates) == (0, 12_002)
+
+
+def test_unhealthy_server_gets_nothing_until_its_probe_passes(
+        job_factory: Callable[..., Any], simulator: Callable[..., Any]) -> None:
+    from support import free_port
+
+    from synthq import health
+
+    sim = simulator("--latency", "0")
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    job_factory([f"p{i}" for i in range(30)], servers=[dead, sim.url], inflight_limit=5)
+    assert health.probe_due([dead, sim.url]) == {dead: False, sim.url: True}
+    assert health.probe_due([dead, sim.url]) == {}  # probed moments ago: not due
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert queued_on(dead) == 0 and queued_on(sim.url) == 5
+    with session_scope() as s:  # the dead server comes back (its probe passes)
+        from synthq.models import Server
+
+        s.execute(update(Server).where(Server.url == dead).values(healthy=True))
+    dispatch(batch.extend)
+    assert queued_on(dead) == 5
+
+
+def test_health_url() -> None:
+    from synthq.health import health_url
+
+    assert health_url("http://vllm:8000/v1") == "http://vllm:8000/health"
+    assert health_url("http://vllm:8000/v1/") == "http://vllm:8000/health"
+    assert health_url("https://h/proxy") == "https://h/proxy/health"

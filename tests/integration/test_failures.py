@@ -143,8 +143,8 @@ def test_retry_after_is_a_floor(simulator: Callable[..., Any],
 
 def test_job_finishes_with_one_server_dead(simulator: Callable[..., Any],
                                            job_factory: Callable[..., Any]) -> None:
-    """Two servers, one refusing connections: the embedded runner finishes every sample,
-    and the dead server gets probes, not its whole limit."""
+    """Two servers, one refusing connections: the embedded runner finishes every sample
+    on the live one; the dead one fails its health probe and is sent nothing."""
     from support import free_port
 
     from synthq.embedded import run_job
@@ -155,7 +155,33 @@ def test_job_finishes_with_one_server_dead(simulator: Callable[..., Any],
                          inflight_limit=8, max_attempts=5, backoff_base=0.05, backoff_cap=0.2)
     status = run_job(report.job_id)
     assert status.counts["done"] == 60, status
+    assert list(status.unhealthy) == [dead] and "ConnectError" in (status.unhealthy[dead] or "")
     with session_scope() as s:
         dead_calls = s.scalar(select(func.count()).select_from(Attempt)
                               .where(Attempt.server == dead))
-    assert dead_calls < 8 + 10, dead_calls  # first wave of 8, then about one probe a tick
+    assert dead_calls == 0
+
+
+def test_server_without_health_endpoint_is_watched_passively(
+        job_factory: Callable[..., Any]) -> None:
+    """A server that refuses connections but whose probe is not due yet (or that has no
+    /health) still gets only one request at a time once its calls fail to connect."""
+    from support import free_port
+
+    from synthq.embedded import run_job
+    from synthq.health import probe_due
+
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    report = job_factory([f"q{i}" for i in range(3)], servers=[dead], inflight_limit=8,
+                         max_attempts=2, backoff_base=0.01, backoff_cap=0.02)
+    with pytest.MonkeyPatch.context() as patch:  # as if /health answered 404
+        patch.setattr("synthq.embedded.probe_due", lambda urls: {})
+        status = run_job(report.job_id)
+    assert status.counts["failed"] == 3  # nothing to reach: every sample fails, bounded
+    with session_scope() as s:
+        starts = sorted(s.scalars(select(Attempt.started_at)))
+    # The first wave of 3, then probes one at a time, PROBE_INTERVAL apart.
+    assert len(starts) == 6
+    gaps = [(b - a).total_seconds() for a, b in zip(starts[3:], starts[4:], strict=False)]
+    assert all(g >= 1.9 for g in gaps), gaps
+    assert probe_due([dead]) == {dead: False}

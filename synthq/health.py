@@ -1,0 +1,92 @@
+"""Active health probes of inference servers, kept in the ``servers`` table.
+
+Every few seconds the scheduler (Celery beat's tick, or the embedded loop)
+asks each server of an active job ``GET /health`` (vLLM, SGLang and TGI all
+serve it next to ``/v1``). A server that does not answer, or answers 5xx, is
+marked unhealthy and the dispatcher sends it nothing until a probe succeeds
+again. A 404 means the server has no health endpoint: it counts as healthy,
+and the dispatcher's passive check (calls that fail to connect) still applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+
+import httpx
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from synthq.db import session_scope, utcnow
+from synthq.models import Server
+
+__all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy"]
+
+#: Seconds between probes of one server.
+PROBE_EVERY = 5.0
+#: Seconds a probe may take.
+PROBE_TIMEOUT = 3.0
+
+
+def health_url(base_url: str) -> str:
+    """``http://host:8000/v1`` → ``http://host:8000/health``."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return f"{root}/health"
+
+
+def probe(base_url: str, client: httpx.Client) -> str | None:
+    """None when the server is healthy, else what went wrong."""
+    try:
+        response = client.get(health_url(base_url), timeout=PROBE_TIMEOUT)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
+    if response.status_code >= 500:
+        return f"GET /health answered HTTP {response.status_code}"
+    return None
+
+
+def probe_due(urls: Iterable[str], *, client: httpx.Client | None = None) -> dict[str, bool]:
+    """Probe the servers not probed for PROBE_EVERY seconds; returns url → healthy."""
+    urls = sorted(set(urls))
+    if not urls:
+        return {}
+    cutoff = utcnow() - timedelta(seconds=PROBE_EVERY)
+    with session_scope() as s:
+        fresh = set(s.scalars(select(Server.url).where(Server.url.in_(urls),
+                                                       Server.checked_at >= cutoff)))
+    due = [u for u in urls if u not in fresh]
+    if not due:
+        return {}
+    own = client is None
+    client = client or httpx.Client()
+    try:
+        results = {url: probe(url, client) for url in due}
+    finally:
+        if own:
+            client.close()
+    with session_scope() as s:
+        for url, error in results.items():
+            _record(s, url, error)
+    return {url: error is None for url, error in results.items()}
+
+
+def _record(session: Session, url: str, error: str | None) -> None:
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    now = utcnow()
+    stmt = insert(Server).values(url=url, healthy=error is None, checked_at=now,
+                                 failures=0 if error is None else 1, last_error=error)
+    stmt = stmt.on_conflict_do_update(index_elements=["url"], set_={
+        "healthy": error is None, "checked_at": now, "last_error": error,
+        "failures": 0 if error is None else Server.failures + 1})
+    session.execute(stmt)
+
+
+def unhealthy(session: Session, urls: Iterable[str]) -> dict[str, str | None]:
+    """Servers among ``urls`` whose last probe failed, with its error."""
+    rows = session.execute(select(Server.url, Server.last_error)
+                           .where(Server.url.in_(list(urls)), Server.healthy.is_(False)))
+    return {url: error for url, error in rows}
