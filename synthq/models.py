@@ -32,7 +32,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.states import JobState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "UTCDateTime"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "UTCDateTime"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -237,3 +237,26 @@ class Server(Base):
     #: Probes failed in a row (0 when healthy).
     failures: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class Worker(Base):
+    """A process that runs generation calls (a Celery worker, or ``synthq run``).
+
+    It heart-beats every few seconds. The dispatcher queues no more samples
+    than the live workers' free capacity, and the sweep returns the running
+    samples of a worker that stopped heart-beating to ``pending`` at once,
+    without waiting for their leases.
+    """
+
+    __tablename__ = "workers"
+
+    #: ``host:pid:random``, unique per process start (what ``samples.worker`` holds).
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    #: Calls this process may hold in flight at once.
+    capacity: Mapped[int] = mapped_column(Integer)
+    #: Calls in flight at the last heartbeat.
+    inflight: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime]
