@@ -29,12 +29,24 @@ class Settings(BaseSettings):
     #: A worker renews it while tokens arrive; the sweep reclaims expired ones.
     lease_margin: float = 30.0
     #: Seconds a queued sample may wait for a worker before the sweep returns
-    #: it to ``pending`` (its broker message may have been lost).
-    queued_timeout: float = 600.0
+    #: it to ``pending`` (its broker message may have been lost). Short: the
+    #: dispatcher queues no more than the live workers' free slots.
+    queued_timeout: float = 30.0
     #: Seconds between dispatcher/sweep runs (Celery beat and embedded loop).
     dispatch_interval: float = 1.0
     #: Most samples one dispatcher run moves to ``queued`` per server.
     dispatch_batch: int = 1000
+    #: Most samples in one ``generate`` message (a batch one worker runs at once).
+    batch_size: int = 32
+    #: Seconds between a worker's heartbeats, and silence after which it counts
+    #: as dead (its capacity is freed, its running samples go back to pending).
+    heartbeat_interval: float = 2.0
+    worker_timeout: float = 15.0
+    #: Calls one generation process holds in flight; 0: the worker's ``-c``.
+    worker_capacity: int = 0
+    #: Seconds the batch writer keeps retrying through a database outage
+    #: before it gives a write up (the sample's lease then returns it).
+    write_retry_seconds: float = 600.0
     #: Redis redelivers an unacknowledged message after this many seconds;
     #: keep it above the longest total timeout of any job.
     visibility_timeout: float = 4 * 3600.0

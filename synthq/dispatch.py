@@ -3,8 +3,9 @@
 The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
 hands them to a publisher (Celery's ``generate`` queue, or the embedded
 runner's thread pool), never letting queued + running on a server exceed its
-limit (DESIGN invariant 5). Several dispatchers may run at once: on
-PostgreSQL each server's room is computed under a transaction-scoped advisory
+limit (DESIGN invariant 5), nor queueing more than the live workers' free
+slots. Several dispatchers may run at once (beat, and each worker's refill):
+on PostgreSQL a run computes the room under a transaction-scoped advisory
 lock, and ``FOR UPDATE SKIP LOCKED`` keeps two dispatchers from taking the
 same sample. On SQLite every write transaction is ``BEGIN IMMEDIATE``, which
 serializes them outright.
@@ -20,16 +21,16 @@ import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from synthq import health, states
+from synthq import health, states, workers
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
+from synthq.enums import INFLIGHT, JobState, SampleState
 from synthq.models import Attempt, Job, Sample
-from synthq.states import INFLIGHT, JobState, SampleState
 
 __all__ = ["Dispatched", "Publisher", "dispatch", "sweep", "inflight_by_server",
            "server_is_down", "active_servers"]
@@ -64,12 +65,6 @@ class _Server:
         return 1 if self.down else self.limit
 
 
-def _lock_key(url: str) -> int:
-    """A stable signed 64-bit advisory-lock key for a server URL."""
-    return int.from_bytes(hashlib.sha256(f"synthq:server:{url}".encode()).digest()[:8],
-                          "big", signed=True)
-
-
 def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
     query = select(Job.id, Job.servers, Job.inflight_limit).where(Job.state == JobState.ACTIVE)
     if job_ids is not None:
@@ -93,67 +88,63 @@ def inflight_by_server(session: Session) -> dict[str, int]:
     return {url: n for url, n in rows if url}
 
 
-#: A server whose last this-many calls all failed to connect is treated as down.
+#: A server whose last this-many calls all failed to connect, stalled or timed out
+#: is treated as down.
 TRIP_AFTER = 3
+#: Outcomes that say "the server is not serving": refused, hanging, stalling.
+DOWN_OUTCOMES = ("connection", "stalled", "timeout")
 #: Seconds between probes of a down server.
 PROBE_INTERVAL = 2.0
 
 
 def server_is_down(session: Session, url: str) -> bool:
-    """True when the server's latest calls all failed to connect (refused, reset, DNS).
+    """True when the server's latest calls all failed to connect, stalled or timed out.
 
-    A down server gets a probe (one request) every PROBE_INTERVAL instead of
-    its whole limit: samples do not burn their attempts on it, and the first
-    probe that succeeds gives it its full limit back. Derived from the
-    attempts table, so every dispatcher on every machine agrees.
+    A down server gets one request at a time (a probe, at most every
+    PROBE_INTERVAL) instead of its whole limit: samples do not burn their
+    attempts on it, and the first probe that succeeds gives it its full limit
+    back. A server that answers ``/health`` but hangs every generation is
+    down too. Derived from the attempts table, so every dispatcher agrees.
     """
     latest = session.execute(
-        select(Attempt.outcome, Attempt.ended_at)
-        .where(Attempt.server == url, Attempt.outcome.is_not(None))
+        select(Attempt.outcome).where(Attempt.server == url)
         .order_by(Attempt.id.desc()).limit(TRIP_AFTER)
-    ).all()
-    return len(latest) == TRIP_AFTER and all(o == "connection" for o, _ in latest)
+    ).scalars().all()
+    return len(latest) == TRIP_AFTER and all(o in DOWN_OUTCOMES for o in latest)
 
 
-def _probe_due(session: Session, url: str) -> bool:
-    last = session.scalar(select(Attempt.started_at).where(Attempt.server == url)
+def _probe_due(session: Session, url: str, now: datetime) -> bool:
+    last = session.scalar(select(Attempt.ended_at).where(Attempt.server == url)
                           .order_by(Attempt.id.desc()).limit(1))
-    return last is None or (utcnow() - last).total_seconds() >= PROBE_INTERVAL
+    return last is None or (now - last).total_seconds() >= PROBE_INTERVAL
 
 
-def _dispatch_server(server: _Server, *, max_batch: int, queued_timeout: float) -> list[Dispatched]:
-    with session_scope() as s:
-        if s.get_bind().dialect.name == "postgresql":
-            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_key(server.url)})
-        inflight = s.scalar(
-            select(func.count()).select_from(Sample)
-            .where(Sample.server == server.url, Sample.state.in_(INFLIGHT))
-        ) or 0
-        room = min(server.effective_limit - inflight, max_batch)
-        if server.down and not _probe_due(s, server.url):
-            room = 0
-        if room <= 0:
-            return []
-        now = utcnow()
-        due = [Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-               Sample.next_attempt_at <= now]
-        rows: list[tuple[int, int]] = []
-        # A probe of a down server takes a sample that has not failed yet, so
-        # probing does not wear out one sample's attempts.
-        for extra in ([Sample.attempts == 0], []) if server.down else ([],):
-            rows = [(r[0], r[1]) for r in s.execute(
-                select(Sample.id, Sample.job_id).where(*due, *extra)
-                .order_by(Sample.next_attempt_at, Sample.id)
-                .limit(room)
-                .with_for_update(of=Sample, skip_locked=True)
-            )]
-            if rows:
-                break
-        if not rows:
-            return []
-        token = secrets.token_hex(16)
-        states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
-                     deadline=now + timedelta(seconds=queued_timeout))
+#: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
+_LOCK_KEY = int.from_bytes(hashlib.sha256(b"synthq:dispatch").digest()[:8], "big", signed=True)
+
+
+def _take(s: Session, server: _Server, room: int, now: datetime,
+          queued_timeout: float) -> list[Dispatched]:
+    """Move up to ``room`` due samples of the server's jobs to queued."""
+    due = [Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+           Sample.next_attempt_at <= now]
+    rows: list[tuple[int, int]] = []
+    # A probe of a down server takes a sample that has not failed yet, so
+    # probing does not wear out one sample's attempts.
+    for extra in ([Sample.attempts == 0], []) if server.down else ([],):
+        rows = [(r[0], r[1]) for r in s.execute(
+            select(Sample.id, Sample.job_id).where(*due, *extra)
+            .order_by(Sample.next_attempt_at, Sample.id)
+            .limit(room)
+            .with_for_update(of=Sample, skip_locked=True)
+        )]
+        if rows:
+            break
+    if not rows:
+        return []
+    token = secrets.token_hex(16)
+    states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
+                 deadline=now + timedelta(seconds=queued_timeout))
     return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 
@@ -164,46 +155,68 @@ def active_servers(job_ids: Sequence[int] | None = None) -> list[str]:
 
 
 def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
-             server: str | None = None) -> int:
-    """Queue what is due, within each server's limit, and publish it. Returns the count."""
+             server: str | None = None, capacity: int | None = None) -> int:
+    """Queue what is due, within each server's limit and the workers' free slots.
+
+    ``capacity`` is how many more samples may be queued in all; by default
+    the live workers' free capacity (``workers`` table) when a broker is
+    configured, unbounded in embedded mode (the runner passes its own). One
+    transaction under one advisory lock (PostgreSQL), so concurrent
+    dispatchers never overfill a server or the workers. ``publish`` gets each
+    server's samples after the commit. Returns the count.
+    """
     settings = get_settings()
+    batches: list[list[Dispatched]] = []
     with session_scope() as s:
+        if s.get_bind().dialect.name == "postgresql":
+            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+        now = utcnow()
         servers = _servers(s, job_ids)
         if server is not None:
             servers = [x for x in servers if x.url == server]
+        if not servers:
+            return 0
+        if capacity is None and not settings.embedded:
+            capacity = workers.free_capacity(s, now=now, timeout=settings.worker_timeout)
+        free = capacity if capacity is not None else 1 << 62
+        if free <= 0:
+            return 0
         load = inflight_by_server(s)
         sick = health.unhealthy(s, [x.url for x in servers])
         for entry in servers:
             entry.unhealthy = entry.url in sick
             entry.down = server_is_down(s, entry.url)
-    # Most room first: when there is less work than room, it goes where room is.
-    servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
-    total = 0
-    for entry in servers:
-        batch = _dispatch_server(entry, max_batch=settings.dispatch_batch,
-                                 queued_timeout=settings.queued_timeout)
-        if batch:
-            publish(batch)
-            total += len(batch)
-    return total
+        # Most room first: when there is less work than room, it goes where room is.
+        servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
+        for entry in servers:
+            room = min(entry.effective_limit - load.get(entry.url, 0), settings.dispatch_batch,
+                       free)
+            if entry.down and not _probe_due(s, entry.url, now):
+                room = 0
+            if room <= 0:
+                continue
+            taken = _take(s, entry, room, now, settings.queued_timeout)
+            if taken:
+                batches.append(taken)
+                free -= len(taken)
+            if free <= 0:
+                break
+    for batch in batches:
+        publish(batch)
+    return sum(len(b) for b in batches)
 
 
 def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
-    """Return expired leases and unclaimed queued samples to ``pending``. Returns the count.
+    """Return expired leases, dead workers' samples and unclaimed queued samples to
+    ``pending``. Returns the count.
 
     ``reclaim_all`` treats every lease as expired: for a process that knows it
     is the only one working on these jobs (the embedded runner, at start).
     """
+    settings = get_settings()
     now = utcnow()
     cutoff = now + timedelta(days=36500) if reclaim_all else now
     with session_scope() as s:
-        moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids)
-        if moved:
-            # The calls of samples whose worker vanished never ended: close them.
-            s.execute(
-                update(Attempt)
-                .where(Attempt.sample_id.in_([m[0] for m in moved]), Attempt.ended_at.is_(None))
-                .values(ended_at=now, outcome="lost",
-                        error_message="lease expired: the worker stopped reporting")
-            )
+        moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
+                              worker_timeout=settings.worker_timeout)
     return len(moved)

@@ -1,7 +1,8 @@
 """Embedded mode: one process runs a job to the end, no broker needed.
 
-It uses the same dispatcher, claim, call and retry code as the Celery workers;
-only the publisher differs (a thread pool instead of a Redis queue). A file
+It uses the same dispatcher and the same executor (one event loop for every
+call, batched claims, the batch writer) as the Celery workers; only the
+publisher differs (carrier threads instead of a Redis queue). A file
 lock makes it the only process working on this data directory, so at start it
 can reclaim whatever a killed run left queued or running: ``kill -9`` and
 rerun, and it resumes; done samples are never generated again.
@@ -21,9 +22,9 @@ from synthq.config import get_settings
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.errors import UserError
+from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.models import Job
-from synthq.process import process_sample, worker_name
 from synthq.status import JobStatus, job_status
 
 __all__ = ["run_job", "exclusive"]
@@ -55,29 +56,25 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
         job = s.get(Job, job_id)
         if job is None:
             raise UserError(f"no job {job_id}")
-        threads = job.inflight_limit * len(job.servers)
+        capacity = job.inflight_limit * len(job.servers)
     wake = threading.Event()
-    me = worker_name()
-
-    def work(item: Dispatched) -> None:
-        try:
-            process_sample(item.sample_id, item.token, job_id=item.job_id, worker=me)
-        finally:
-            wake.set()
-
-    # In-process "broker": the pool's queue. Its threads equal the sum of the
-    # servers' limits, so a queued sample starts at once.
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="synthq") as pool:
+    size = max(1, settings.batch_size)
+    # With the embedded SQLite file we hold the data directory's lock, so
+    # anything in flight belongs to a run that died: reclaim it now. (On a
+    # shared database, workers elsewhere may hold leases: wait them out.)
+    if settings.is_sqlite:
+        sweep(reclaim_all=True, job_ids=[job_id])
+    engine = Executor(capacity, on_finished=wake.set)
+    # The "broker" is in-process: carrier threads hand each batch to the
+    # executor's event loop and wait for it, as Celery's threads do.
+    pool = ThreadPoolExecutor(max_workers=capacity, thread_name_prefix="synthq-batch")
+    try:
 
         def publish(batch: Sequence[Dispatched]) -> None:
-            for item in batch:
-                pool.submit(work, item)
+            for start in range(0, len(batch), size):
+                chunk = batch[start:start + size]
+                engine.submit_batch([(d.sample_id, d.token, d.job_id) for d in chunk], pool)
 
-        # With the embedded SQLite file we hold the data directory's lock, so
-        # anything in flight belongs to a run that died: reclaim it now. (On a
-        # shared database, workers elsewhere may hold leases: wait them out.)
-        if settings.is_sqlite:
-            sweep(reclaim_all=True, job_ids=[job_id])
         while True:
             probe_due(active_servers([job_id]))
             sweep(job_ids=[job_id])
@@ -93,6 +90,9 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 return status
             wake.wait(timeout=settings.dispatch_interval)
             wake.clear()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=False)
+        engine.close()
 
 
 def _inflight(status: JobStatus) -> int:

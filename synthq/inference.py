@@ -1,15 +1,15 @@
 """The call to an OpenAI-compatible server (vLLM, SGLang, TGI), and its failures.
 
-One :class:`InferenceClient` per server per process, shared by all threads; its
-connection pool is sized to the server's in-flight limit. The call streams and
+One async :class:`InferenceClient` per server per process, on the process's
+event loop; its connection pool is sized to the server's in-flight limit. The call streams and
 reads the raw server-sent-event lines (``json.loads`` per line costs about a
 fifth of the CPU of the client's chunk objects, which matters at thousands of
 chunks a second). Two clocks bound it:
 
 * the **stall timeout** is the transport's read timeout: no byte for that long
   and the call is ``stalled``;
-* the **total timeout** is checked against the wall clock at every chunk (and
-  bounds the read timeout too): a long, healthy generation is fine until then.
+* the **total timeout** bounds the whole call (``asyncio.timeout``): a long,
+  healthy generation is fine until then.
 
 The client's own retries are off (``max_retries=0``); retrying happens in one
 layer only, synthq's (:mod:`synthq.retry`). Every ``openai``/``httpx``
@@ -18,10 +18,9 @@ exception leaves this module converted into a :mod:`synthq.errors` class.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ import openai
 
 from synthq import errors
 
-__all__ = ["ChatRequest", "ChatResult", "InferenceClient", "get_client", "parse_retry_after"]
+__all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after"]
 
 #: Seconds to open a TCP connection before the call counts as a connection failure.
 CONNECT_TIMEOUT = 10.0
@@ -122,30 +121,41 @@ class _Accumulator:
 
 
 class InferenceClient:
-    """A streaming chat client for one server base URL (``http://host:8000/v1``)."""
+    """A streaming chat client for one server base URL (``http://host:8000/v1``).
+
+    Async: every call of a worker process runs on that process's one event
+    loop (:mod:`synthq.executor`). ``max_connections`` sizes the pool; the
+    executor makes a new client when a server's limit grows.
+    """
 
     def __init__(self, base_url: str, *, api_key: str = "EMPTY", max_connections: int = 64,
-                 transport: httpx2.BaseTransport | None = None) -> None:
+                 transport: httpx2.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url
-        http = httpx2.Client(
+        self.max_connections = max_connections
+        http = httpx2.AsyncClient(
             limits=httpx2.Limits(max_connections=max_connections,
                                  max_keepalive_connections=max_connections),
             transport=transport,
         )
-        self._client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
-                                     http_client=http)
+        self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                          http_client=http)
 
-    def close(self) -> None:
-        self._client.close()
+    async def close(self) -> None:
+        await self._client.close()
 
-    def chat(self, request: ChatRequest, *, total_timeout: float, stall_timeout: float,
-             on_chunk: Callable[[], None] | None = None) -> ChatResult:
-        """Stream one chat completion; raise a :class:`synthq.errors.SampleError` on failure.
-
-        ``on_chunk`` runs after every chunk (lease renewal); whatever it raises
-        aborts the call and propagates unchanged.
-        """
+    async def chat(self, request: ChatRequest, *, total_timeout: float,
+                   stall_timeout: float) -> ChatResult:
+        """Stream one chat completion; raise a :class:`synthq.errors.SampleError` on failure."""
         start = time.monotonic()
+        try:
+            async with asyncio.timeout(total_timeout):
+                return await self._stream(request, start, stall_timeout, total_timeout)
+        except TimeoutError as exc:
+            raise errors.TimeoutError_(
+                f"call exceeded the total timeout of {total_timeout:g} s") from exc
+
+    async def _stream(self, request: ChatRequest, start: float, stall_timeout: float,
+                      total_timeout: float) -> ChatResult:
         read_timeout = min(stall_timeout, total_timeout)
         timeout = httpx2.Timeout(read_timeout, connect=min(CONNECT_TIMEOUT, total_timeout),
                                  read=read_timeout, pool=read_timeout)
@@ -154,7 +164,7 @@ class InferenceClient:
         ttft: float | None = None
         done = False
         try:
-            with self._client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
+            async with self._client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
                 model=request.model,
                 messages=request.messages,
                 max_tokens=request.max_tokens,
@@ -164,7 +174,7 @@ class InferenceClient:
                 extra_body=body or None,
                 **request.sampling,
             ) as response:
-                for line in response.iter_lines():
+                async for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, comments, event names
                     data = line[5:].strip()
@@ -177,16 +187,7 @@ class InferenceClient:
                     if ttft is None:
                         ttft = time.monotonic() - start
                     acc.add(chunk)
-                    if time.monotonic() - start > total_timeout:
-                        raise errors.TimeoutError_(
-                            f"call exceeded the total timeout of {total_timeout:g} s")
-                    if on_chunk is not None:
-                        on_chunk()
         except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
-            elapsed = time.monotonic() - start
-            if elapsed >= total_timeout - 0.05:
-                raise errors.TimeoutError_(
-                    f"call exceeded the total timeout of {total_timeout:g} s") from exc
             raise errors.StalledError(
                 f"no data from the server for {read_timeout:g} s "
                 f"({'before the first token' if ttft is None else 'mid-stream'})") from exc
@@ -210,19 +211,3 @@ class InferenceClient:
             latency_s=time.monotonic() - start,
             ttft_s=ttft,
         )
-
-
-_clients: dict[str, InferenceClient] = {}
-_clients_lock = threading.Lock()
-
-
-def get_client(base_url: str, *, max_connections: int) -> InferenceClient:
-    """This process's client for ``base_url`` (made once; thread-safe)."""
-    with _clients_lock:
-        client = _clients.get(base_url)
-        if client is None:
-            from synthq.config import get_settings
-
-            client = _clients[base_url] = InferenceClient(
-                base_url, api_key=get_settings().api_key, max_connections=max_connections)
-        return client

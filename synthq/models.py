@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from synthq.states import JobState, SampleState
+from synthq.enums import JobState, SampleState
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "UTCDateTime"]
 

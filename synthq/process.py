@@ -1,43 +1,46 @@
-"""Process one queued sample: claim it, call its server, tokenize, record the outcome.
+"""One claimed sample, start to outcome: call its server, tokenize, record what happened.
 
-This is the body of the Celery ``generate`` task and of the embedded runner's
-threads: one implementation for both. Every write is a compare-and-set on the
-claim token, so a duplicate delivery or a worker that lost its lease writes
-nothing, and every write is retried through transient database errors, so an
-answer in hand is not dropped because PostgreSQL hiccuped.
+This coroutine runs on a worker process's event loop (:mod:`synthq.executor`),
+for Celery workers and ``synthq run`` alike. Every write goes through the
+process's batch writer (:mod:`synthq.writer`) as a compare-and-set on the
+claim token (:mod:`synthq.states`), so a duplicate delivery or a worker that
+lost its lease writes nothing, and the call's ``attempts`` row is written by
+the same transition, in the same transaction.
 
-With a tokenizer on the job, the raw response is stored first (its own
-transaction), then tokenized; the example is written in the transaction that
-marks the sample done. A sample claimed with its response already stored (a
-worker died after storing it, or a tokenization failure was requeued) is
-tokenized again without calling the server: a generation is paid for once.
+With a tokenizer on the job, the raw response is stored first, then
+tokenized (in a thread: the tokenizer is CPU work), and the example is
+written by the transition that marks the sample done. A sample claimed with
+its response already stored (a worker died after storing it, or a
+tokenization failure was requeued) is tokenized without calling the server:
+a generation is paid for once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
-import secrets
-import socket
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Executor as ThreadPool
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
 from synthq import errors, states
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow, with_db_retry
-from synthq.inference import ChatRequest, ChatResult, get_client
-from synthq.models import Attempt, Job
+from synthq.inference import ChatRequest, ChatResult, InferenceClient
+from synthq.models import Job
 from synthq.packing import pack_ids, pack_mask, unpack_ids
+from synthq.retry import backoff_delay
+from synthq.states import Claimed
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
+from synthq.writer import Writer
 
-__all__ = ["Outcome", "process_sample", "worker_name", "tokenize_response"]
+__all__ = ["Outcome", "run_claimed", "process_sample", "tokenize_response", "get_job",
+           "lease_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +53,8 @@ class Outcome(StrEnum):
     FAILED = "failed"
     #: Tokenization left no supervised token: skipped, not failed.
     SKIPPED = "skipped"
-    #: The lease was lost mid-call (the sweep gave the sample to someone else).
+    #: The lease was lost (the sweep gave the sample to someone else).
     LOST = "lost"
-
-
-class LeaseLost(Exception):
-    """Raised inside the streaming loop when renewing the lease fails."""
-
-
-def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 # -- jobs, cached per process --------------------------------------------------------
@@ -67,14 +62,12 @@ def worker_name() -> str:
 #: Seconds a process trusts its copy of a job's settings.
 JOB_CACHE_SECONDS = 5.0
 _jobs: dict[int, tuple[float, Job]] = {}
-_jobs_lock = threading.Lock()
 
 
-def _job(job_id: int) -> Job:
-    """The job's settings; re-read at most every JOB_CACHE_SECONDS."""
+def get_job(job_id: int) -> Job:
+    """The job's settings; re-read at most every JOB_CACHE_SECONDS (call off the event loop)."""
     now = time.monotonic()
-    with _jobs_lock:
-        hit = _jobs.get(job_id)
+    hit = _jobs.get(job_id)
     if hit and now - hit[0] < JOB_CACHE_SECONDS:
         return hit[1]
 
@@ -85,92 +78,18 @@ def _job(job_id: int) -> Job:
             return job
 
     job = with_db_retry(load, what=f"job {job_id}")
-    with _jobs_lock:
-        _jobs[job_id] = (now, job)
+    _jobs[job_id] = (now, job)
     return job
 
 
-# -- claim ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Claimed:
-    sample_id: int
-    job: Job
-    prompt: list[dict[str, str]]
-    attempts: int
-    server: str
-    token: str
-    #: Set when a previous attempt already stored the response.
-    stored: ChatResult | None
-    #: The attempts row of the call about to be made (None when no call is needed).
-    attempt_id: int | None
-
-
-def _lease_seconds(job: Job) -> float:
-    # The worker gives up on a silent server after stall_timeout; the lease
-    # outlives that by a margin, so a live worker never loses it.
+def lease_seconds(job: Job) -> float:
+    """A running sample's lease: the worker gives up on a silent server after the
+    stall timeout, and the lease outlives that by a margin, so a live worker never
+    loses it."""
     return min(job.stall_timeout, job.total_timeout) + get_settings().lease_margin
 
 
-def _claim(sample_id: int, token: str, worker: str, job_id: int | None) -> _Claimed | None:
-    new_token = secrets.token_hex(16)
-    # The message names the job, so the lease is the job's from the start.
-    # (Without it, a generous lease now, the job's own right after.)
-    known = _job(job_id) if job_id is not None else None
-    lease = timedelta(seconds=_lease_seconds(known) if known else
-                      get_settings().lease_margin + 3600)
-
-    def attempt() -> Any:
-        now = utcnow()
-        with session_scope() as s:
-            row = states.claim(s, sample_id, token, new_token=new_token, lease_until=now + lease,
-                               worker=worker, now=now)
-            if row is None:
-                # Not ours: a duplicate or stale message, or the job is not active.
-                states.release(s, sample_id, token, now=now)
-                return None
-            attempt_id = None
-            if row.response_content is None:  # a call will be made: log it
-                attempt_id = s.execute(insert(Attempt).values(
-                    sample_id=sample_id, server=row.server, worker=worker, started_at=now,
-                ).returning(Attempt.id)).scalar_one()
-            return row, attempt_id
-
-    won = with_db_retry(attempt, what=f"claim sample {sample_id}")
-    if won is None:
-        return None
-    row, attempt_id = won
-    job_id, attempts, prompt, server, content, reasoning, finish, completion_ids = row
-    assert server is not None, "a queued sample always has its server"
-    job = known if known is not None and known.id == job_id else _job(job_id)
-    if known is None:
-        with session_scope() as s:  # now the job's own lease
-            states.renew(s, sample_id, new_token,
-                         lease_until=utcnow() + timedelta(seconds=_lease_seconds(job)))
-    stored = None
-    if content is not None:
-        ids = unpack_ids(completion_ids)
-        stored = ChatResult(content=content, reasoning_content=reasoning, finish_reason=finish,
-                            prompt_tokens=None, completion_tokens=None, prompt_token_ids=None,
-                            completion_token_ids=ids.tolist() if ids is not None else None,
-                            latency_s=0.0, ttft_s=None)
-    return _Claimed(sample_id, job, prompt or [], attempts, server, new_token, stored,
-                    attempt_id)
-
-
-def _close_attempt(s: Session, attempt_id: int, *, outcome: str, message: str | None,
-                   result: ChatResult | None, latency: float, now: datetime) -> None:
-    s.execute(
-        update(Attempt).where(Attempt.id == attempt_id).values(
-            ended_at=now, outcome=outcome, error_message=message, latency_s=latency,
-            ttft_s=result.ttft_s if result else None,
-            completion_tokens=result.completion_tokens if result else None,
-        )
-    )
-
-
-# -- the step ------------------------------------------------------------------------
+# -- pieces ---------------------------------------------------------------------------
 
 
 def _check_result(job: Job, result: ChatResult) -> None:
@@ -207,136 +126,140 @@ def tokenize_response(job: Job, prompt: list[dict[str, str]], content: str,
                 tokenize_version=job.tokenize_version, token_mismatch=mismatch)
 
 
-def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
-                   worker: str | None = None) -> Outcome:
-    """Claim ``sample_id`` with the dispatch ``token`` and run it to an outcome."""
-    worker = worker or worker_name()
-    c = _claim(sample_id, token, worker, job_id)
-    if c is None:
-        return Outcome.STALE
-    if c.stored is not None:
-        return _finish(c, c.stored, attempt_id=None)
-    job = c.job
-    lease = _lease_seconds(job)
-    renew_every = max(1.0, lease / 4)
-    last_renew = time.monotonic()
+def _stored(c: Claimed) -> ChatResult | None:
+    if c.response_content is None:
+        return None
+    ids = unpack_ids(c.completion_token_ids)
+    return ChatResult(content=c.response_content, reasoning_content=c.reasoning_content,
+                      finish_reason=c.finish_reason, prompt_tokens=None, completion_tokens=None,
+                      prompt_token_ids=None,
+                      completion_token_ids=ids.tolist() if ids is not None else None,
+                      latency_s=0.0, ttft_s=None)
 
-    def renew_lease() -> None:
-        nonlocal last_renew
-        if time.monotonic() - last_renew < renew_every:
-            return
-        last_renew = time.monotonic()
-        with session_scope() as s:
-            if not states.renew(s, sample_id, c.token,
-                                lease_until=utcnow() + timedelta(seconds=lease)):
-                raise LeaseLost(f"sample {sample_id}: lease lost")
 
-    attempt_id = c.attempt_id
-    assert attempt_id is not None
-    client = get_client(c.server, max_connections=job.inflight_limit)
+class Call:
+    """What the executor knows about one sample in flight (for renewal and cancelling)."""
+
+    __slots__ = ("claimed", "lease_s", "renewed_at", "started_at", "started_mono", "calling",
+                 "lost", "task")
+
+    def __init__(self, claimed: Claimed, lease_s: float) -> None:
+        self.claimed = claimed
+        self.lease_s = lease_s
+        self.renewed_at = time.monotonic()
+        self.started_at = utcnow()
+        self.started_mono = time.monotonic()
+        #: True while the HTTP call runs: the only time a lost lease cancels the task.
+        self.calling = False
+        #: Set by the renewal that found the lease gone.
+        self.lost = False
+        #: The task running this sample (cancelled when the lease is lost mid-call).
+        self.task: asyncio.Task[Any] | None = None
+
+
+# -- the coroutine ------------------------------------------------------------------------
+
+
+async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], InferenceClient],
+                      writer: Writer, worker: str, tokenize_pool: ThreadPool) -> Outcome:
+    """Run one claimed sample to its outcome; every write committed before it returns."""
+    c = call.claimed
+    stored = _stored(c)
+    if stored is not None:
+        return await _finish(c, job, stored, None, writer, tokenize_pool)
+
+    def attempt(outcome: str, message: str | None, result: ChatResult | None) -> dict[str, Any]:
+        return dict(sample_id=c.sample_id, server=c.server, worker=worker,
+                    started_at=call.started_at, ended_at=utcnow(), outcome=outcome,
+                    error_message=message, latency_s=time.monotonic() - call.started_mono,
+                    ttft_s=result.ttft_s if result else None,
+                    completion_tokens=result.completion_tokens if result else None)
+
     request = ChatRequest(model=job.model, messages=c.prompt, max_tokens=job.max_tokens,
                           sampling=dict(job.sampling), extra_body=dict(job.extra_body))
-    started = time.monotonic()
     result: ChatResult | None = None
+    call.calling = True
     try:
-        result = client.chat(request, total_timeout=job.total_timeout,
-                             stall_timeout=job.stall_timeout, on_chunk=renew_lease)
+        result = await client(c.server, job.inflight_limit).chat(
+            request, total_timeout=job.total_timeout, stall_timeout=job.stall_timeout)
         _check_result(job, result)
-    except LeaseLost:
-        log.warning("sample %s: lease lost mid-call; dropping the response", sample_id)
-        latency = time.monotonic() - started
-
-        def close(s: Session, now: datetime) -> bool:
-            _close_attempt(s, attempt_id, outcome="lost", message="lease lost mid-call",
-                           result=None, latency=latency, now=now)
-            return True
-
-        _write(sample_id, close)
+    except asyncio.CancelledError:
+        call.calling = False
+        if not call.lost:
+            raise
+        log.warning("sample %s: lease lost mid-call; dropping the call", c.sample_id)
+        await writer.write(lambda s, now: states.lose(s, attempt=attempt(
+            "lost", "lease lost mid-call", None)))
         return Outcome.LOST
     except errors.SampleError as exc:
-        return _record_failure(c, exc, result, time.monotonic() - started, attempt_id)
-    return _finish(c, result, attempt_id=attempt_id)
+        call.calling = False
+        return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
+    call.calling = False
+    return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
 
 
-def _write(sample_id: int, fn: Any) -> bool:
-    """One transaction ``fn(session, now) -> won``, retried through transient DB errors."""
-
-    def attempt() -> bool:
-        now = utcnow()
-        with session_scope() as s:
-            return bool(fn(s, now))
-
-    return with_db_retry(attempt, what=f"sample {sample_id}")
-
-
-def _finish(c: _Claimed, result: ChatResult, *, attempt_id: int | None) -> Outcome:
+async def _finish(c: Claimed, job: Job, result: ChatResult, attempt: dict[str, Any] | None,
+                  writer: Writer, tokenize_pool: ThreadPool) -> Outcome:
     """Store the response, tokenize it if the job says so, and mark the sample."""
-    job = c.job
+    columns = _response_columns(result) if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
-        def done(s: Session, now: datetime) -> bool:
-            won = states.complete(s, c.sample_id, c.token, now=now, **_response_columns(result))
-            if attempt_id is not None:
-                _close_attempt(s, attempt_id, outcome="ok" if won else "lost", result=result,
-                               message=None if won else "lease lost before the result was written",
-                               latency=result.latency_s, now=now)
-            return won
-
-        return Outcome.DONE if _write(c.sample_id, done) else Outcome.LOST
-
-    if attempt_id is not None:
-        # The answer is paid for: store it before anything else can go wrong.
-        def store(s: Session, now: datetime) -> bool:
-            assert attempt_id is not None
-            won = states.store_response(s, c.sample_id, c.token, now=now,
-                                        **_response_columns(result))
-            _close_attempt(s, attempt_id, outcome="ok" if won else "lost", result=result,
-                           message=None if won else "lease lost before the result was written",
-                           latency=result.latency_s, now=now)
-            return won
-
-        if not _write(c.sample_id, store):
-            return Outcome.LOST
+        won = await _write(writer, c, lambda s, now: states.complete(
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns))
+        return Outcome.DONE if won else Outcome.LOST
+    # A new answer is paid for: store it before anything else can go wrong.
+    if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns)):
+        return Outcome.LOST
+    loop = asyncio.get_running_loop()
     try:
-        example = tokenize_response(job, c.prompt, result.content, result.reasoning_content,
-                                    result.completion_token_ids)
+        example = await loop.run_in_executor(
+            tokenize_pool, tokenize_response, job, c.prompt, result.content,
+            result.reasoning_content, result.completion_token_ids)
     except errors.PermanentError as exc:
-        return _tokenization_failed(c, exc)
+        return await _tokenization_failed(c, exc, writer)
     except Exception as exc:  # a bug or a tokenizer surprise: fail it, never loop on it
         log.exception("sample %s: tokenization crashed", c.sample_id)
-        return _tokenization_failed(c, errors.InvalidInput(
-            f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000]))
-    won = _write(c.sample_id, lambda s, now: states.complete(
+        return await _tokenization_failed(c, errors.InvalidInput(
+            f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000]), writer)
+    won = await _write(writer, c, lambda s, now: states.complete(
         s, c.sample_id, c.token, now=now, **example))
     return Outcome.DONE if won else Outcome.LOST
 
 
-def _tokenization_failed(c: _Claimed, exc: errors.PermanentError) -> Outcome:
+async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool]) -> bool:
+    """A write of this sample's; one the database refuses (not a transient error, e.g.
+    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead."""
+    try:
+        return bool(await writer.write(fn))
+    except Exception as exc:  # noqa: BLE001 - recorded on the sample
+        log.warning("sample %s: write refused: %s", c.sample_id, exc)
+        message = f"the result could not be stored: {type(exc).__name__}: {exc}"[:2000]
+        return bool(await writer.write(lambda s, now: states.fail(
+            s, c.sample_id, c.token, error_class="invalid_input", error_message=message,
+            now=now)))
+
+
+async def _tokenization_failed(c: Claimed, exc: errors.PermanentError, writer: Writer) -> Outcome:
     """No example: skipped when truncation left nothing to learn, else failed.
 
     The response stays stored either way; ``synthq retokenize`` can retry.
     """
     skip = isinstance(exc, errors.NoSupervisedTokens)
     transition = states.skip if skip else states.fail
-
-    def record(s: Session, now: datetime) -> bool:
-        return transition(s, c.sample_id, c.token, error_class=exc.error_class,
-                          error_message=str(exc), now=now)
-
-    if not _write(c.sample_id, record):
+    won = await _write(writer, c, lambda s, now: transition(
+        s, c.sample_id, c.token, error_class=exc.error_class, error_message=str(exc), now=now))
+    if not won:
         return Outcome.LOST
     return Outcome.SKIPPED if skip else Outcome.FAILED
 
 
-def _record_failure(c: _Claimed, exc: errors.SampleError, result: ChatResult | None,
-                    latency: float, attempt_id: int) -> Outcome:
-    job = c.job
+async def _failure(c: Claimed, job: Job, exc: errors.SampleError, attempt: dict[str, Any],
+                   writer: Writer) -> Outcome:
     message = str(exc)
     retry = exc.retryable and c.attempts < job.max_attempts
     delay = 0.0
     if retry:
-        from synthq.retry import backoff_delay
-
         delay = backoff_delay(c.attempts, base=job.backoff_base, cap=job.backoff_cap,
                               retry_after=getattr(exc, "retry_after", None))
     elif exc.retryable:
@@ -344,16 +267,26 @@ def _record_failure(c: _Claimed, exc: errors.SampleError, result: ChatResult | N
 
     def record(s: Session, now: datetime) -> bool:
         if retry:
-            won = states.retry(s, c.sample_id, c.token, now=now,
-                               next_attempt_at=now + timedelta(seconds=delay),
-                               error_class=exc.error_class, error_message=message)
-        else:
-            won = states.fail(s, c.sample_id, c.token, now=now, error_class=exc.error_class,
-                              error_message=message)
-        _close_attempt(s, attempt_id, outcome=exc.error_class, message=str(exc), result=result,
-                       latency=latency, now=now)
-        return won
+            return states.retry(s, c.sample_id, c.token, now=now,
+                                next_attempt_at=now + timedelta(seconds=delay),
+                                error_class=exc.error_class, error_message=message,
+                                attempt=attempt)
+        return states.fail(s, c.sample_id, c.token, now=now, error_class=exc.error_class,
+                           error_message=message, attempt=attempt)
 
-    if not _write(c.sample_id, record):
+    if not await _write(writer, c, record):
         return Outcome.LOST
     return Outcome.RETRY if retry else Outcome.FAILED
+
+
+def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
+                   worker: str | None = None) -> Outcome:
+    """Claim one queued sample and run it to its outcome on this process's executor.
+
+    For tests and one-off use; workers run whole batches (:mod:`synthq.executor`).
+    """
+    from synthq.executor import default_executor
+
+    del worker  # the executor's own name is the worker's
+    return default_executor().run_batch([(sample_id, token, job_id)]).get(
+        sample_id, Outcome.STALE)

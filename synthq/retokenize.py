@@ -18,16 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from synthq import errors
+from synthq import errors, states
 from synthq.db import session_scope, utcnow, with_db_retry
+from synthq.enums import SampleState
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
 from synthq.process import tokenize_response
-from synthq.states import SampleState
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["configure", "stale_query", "stale_ids", "count_stale", "retokenize_batch",
@@ -137,10 +137,8 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         with session_scope() as s:
             for sid, values in updates:
                 # CAS: still eligible and still older than this version.
-                s.execute(update(Sample)
-                          .where(Sample.id == sid, stale_query(job_id, job.tokenize_version))
-                          .values(updated_at=now, **values)
-                          .execution_options(synchronize_session=False))
+                states.retokenized(s, sid, still_stale=stale_query(job_id, job.tokenize_version),
+                                   now=now, **values)
 
     with_db_retry(write, what=f"retokenize batch of job {job_id}")
     return result

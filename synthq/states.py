@@ -1,175 +1,203 @@
-"""Sample and job states, and every sample state transition.
+"""Every write to samples, attempts and job states: one module, each transition a compare-and-set.
 
-Each transition is one compare-and-set ``UPDATE ... WHERE id=? AND state IN
-(allowed sources) [AND claim=?]``; it returns whether it won. A duplicate
-delivery, a worker whose lease expired, or two racing workers therefore can
-never write a result twice or overwrite a newer state (DESIGN invariant 2).
+Each sample transition is an ``UPDATE ... WHERE id=? AND state IN (allowed
+sources) [AND claim=?]`` and returns whether it won. A duplicate delivery, a
+worker whose lease expired, or two racing workers therefore can never write a
+result twice or overwrite a newer state (DESIGN invariant 2). A call's
+``attempts`` row is written by the transition that records the call's
+outcome, in the same transaction.
 
 ::
 
-    pending ──dispatch──▶ queued ──claim──▶ running ──complete──▶ done
-       ▲  ▲                 │                 │ │
-       │  └──release/sweep──┘                 │ └──fail──▶ failed ──requeue──┐
-       │                                      │                               │
-       └──────────────retry / lease sweep─────┘◀──────────────────────────────┘
-    (malformed rows are inserted as skipped)
+    pending ──queue──▶ queued ──claim──▶ running ──complete──▶ done ◀─┐
+       ▲  ▲               │                │ │ │                     │ retokenized
+       │  └──release──────┘                │ │ └──skip──▶ skipped ───┤ (stored response,
+       │  └──expire (deadline)─────────────│─┘                       │  new settings)
+       │                                   └──fail──▶ failed ────────┘
+       └──retry / expire (lease, dead worker)──┘        │
+       └──────────────────────requeue───────────────────┘
+    (malformed rows are inserted as skipped by enqueue)
+
+    job: active ⇄ paused (pause / resume);  active, paused ──cancel──▶ cancelled
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable, Sequence
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, select, update
+from sqlalchemy import and_, case, exists, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
+from synthq.enums import FINISHED, INFLIGHT, JobState, SampleState
+from synthq.models import Attempt, Job, Sample, Worker
+
 __all__ = [
-    "SampleState",
-    "JobState",
-    "INFLIGHT",
-    "FINISHED",
-    "queue",
-    "claim",
-    "release",
-    "renew",
-    "complete",
-    "store_response",
-    "skip",
-    "retry",
-    "fail",
-    "requeue",
-    "expire",
+    "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
+    "queue", "claim_batch", "claim", "release", "renew", "renew_many",
+    "complete", "store_response", "skip", "retry", "fail", "lose",
+    "requeue", "expire", "retokenized", "set_job_state",
 ]
 
-
-class SampleState(enum.StrEnum):
-    #: Waiting to be sent, possibly until ``next_attempt_at`` (a retry's backoff).
-    PENDING = "pending"
-    #: A ``generate`` message was published; waiting for a worker to claim it.
-    QUEUED = "queued"
-    #: A worker holds the lease and is calling the server.
-    RUNNING = "running"
-    #: The response (and, later, its tokenization) is stored. Final.
-    DONE = "done"
-    #: Gave up: a permanent error, or retries exhausted. ``requeue`` revives it.
-    FAILED = "failed"
-    #: The dataset row was malformed; never sent. Final.
-    SKIPPED = "skipped"
+#: One sample of a message: its id and the token its dispatch gave it.
+Item = tuple[int, str]
 
 
-class JobState(enum.StrEnum):
-    #: Samples are dispatched.
-    ACTIVE = "active"
-    #: Nothing new is dispatched; calls in flight finish.
-    PAUSED = "paused"
-    #: Like paused, for good (``resume`` refuses).
-    CANCELLED = "cancelled"
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A sample a worker now holds (``running``), as the claim returned it."""
+
+    sample_id: int
+    job_id: int
+    #: Calls counted so far, this one included (if a call is to be made).
+    attempts: int
+    prompt: list[dict[str, Any]]
+    server: str
+    #: The token every later transition of this sample must present.
+    token: str
+    #: Set when an earlier attempt stored the response: no call is needed.
+    response_content: str | None
+    reasoning_content: str | None
+    finish_reason: str | None
+    completion_token_ids: bytes | None
 
 
-#: States that hold a slot of a server's in-flight limit.
-INFLIGHT = (SampleState.QUEUED, SampleState.RUNNING)
-#: States a sample does not leave by itself.
-FINISHED = (SampleState.DONE, SampleState.FAILED, SampleState.SKIPPED)
-
-
-def _samples():  # type: ignore[no-untyped-def]
-    from synthq.models import Sample  # late import: models imports this module
-
-    return Sample
-
-
-def _cas(
-    session: Session,
-    sample_id: int,
-    sources: Sequence[SampleState],
-    values: dict[str, Any],
-    *,
-    claim_token: str | None = None,
-    extra: Iterable[Any] = (),
-) -> bool:
-    Sample = _samples()
+def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
+         values: dict[str, Any], *, token: str | None = None, extra: Sequence[Any] = ()) -> bool:
     conds = [Sample.id == sample_id, Sample.state.in_(sources), *extra]
-    if claim_token is not None:
-        conds.append(Sample.claim == claim_token)
+    if token is not None:
+        conds.append(Sample.claim == token)
     result = session.execute(
-        update(Sample).where(and_(*conds)).values(**values).execution_options(synchronize_session=False)
-    )
+        update(Sample).where(and_(*conds)).values(**values)
+        .execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 
-def queue(
-    session: Session, sample_ids: Sequence[int], *, server: str, token: str,
-    deadline: datetime, now: datetime,
-) -> int:
+def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
+    """The call's row. A call whose result could not be written ended ``lost``."""
+    if attempt is None:
+        return
+    row = dict(attempt)
+    if not won:
+        row["outcome"] = "lost"
+        row["error_message"] = "lease lost before the result was written"
+    session.execute(insert(Attempt).values(**row))
+
+
+# -- dispatch and claim ----------------------------------------------------------------
+
+
+def queue(session: Session, sample_ids: Sequence[int], *, server: str, token: str,
+          deadline: datetime, now: datetime) -> int:
     """pending → queued, for ids the dispatcher locked. Returns how many moved."""
-    Sample = _samples()
     result = session.execute(
         update(Sample)
         .where(Sample.id.in_(sample_ids), Sample.state == SampleState.PENDING)
         .values(state=SampleState.QUEUED, server=server, claim=token, lease_expires_at=deadline,
                 queued_at=now, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
+        .execution_options(synchronize_session=False))
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def claim(
-    session: Session, sample_id: int, token: str, *, new_token: str, lease_until: datetime,
-    worker: str, now: datetime,
-) -> Any:
-    """queued → running, only if the message's token still matches and the job is active.
+def claim_batch(session: Session, items: Sequence[Item], *, new_token: str,
+                lease_until: datetime, worker: str, now: datetime) -> list[Claimed]:
+    """queued → running for every ``(id, token)`` that still matches, in one statement.
 
-    Counts the attempt (unless the response is already stored: no call then).
-    Returns the row's ``job_id, attempts, prompt, server,
-    response_content, reasoning_content, finish_reason, completion_token_ids``,
-    or ``None`` if the claim lost.
+    Only samples of active jobs are claimed; those of paused or cancelled jobs
+    go back to ``pending`` (released) in the same transaction. Each claim
+    counts an attempt, unless the response is already stored (no call then).
+    Stale items (another delivery won, or the sweep took the sample back) are
+    left alone and simply absent from the result.
     """
-    from synthq.models import Job, Sample
-
+    if not items:
+        return []
+    pairs = tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items])
     job_active = exists().where(Job.id == Sample.job_id, Job.state == JobState.ACTIVE)
-    return session.execute(
+    rows = session.execute(
         update(Sample)
-        .where(Sample.id == sample_id, Sample.state == SampleState.QUEUED,
-               Sample.claim == token, job_active)
+        .where(pairs, Sample.state == SampleState.QUEUED, job_active)
         .values(state=SampleState.RUNNING, claim=new_token, lease_expires_at=lease_until,
                 worker=worker, started_at=now, updated_at=now,
-                # attempts counts calls: none is made for a response already stored.
                 attempts=case((Sample.response_content.is_(None), Sample.attempts + 1),
                               else_=Sample.attempts))
-        .returning(Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
+        .returning(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
                    Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
                    Sample.completion_token_ids)
-    ).first()
+        .execution_options(synchronize_session=False)
+    ).all()
+    if len(rows) < len(items):
+        won = {r[0] for r in rows}
+        release(session, [i for i in items if i[0] not in won], now=now)
+    # A queued sample always has its server (queue() sets it).
+    return [Claimed(r[0], r[1], r[2], r[3] or [], r[4] or "", new_token, r[5], r[6], r[7], r[8])
+            for r in rows]
 
 
-def release(session: Session, sample_id: int, token: str, *, now: datetime) -> bool:
-    """queued → pending: the message arrived but the job is paused or cancelled."""
-    return _cas(session, sample_id, [SampleState.QUEUED],
-                dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
-                     updated_at=now), claim_token=token)
+def claim(session: Session, sample_id: int, token: str, *, new_token: str,
+          lease_until: datetime, worker: str, now: datetime) -> Claimed | None:
+    """:func:`claim_batch` for one sample: the claim, or None if it lost."""
+    won = claim_batch(session, [(sample_id, token)], new_token=new_token,
+                      lease_until=lease_until, worker=worker, now=now)
+    return won[0] if won else None
+
+
+def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
+    """queued → pending, for items still queued under their token (their job is not active)."""
+    if not items:
+        return 0
+    result = session.execute(
+        update(Sample)
+        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
+               Sample.state == SampleState.QUEUED)
+        .values(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+                updated_at=now)
+        .execution_options(synchronize_session=False))
+    return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
     """running → running with a later lease. False means the lease was lost."""
-    return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(lease_expires_at=lease_until), claim_token=token)
+    return _cas(session, sample_id, [SampleState.RUNNING], dict(lease_expires_at=lease_until),
+                token=token)
 
 
-def complete(session: Session, sample_id: int, token: str, *, now: datetime, **result: Any) -> bool:
+def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime) -> set[int]:
+    """:func:`renew` for many samples in one statement; returns the ids still held."""
+    if not items:
+        return set()
+    rows = session.execute(
+        update(Sample)
+        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
+               Sample.state == SampleState.RUNNING)
+        .values(lease_expires_at=lease_until)
+        .returning(Sample.id)
+        .execution_options(synchronize_session=False))
+    return {r[0] for r in rows}
+
+
+# -- outcomes of a claimed sample -------------------------------------------------------
+
+
+def complete(session: Session, sample_id: int, token: str, *, now: datetime,
+             attempt: dict[str, Any] | None = None, **result: Any) -> bool:
     """running → done, writing the result in the same statement (invariant 3)."""
-    return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(state=SampleState.DONE, claim=None, lease_expires_at=None,
-                     error_class=None, error_message=None, finished_at=now, updated_at=now,
-                     **result), claim_token=token)
+    won = _cas(session, sample_id, [SampleState.RUNNING],
+               dict(state=SampleState.DONE, claim=None, lease_expires_at=None,
+                    error_class=None, error_message=None, finished_at=now, updated_at=now,
+                    **result), token=token)
+    _attempt(session, attempt, won=won)
+    return won
 
 
 def store_response(session: Session, sample_id: int, token: str, *, now: datetime,
-                   **response: Any) -> bool:
+                   attempt: dict[str, Any] | None = None, **response: Any) -> bool:
     """running → running, saving the raw response before tokenization (invariant 4)."""
-    return _cas(session, sample_id, [SampleState.RUNNING], dict(updated_at=now, **response),
-                claim_token=token)
+    won = _cas(session, sample_id, [SampleState.RUNNING], dict(updated_at=now, **response),
+               token=token)
+    _attempt(session, attempt, won=won)
+    return won
 
 
 def skip(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
@@ -178,31 +206,44 @@ def skip(session: Session, sample_id: int, token: str, *, error_class: str, erro
     return _cas(session, sample_id, [SampleState.RUNNING],
                 dict(state=SampleState.SKIPPED, claim=None, lease_expires_at=None,
                      error_class=error_class, error_message=error_message, finished_at=now,
-                     updated_at=now), claim_token=token)
+                     updated_at=now), token=token)
 
 
 def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: datetime,
-          error_class: str, error_message: str, now: datetime) -> bool:
+          error_class: str, error_message: str, now: datetime,
+          attempt: dict[str, Any] | None = None) -> bool:
     """running → pending, due again at ``next_attempt_at`` (the retry waits in SQL)."""
-    return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
-                     next_attempt_at=next_attempt_at, error_class=error_class,
-                     error_message=error_message, updated_at=now), claim_token=token)
+    won = _cas(session, sample_id, [SampleState.RUNNING],
+               dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+                    next_attempt_at=next_attempt_at, error_class=error_class,
+                    error_message=error_message, updated_at=now), token=token)
+    _attempt(session, attempt, won=won)
+    return won
 
 
 def fail(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
-         now: datetime) -> bool:
+         now: datetime, attempt: dict[str, Any] | None = None) -> bool:
     """running → failed."""
-    return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(state=SampleState.FAILED, claim=None, lease_expires_at=None,
-                     error_class=error_class, error_message=error_message, finished_at=now,
-                     updated_at=now), claim_token=token)
+    won = _cas(session, sample_id, [SampleState.RUNNING],
+               dict(state=SampleState.FAILED, claim=None, lease_expires_at=None,
+                    error_class=error_class, error_message=error_message, finished_at=now,
+                    updated_at=now), token=token)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
+    """The lease was lost mid-call: the sample is someone else's; only the call is logged."""
+    session.execute(insert(Attempt).values(**{**attempt, "outcome": "lost"}))
+    return False
+
+
+# -- repair ---------------------------------------------------------------------------
 
 
 def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
             sample_ids: Sequence[int] = (), now: datetime) -> int:
     """failed → pending with a fresh attempt budget. Returns how many moved."""
-    Sample = _samples()
     conds = [Sample.job_id == job_id, Sample.state == SampleState.FAILED]
     if classes:
         conds.append(Sample.error_class.in_(classes))
@@ -212,52 +253,99 @@ def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
         update(Sample).where(*conds)
         .values(state=SampleState.PENDING, attempts=0, next_attempt_at=now, claim=None,
                 server=None, finished_at=None, updated_at=now)
-        .execution_options(synchronize_session=False)
-    )
+        .execution_options(synchronize_session=False))
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
-           job_ids: Sequence[int] | None = None) -> list[tuple[int, SampleState]]:
-    """Sweep: queued/running samples whose lease or queue deadline passed.
+def retokenized(session: Session, sample_id: int, *, still_stale: Any, state: SampleState,
+                now: datetime, **values: Any) -> bool:
+    """done/failed/skipped → done/failed/skipped with a new example (``synthq retokenize``).
 
-    A queued sample whose message never reached a worker, or a running one
-    whose worker died, goes back to ``pending`` (due now); a running one that
-    has used its last attempt becomes ``failed`` (class ``connection``).
-    ``cutoff`` (default ``now``) is the lease time considered expired; the
-    embedded runner passes a far future one at start to reclaim everything a
-    killed run left in flight. Returns ``(sample_id, new_state)`` for each
-    sample moved.
+    ``still_stale`` is the condition that made the sample eligible (it has a
+    stored response and an example older than the job's tokenize version);
+    a sample that another batch already recomputed is left alone.
     """
-    from synthq.models import Job, Sample
+    return _cas(session, sample_id, FINISHED, dict(state=state, updated_at=now, **values),
+                extra=[still_stale])
 
+
+#: Allowed sources of each job transition.
+JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
+    JobState.PAUSED: (JobState.ACTIVE, JobState.PAUSED),
+    JobState.ACTIVE: (JobState.PAUSED, JobState.ACTIVE),
+    JobState.CANCELLED: (JobState.ACTIVE, JobState.PAUSED, JobState.CANCELLED),
+}
+
+
+def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime) -> bool:
+    """pause (active → paused), resume (paused → active), cancel (→ cancelled), as a CAS."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.in_(JOB_TRANSITIONS[target]))
+        .values(state=target, updated_at=now).execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+# -- the sweep --------------------------------------------------------------------------
+
+
+def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
+           job_ids: Sequence[int] | None = None,
+           worker_timeout: float | None = None) -> list[tuple[int, SampleState]]:
+    """Sweep: in-flight samples whose holder is gone.
+
+    * a queued sample past its deadline (its message never reached a worker);
+    * a running sample whose lease passed ``cutoff`` (default ``now``);
+    * with ``worker_timeout``, a running sample whose worker has not
+      heart-beaten for that many seconds (``kill -9``): at once, not after
+      its lease.
+
+    Each goes back to ``pending`` (due now), or to ``failed`` (class
+    ``connection``) if it was running its last attempt. A running sample's
+    call is logged as a ``lost`` attempt. The embedded runner passes a far
+    future ``cutoff`` at start to reclaim everything a killed run left in
+    flight. Returns ``(sample_id, new_state)`` for each sample moved.
+    """
+    cutoff = cutoff or now
+    gone = Sample.lease_expires_at < cutoff
+    if worker_timeout is not None:
+        live = select(Worker.name).where(
+            Worker.heartbeat_at >= now - timedelta(seconds=worker_timeout))
+        gone = gone | and_(Sample.state == SampleState.RUNNING, Sample.worker.is_not(None),
+                           Sample.worker.not_in(live))
+    where = [Sample.state.in_(INFLIGHT), gone,
+             *([Sample.job_id.in_(job_ids)] if job_ids is not None else [])]
     rows = session.execute(
-        select(Sample.id, Sample.state, Sample.attempts, Job.max_attempts)
-        .join(Job, Job.id == Sample.job_id)
-        .where(Sample.state.in_(INFLIGHT), Sample.lease_expires_at < (cutoff or now),
-               *([Sample.job_id.in_(job_ids)] if job_ids is not None else []))
+        select(Sample.id, Sample.state, Sample.attempts, Job.max_attempts, Sample.server,
+               Sample.worker, Sample.started_at, Sample.response_content.is_(None))
+        .join(Job, Job.id == Sample.job_id).where(*where)
         .with_for_update(of=Sample, skip_locked=True)
     ).all()
-    exhausted = [r[0] for r in rows if r[1] == SampleState.RUNNING and r[2] >= r[3]]
-    back = [r[0] for r in rows if r[0] not in set(exhausted)]
-    stale = [Sample.state.in_(INFLIGHT), Sample.lease_expires_at < (cutoff or now)]
+    if not rows:
+        return []
+    exhausted = {r[0] for r in rows if r[1] == SampleState.RUNNING and r[2] >= r[3]}
+    back = [r[0] for r in rows if r[0] not in exhausted]
     moved: list[tuple[int, SampleState]] = []
     if back:
         session.execute(
-            update(Sample).where(Sample.id.in_(back), *stale)
+            update(Sample).where(Sample.id.in_(back), *where)
             .values(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
                     next_attempt_at=now, updated_at=now)
-            .execution_options(synchronize_session=False)
-        )
+            .execution_options(synchronize_session=False))
         moved += [(i, SampleState.PENDING) for i in back]
     if exhausted:
         session.execute(
-            update(Sample).where(Sample.id.in_(exhausted), *stale)
+            update(Sample).where(Sample.id.in_(exhausted), *where)
             .values(state=SampleState.FAILED, claim=None, lease_expires_at=None,
                     error_class="connection",
-                    error_message="lease expired: the worker stopped reporting on its last attempt",
+                    error_message="the worker stopped reporting during its last attempt",
                     finished_at=now, updated_at=now)
-            .execution_options(synchronize_session=False)
-        )
+            .execution_options(synchronize_session=False))
         moved += [(i, SampleState.FAILED) for i in exhausted]
+    # The calls those workers were making never ended: log them as lost.
+    lost = [dict(sample_id=r[0], server=r[4], worker=r[5], started_at=r[6] or now,
+                 ended_at=now, outcome="lost",
+                 error_message="the worker stopped reporting during the call")
+            for r in rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
+    if lost:
+        session.execute(insert(Attempt), lost)
     return moved

@@ -32,13 +32,14 @@ TEST_ENV = {
 
 
 def _reset_process_state() -> None:
-    from synthq import inference, process
+    from synthq import process
     from synthq.config import get_settings
     from synthq.db import dispose_engines
+    from synthq.executor import reset_default_executor
 
+    reset_default_executor()
     get_settings.cache_clear()
     dispose_engines()
-    inference._clients.clear()
     process._jobs.clear()  # job ids restart at 1 in every test
 
 
@@ -71,7 +72,8 @@ def pg(pg_session_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
     engine = create_engine(pg_session_url)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE attempts, samples, jobs, servers, workers RESTART IDENTITY CASCADE"))
+        conn.execute(text("TRUNCATE attempts, samples, jobs, servers, workers "
+                          "RESTART IDENTITY CASCADE"))
     engine.dispose()
     monkeypatch.setenv("SYNTHQ_DATABASE_URL", pg_session_url)
     monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))

@@ -134,3 +134,17 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, default=str, indent=1)
 
 
+
+
+def wait_worker_live(n: int = 1, timeout: float = 30) -> None:
+    """Wait until ``n`` generation workers have registered (``workers`` rows)."""
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Worker
+
+    def live() -> bool:
+        with session_scope() as s:
+            return (s.scalar(select(func.count()).select_from(Worker)) or 0) >= n
+
+    wait_for(live, timeout, "no worker registered")

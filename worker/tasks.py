@@ -5,11 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
+from celery import signals
+
+from synthq.config import get_settings
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
+from synthq.executor import Executor
 from synthq.health import probe_due
-from synthq.process import Outcome, process_sample
 from synthq.retokenize import retokenize_batch
 from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, app
 
@@ -17,11 +22,13 @@ log = logging.getLogger(__name__)
 
 
 def publish(batch: Sequence[Dispatched]) -> None:
-    """Send one ``generate`` message per queued sample, over one connection."""
+    """Send one server's queued samples as ``generate`` messages of up to ``batch_size``."""
+    size = max(1, get_settings().batch_size)
     with app.producer_or_acquire() as producer:
-        for item in batch:
-            generate.apply_async((item.sample_id, item.token, item.job_id), producer=producer,
-                                 **GENERATE_ROUTE)
+        for start in range(0, len(batch), size):
+            chunk = batch[start:start + size]
+            generate.apply_async(([[d.sample_id, d.token, d.job_id] for d in chunk],
+                                  chunk[0].server), producer=producer, **GENERATE_ROUTE)
 
 
 class _Refill:
@@ -59,14 +66,55 @@ class _Refill:
 
 refill = _Refill()
 
+# -- this process's executor (one event loop for every call in flight) -------------------
+
+_executor: Executor | None = None
+_executor_lock = threading.Lock()
+#: Calls this worker holds at once: SYNTHQ_WORKER_CAPACITY, else the pool's size.
+_capacity = 0
+
+
+def executor() -> Executor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            capacity = get_settings().worker_capacity or _capacity or 1
+            _executor = Executor(capacity, on_finished=refill.poke)
+            log.info("synthq worker %s: capacity %d", _executor.name, capacity)
+        return _executor
+
+
+@signals.worker_ready.connect
+def _start_executor(sender: Any = None, **_: Any) -> None:
+    """Register with the dispatcher as soon as the worker consumes ``generate``."""
+    global _capacity
+    queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
+    if "generate" not in queues:
+        return
+    _capacity = int(getattr(sender.controller, "concurrency", 0) or 0)
+    executor()
+
+
+@signals.worker_shutdown.connect
+def _stop_executor(**_: Any) -> None:
+    """Warm shutdown: the batches have finished; forget this worker at once."""
+    global _executor
+    with _executor_lock:
+        if _executor is not None:
+            _executor.close()
+            _executor = None
+
 
 @app.task(name="synthq.generate")
-def generate(sample_id: int, token: str, job_id: int | None = None) -> str:
-    """Run one sample; then have its server's freed slot refilled."""
-    outcome = process_sample(sample_id, token, job_id=job_id)
-    if outcome is not Outcome.STALE:
-        refill.poke()
-    return outcome.value
+def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any]:
+    """Run a batch of one server's samples to their outcomes.
+
+    Returns the outcome counts (what Flower shows for the task), e.g.
+    ``{"server": ..., "samples": 32, "done": 31, "retry": 1}``.
+    """
+    outcomes = executor().run_batch(items)
+    return {"server": server, "samples": len(items),
+            **Counter(str(o) for o in outcomes.values())}
 
 
 @app.task(name="synthq.dispatch")

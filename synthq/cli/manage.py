@@ -51,15 +51,16 @@ def requeue(
 
 
 def _set_job_state(ref: str, target: str) -> None:
+    from synthq import states
     from synthq.db import utcnow
-    from synthq.states import JobState
+    from synthq.enums import JobState
 
     def go(s, j) -> str:  # type: ignore[no-untyped-def]
-        if j.state == JobState.CANCELLED and target != JobState.CANCELLED:
-            raise UserError(f"job {j.name} is cancelled; it cannot be resumed or paused")
         before = str(j.state)
-        j.state = JobState(target)
-        j.updated_at = utcnow()
+        if not states.set_job_state(s, j.id, JobState(target), now=utcnow()):
+            if j.state == JobState.CANCELLED:
+                raise UserError(f"job {j.name} is cancelled; it cannot be resumed or paused")
+            raise UserError(f"job {j.name} is {before}; it cannot become {target}")
         return before
 
     before = with_job(ref, go)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import httpx2
@@ -9,7 +10,7 @@ import pytest
 
 from synthq import errors
 from synthq.config import Settings
-from synthq.inference import ChatRequest, InferenceClient, parse_retry_after
+from synthq.inference import ChatRequest, ChatResult, InferenceClient, parse_retry_after
 from synthq.retry import backoff_delay
 
 
@@ -33,9 +34,16 @@ def _client(handler) -> InferenceClient:  # type: ignore[no-untyped-def]
     return InferenceClient("http://sim.test/v1", transport=httpx2.MockTransport(handler))
 
 
-def _call(client: InferenceClient) -> None:
-    client.chat(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                            max_tokens=8), total_timeout=5, stall_timeout=5)
+def _call(client: InferenceClient) -> ChatResult:
+    async def go() -> ChatResult:
+        try:
+            return await client.chat(ChatRequest(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8),
+                total_timeout=5, stall_timeout=5)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize(("status", "body", "headers", "cls"), [
@@ -83,8 +91,7 @@ def test_stream_is_assembled() -> None:
     ]
     client = _client(lambda req: httpx2.Response(
         200, content=b"\n\n".join(lines) + b"\n\n", headers={"content-type": "text/event-stream"}))
-    result = client.chat(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                     max_tokens=8), total_timeout=5, stall_timeout=5)
+    result = _call(client)
     assert (result.content, result.reasoning_content, result.finish_reason) == \
         ("Hello world", "hmm ", "stop")
     assert (result.prompt_tokens, result.completion_tokens) == (3, 2)

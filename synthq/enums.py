@@ -1,0 +1,37 @@
+"""The states of samples and jobs (kept apart so that models and states import one way)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["SampleState", "JobState", "INFLIGHT", "FINISHED"]
+
+
+class SampleState(enum.StrEnum):
+    #: Waiting to be sent, possibly until ``next_attempt_at`` (a retry's backoff).
+    PENDING = "pending"
+    #: A ``generate`` message was published; waiting for a worker to claim it.
+    QUEUED = "queued"
+    #: A worker holds the lease and is calling the server.
+    RUNNING = "running"
+    #: The response (and, later, its tokenization) is stored. Final.
+    DONE = "done"
+    #: Gave up: a permanent error, or retries exhausted. ``requeue`` revives it.
+    FAILED = "failed"
+    #: The dataset row was malformed, or tokenization left nothing to learn. Final.
+    SKIPPED = "skipped"
+
+
+class JobState(enum.StrEnum):
+    #: Samples are dispatched.
+    ACTIVE = "active"
+    #: Nothing new is dispatched; calls in flight finish.
+    PAUSED = "paused"
+    #: Like paused, for good (``resume`` refuses).
+    CANCELLED = "cancelled"
+
+
+#: States that hold a slot of a server's in-flight limit.
+INFLIGHT = (SampleState.QUEUED, SampleState.RUNNING)
+#: States a sample does not leave by itself.
+FINISHED = (SampleState.DONE, SampleState.FAILED, SampleState.SKIPPED)

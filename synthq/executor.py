@@ -1,0 +1,247 @@
+"""A worker process's engine: one asyncio event loop that owns every call in flight.
+
+One OS thread per sample and three ORM transactions each cost nine times the
+CPU of a plain asyncio script. So each generation process (a Celery worker
+or ``synthq run``) has one :class:`Executor`:
+
+* **a batch in, outcome counts out.** :meth:`Executor.run_batch` claims a
+  whole ``generate`` message (up to ``batch_size`` samples of one server) in
+  one statement, hands the claimed samples to the loop, and returns when all
+  have an outcome. Celery's few carrier threads just wait in it.
+* **one event loop** runs every HTTP call of the process (an async client
+  per server, its pool sized to the server's current limit), with the raw
+  SSE parsing and the stall and total clocks of :mod:`synthq.inference`.
+* **one writer thread** (:mod:`synthq.writer`) commits outcomes in batches.
+* **keepalive**: the process's ``workers`` row is refreshed every
+  ``heartbeat_interval`` seconds, and the leases of its running samples are
+  renewed in one statement when a third of a lease has passed. A sample whose
+  lease turns out lost (the sweep gave it away) has its call cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timedelta
+from typing import Any
+
+from synthq import states, workers
+from synthq.config import get_settings
+from synthq.db import session_scope, utcnow, with_db_retry
+from synthq.inference import InferenceClient
+from synthq.process import Call, Outcome, get_job, lease_seconds, run_claimed
+from synthq.writer import Writer
+
+__all__ = ["Executor", "default_executor", "reset_default_executor"]
+
+log = logging.getLogger(__name__)
+
+#: ``(sample_id, token, job_id or None)``: one sample of a ``generate`` message.
+Item = tuple[int, str, int | None]
+
+
+class Executor:
+    """The event loop, writer and keepalive of one generation process."""
+
+    def __init__(self, capacity: int, *, name: str | None = None,
+                 on_finished: Callable[[], None] | None = None,
+                 tokenize_threads: int = 2) -> None:
+        settings = get_settings()
+        self.name = name or workers.new_name()
+        self.capacity = capacity
+        self.on_finished = on_finished
+        self.writer = Writer(retry_seconds=settings.write_retry_seconds)
+        self._tokenize_pool = ThreadPoolExecutor(tokenize_threads,
+                                                 thread_name_prefix="synthq-tokenize")
+        self._calls: dict[int, Call] = {}  # loop thread only
+        self._clients: dict[str, InferenceClient] = {}  # loop thread only
+        self._retired: list[InferenceClient] = []
+        self._closed = False
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="synthq-loop",
+                                        daemon=True)
+        self._thread.start()
+        # Known to the dispatcher before the first message can arrive.
+        self._heartbeat_now()
+        self._keepalive = asyncio.run_coroutine_threadsafe(self._keep_alive(), self.loop)
+
+    # -- public, any thread -------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._calls)
+
+    def run_batch(self, items: Sequence[Sequence[Any]]) -> dict[int, Outcome]:
+        """Claim ``items`` (``(id, token[, job_id])``) and run them; blocks until all ended.
+
+        Returns each item's outcome; items whose claim lost are ``stale``.
+        """
+        items = [(int(i[0]), str(i[1]), i[2] if len(i) > 2 else None) for i in items]
+        if not items:
+            return {}
+        job_ids = {j for _, _, j in items if j is not None}
+        # The message names the jobs, so the lease is theirs from the start
+        # (a generous one otherwise; the first renewal makes it the job's own).
+        lease = max((lease_seconds(get_job(j)) for j in job_ids),
+                    default=get_settings().lease_margin + 3600)
+        token = secrets.token_hex(16)
+
+        def claim() -> list[states.Claimed]:
+            now = utcnow()
+            with session_scope() as s:
+                return states.claim_batch(s, [(i, t) for i, t, _ in items], new_token=token,
+                                          lease_until=now + timedelta(seconds=lease),
+                                          worker=self.name, now=now)
+
+        claimed = with_db_retry(claim, what=f"claim of {len(items)} samples")
+        outcomes = {i: Outcome.STALE for i, _, _ in items}
+        if not claimed:
+            return outcomes
+        jobs = {c.job_id: get_job(c.job_id) for c in claimed}
+        future = asyncio.run_coroutine_threadsafe(self._run(claimed, jobs), self.loop)
+        outcomes.update(future.result())
+        return outcomes
+
+    def submit_batch(self, items: Sequence[Sequence[Any]],
+                     pool: ThreadPoolExecutor) -> Future[dict[int, Outcome]]:
+        """:meth:`run_batch` on a thread of ``pool`` (the embedded runner's carriers)."""
+        return pool.submit(self.run_batch, items)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the keepalive, forget this worker, close the clients and the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        self._keepalive.cancel()
+
+        async def close_clients() -> None:
+            for client in [*self._clients.values(), *self._retired]:
+                await client.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(timeout)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("closing clients failed", exc_info=True)
+        try:
+            self.writer.submit(lambda s, now: workers.unregister(s, self.name)).result(timeout)
+        except Exception:  # noqa: BLE001 - the row times out by itself
+            log.warning("could not unregister worker %s", self.name)
+        self.writer.close(timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        self._tokenize_pool.shutdown(wait=False)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _client(self, url: str, limit: int) -> InferenceClient:
+        client = self._clients.get(url)
+        if client is None or client.max_connections < limit:
+            # The pool follows the server's current limit: a raised --inflight
+            # gets connections at once instead of waiting on a full pool.
+            if client is not None:
+                self._retired.append(client)
+            client = self._clients[url] = InferenceClient(
+                url, api_key=get_settings().api_key, max_connections=limit)
+        return client
+
+    async def _run(self, claimed: list[states.Claimed],
+                   jobs: dict[int, Any]) -> dict[int, Outcome]:
+        results = await asyncio.gather(*(self._one(c, jobs[c.job_id]) for c in claimed))
+        return {c.sample_id: r for c, r in zip(claimed, results, strict=True)}
+
+    async def _one(self, c: states.Claimed, job: Any) -> Outcome:
+        call = Call(c, lease_seconds(job))
+        call.task = asyncio.current_task()
+        self._calls[c.sample_id] = call
+        try:
+            outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
+                                        worker=self.name, tokenize_pool=self._tokenize_pool)
+        except Exception:  # a bug: the lease returns the sample; never kill the batch
+            log.exception("sample %s: unexpected error", c.sample_id)
+            outcome = Outcome.LOST
+        finally:
+            del self._calls[c.sample_id]
+        if self.on_finished is not None:
+            self.on_finished()
+        return outcome
+
+    def _heartbeat_now(self) -> None:
+        def beat() -> None:
+            with session_scope() as s:
+                workers.heartbeat(s, self.name, capacity=self.capacity, inflight=0, now=utcnow())
+
+        with_db_retry(beat, what="worker heartbeat")
+
+    async def _keep_alive(self) -> None:
+        interval = get_settings().heartbeat_interval
+        last_beat = time.monotonic()
+        while True:
+            calls = list(self._calls.values())
+            # Renew often enough for the shortest lease (a third of it), at most every beat.
+            step = min([interval, *(c.lease_s / 3 for c in calls)])
+            await asyncio.sleep(max(0.2, step))
+            now_mono = time.monotonic()
+            due = [c for c in self._calls.values() if now_mono - c.renewed_at >= c.lease_s / 3]
+            beat = now_mono - last_beat >= interval
+            if not due and not beat:
+                continue
+            try:
+                held = await self.writer.write(self._keepalive_write(due, beat))
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.warning("heartbeat/renewal failed: %s", str(exc).splitlines()[0][:200])
+                continue
+            if beat:
+                last_beat = now_mono
+            for call in due:
+                call.renewed_at = now_mono
+                if call.claimed.sample_id not in held and call.calling:
+                    call.lost = True
+                    if call.task is not None:
+                        call.task.cancel()
+
+    def _keepalive_write(self, due: list[Call], beat: bool) -> Callable[[Any, datetime], set[int]]:
+        by_lease: dict[float, list[tuple[int, str]]] = {}
+        for call in due:
+            by_lease.setdefault(call.lease_s, []).append(
+                (call.claimed.sample_id, call.claimed.token))
+        inflight = len(self._calls)
+
+        def write(s: Any, now: datetime) -> set[int]:
+            if beat:
+                workers.heartbeat(s, self.name, capacity=self.capacity, inflight=inflight,
+                                  now=now)
+            held: set[int] = set()
+            for lease, items in by_lease.items():
+                held |= states.renew_many(s, items, lease_until=now + timedelta(seconds=lease))
+            return held
+
+        return write
+
+
+# -- one per process, for tests and one-off calls --------------------------------------------
+
+_default: Executor | None = None
+_default_lock = threading.Lock()
+
+
+def default_executor() -> Executor:
+    """This process's executor for :func:`synthq.process.process_sample` (made once)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Executor(capacity=0)
+        return _default
+
+
+def reset_default_executor() -> None:
+    """Close the process's default executor (tests do this between tests)."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.close(timeout=5)
+        _default = None

@@ -1,0 +1,83 @@
+"""Workers known to SQL: who is alive, how much each can hold, how much it holds.
+
+Each generation process (a Celery worker, or ``synthq run``) has a row in
+``workers`` that it refreshes every ``heartbeat_interval`` seconds. The
+dispatcher never queues more than the live workers' free capacity (so a
+queued message finds a free slot at once and the queued deadline can be
+short), and the sweep returns the running samples of a worker that stopped
+heart-beating to ``pending`` without waiting for their leases.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from synthq.enums import INFLIGHT
+from synthq.models import Sample, Worker
+
+__all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity"]
+
+
+def new_name() -> str:
+    """``host:pid:random``: unique per process start, so a reused pid is not mistaken."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    name: str
+    capacity: int
+    inflight: int
+    heartbeat_at: datetime
+    started_at: datetime
+
+
+def heartbeat(session: Session, name: str, *, capacity: int, inflight: int, now: datetime) -> None:
+    """Insert or refresh this process's row."""
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    host, _, rest = name.partition(":")
+    pid = int(rest.split(":", 1)[0]) if rest.split(":", 1)[0].isdigit() else os.getpid()
+    stmt = insert(Worker).values(name=name, host=host, pid=pid, capacity=capacity,
+                                 inflight=inflight, started_at=now, heartbeat_at=now)
+    session.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={
+        "capacity": capacity, "inflight": inflight, "heartbeat_at": now}))
+
+
+def unregister(session: Session, name: str) -> None:
+    session.execute(delete(Worker).where(Worker.name == name))
+
+
+def live(session: Session, *, now: datetime, timeout: float) -> list[WorkerInfo]:
+    """Workers that heart-beat within ``timeout`` seconds."""
+    rows = session.execute(
+        select(Worker.name, Worker.capacity, Worker.inflight, Worker.heartbeat_at,
+               Worker.started_at)
+        .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))
+        .order_by(Worker.started_at))
+    return [WorkerInfo(*r) for r in rows]
+
+
+def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:
+    """Live workers' capacity minus every sample queued or running (never below 0)."""
+    capacity = session.scalar(
+        select(func.coalesce(func.sum(Worker.capacity), 0))
+        .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))) or 0
+    held = session.scalar(select(func.count()).select_from(Sample)
+                          .where(Sample.state.in_(INFLIGHT))) or 0
+    return max(0, int(capacity) - int(held))
+
+
+def prune(session: Session, *, now: datetime, older_than: float) -> int:
+    """Forget workers silent for ``older_than`` seconds (kept a while for ``status``)."""
+    result = session.execute(delete(Worker).where(
+        Worker.heartbeat_at < now - timedelta(seconds=older_than)))
+    return int(result.rowcount)  # type: ignore[attr-defined]
