@@ -125,6 +125,26 @@ def rss_kb(pid: int, *, tree: bool = True) -> int:
     return total
 
 
+def pids_named(name: str) -> list[int]:
+    """Every process whose command name is ``name`` (e.g. all ``postgres`` backends)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() == name:
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def service_cpu_seconds(*names: str) -> float:
+    """CPU seconds used so far by every process named one of ``names`` (PostgreSQL
+    backends come and go; sample before and after and take the difference)."""
+    return sum(cpu_seconds(p, tree=False) for n in names for p in pids_named(n))
+
+
 def thread_count(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -312,13 +332,13 @@ class Bench:
 
     @staticmethod
     def _reset_process_state() -> None:
-        from synthq import inference
         from synthq.config import get_settings
         from synthq.db import dispose_engines
+        from synthq.executor import reset_default_executor
 
+        reset_default_executor()
         get_settings.cache_clear()
         dispose_engines()
-        inference._clients.clear()
 
     # -- processes ---------------------------------------------------------
 

@@ -9,6 +9,7 @@ with "database is locked" on the lock upgrade.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,10 +25,18 @@ from sqlalchemy.orm import Session, sessionmaker
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry"]
+__all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
+
+
+def safe_url(text: str) -> str:
+    """``text`` with any password in a database or broker URL replaced by ``***``."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
+_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.I)
 
 
 def utcnow() -> datetime:

@@ -49,6 +49,17 @@ def probe(base_url: str, client: httpx.Client) -> str | None:
     return None
 
 
+_client: httpx.Client | None = None
+
+
+def _shared_client() -> httpx.Client:
+    """One client per process: making one builds an SSL context (milliseconds of CPU)."""
+    global _client
+    if _client is None:
+        _client = httpx.Client()
+    return _client
+
+
 def probe_due(urls: Iterable[str], *, client: httpx.Client | None = None) -> dict[str, bool]:
     """Probe the servers not probed for PROBE_EVERY seconds; returns url → healthy."""
     urls = sorted(set(urls))
@@ -61,13 +72,8 @@ def probe_due(urls: Iterable[str], *, client: httpx.Client | None = None) -> dic
     due = [u for u in urls if u not in fresh]
     if not due:
         return {}
-    own = client is None
-    client = client or httpx.Client()
-    try:
-        results = {url: probe(url, client) for url in due}
-    finally:
-        if own:
-            client.close()
+    client = client or _shared_client()
+    results = {url: probe(url, client) for url in due}
     with session_scope() as s:
         for url, error in results.items():
             _record(s, url, error)

@@ -179,8 +179,10 @@ class InferenceClient:
                         continue  # blank separators, comments, event names
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        # Read on to the end of the body (nothing, normally): a
+                        # response left unread closes its keep-alive connection.
                         done = True
-                        break
+                        continue
                     chunk = json.loads(data)
                     if "error" in chunk and not chunk.get("choices"):
                         raise errors.ServerError(f"error in stream: {chunk['error']}"[:2000])

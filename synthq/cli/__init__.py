@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from synthq.config import get_settings
 from synthq.errors import UserError
 
 app = typer.Typer(
@@ -38,25 +37,24 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def ensure_db() -> None:
     """SQLite is migrated on the fly; PostgreSQL must be at head (``synthq db upgrade``)."""
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    from synthq.db import get_engine
-    from synthq.migrate import alembic_config, upgrade
+    from synthq.config import get_settings
+    from synthq.db import get_engine, safe_url
+    from synthq.migrate import HEAD, current_revision, upgrade
 
     settings = get_settings()
+    try:
+        with get_engine().connect() as conn:
+            current = current_revision(conn)
+    except Exception as exc:  # noqa: BLE001 - any connection problem is the user's to fix
+        raise UserError(f"cannot reach the database {safe_url(settings.database_url)}: "
+                        f"{safe_url(str(exc).splitlines()[0])}") from exc
+    if current == HEAD:
+        return
     if settings.is_sqlite:
         upgrade(settings.database_url)
         return
-    head = ScriptDirectory.from_config(alembic_config(settings.database_url)).get_current_head()
-    try:
-        with get_engine().connect() as conn:
-            current = MigrationContext.configure(conn).get_current_revision()
-    except Exception as exc:  # noqa: BLE001 - any connection problem is the user's to fix
-        raise UserError(f"cannot reach the database {settings.database_url!r}: {exc}") from exc
-    if current != head:
-        raise UserError(f"the database is at revision {current}, not {head}: "
-                        "run `synthq db upgrade`")
+    raise UserError(f"the database is at revision {current}, not {HEAD}: "
+                    "run `synthq db upgrade`")
 
 
 def json_option(value: str | None, flag: str) -> dict[str, Any]:

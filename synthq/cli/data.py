@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from synthq.cli import (
     JobArg,
@@ -19,7 +18,6 @@ from synthq.cli import (
     with_job,
 )
 from synthq.cli.options import ChatTemplateOpt
-from synthq.config import get_settings
 from synthq.errors import UserError
 
 
@@ -44,8 +42,14 @@ def export(
 
     Example: `synthq export my-job --format parquet --out exports/my-job --shard-size 50000`
     """
-
-    from rich.progress import MofNCompleteColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from synthq.export import check_options, export_job
 
@@ -102,7 +106,10 @@ def retokenize(
 
     Example: `synthq retokenize my-job --max-seq-len 8192 --chat-template fixed.jinja`
     """
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
     from synthq import retokenize as rt
+    from synthq.config import get_settings
     from synthq.db import session_scope
 
     if batch_size < 1:

@@ -45,7 +45,6 @@ from synthq.cli.options import (
     job_spec,
 )
 from synthq.cli.render import job_progress, print_status
-from synthq.config import get_settings
 from synthq.errors import UserError
 
 
@@ -125,6 +124,7 @@ def run(
 
     Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
     """
+    from synthq.config import get_settings
     opts = dict(locals())
     from synthq.embedded import exclusive, run_job
 

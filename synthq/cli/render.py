@@ -4,18 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from synthq.cli import console
-from synthq.status import JobStatus
+
+if TYPE_CHECKING:
+    from synthq.status import JobStatus
 
 
 @contextmanager
 def job_progress(description: str) -> Iterator[Any]:
     """A live bar; call the yielded function with each new JobStatus."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                   console=console) as progress:
@@ -33,6 +40,8 @@ def job_progress(description: str) -> Iterator[Any]:
 
 
 def print_status(status: JobStatus) -> None:
+    from rich.table import Table
+
     c = status.counts
     table = Table(title=f"job {status.name} (id {status.id}) — {status.state}, model "
                   f"{status.model}", show_header=True)

@@ -15,10 +15,10 @@ from synthq.cli import (
     err,
     fail,
 )
-from synthq.config import get_settings
 
 
 def _celery(args: list[str]) -> None:
+    from synthq.config import get_settings
     settings = get_settings()
     if settings.embedded:
         raise fail("SYNTHQ_BROKER_URL is not set: workers need a Redis broker "
@@ -49,6 +49,7 @@ def beat(ctx: typer.Context) -> None:
 
     Example: `SYNTHQ_BROKER_URL=redis://localhost:6379/0 synthq beat`
     """
+    from synthq.config import get_settings
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     _celery(["beat", "-l", "INFO", "--schedule", str(settings.data_dir / "celerybeat-schedule"),
@@ -61,13 +62,16 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
 
     Example: `SYNTHQ_DATABASE_URL=postgresql://synthq@db/synthq synthq db upgrade`
     """
+    from synthq.config import get_settings
     from synthq.migrate import upgrade
 
     url = get_settings().database_url
     try:
         upgrade(url, revision)
     except Exception as exc:  # noqa: BLE001 - show the cause, not a traceback
-        raise fail(f"migration failed on {url}: {exc}") from None
+        from synthq.db import safe_url
+
+        raise fail(safe_url(f"migration failed on {url}: {exc}")) from None
     console.print(f"database at {revision}")
 
 

@@ -7,7 +7,6 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from synthq.cli import (
     JsonOpt,
@@ -27,6 +26,7 @@ def jobs(as_json: JsonOpt = False) -> None:
 
     Example: `synthq jobs --json`
     """
+    from rich.table import Table
     from sqlalchemy import select
 
     from synthq.db import session_scope
@@ -117,6 +117,7 @@ def show_sample(
 
     Example: `synthq sample 42`
     """
+    from rich.table import Table
     from sqlalchemy import select
 
     from synthq.db import session_scope

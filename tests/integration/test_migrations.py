@@ -45,3 +45,12 @@ def test_drift_is_detected(tmp_path: Path) -> None:
         conn.execute(text("ALTER TABLE attempts DROP COLUMN ttft_s"))
     engine.dispose()
     assert any("ttft_s" in str(d) for d in _diff(url))
+
+
+def test_head_constant_is_the_scripts_head() -> None:
+    """Commands compare the database with migrate.HEAD; it must be the newest script."""
+    from alembic.script import ScriptDirectory
+
+    from synthq.migrate import HEAD, alembic_config
+
+    assert ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head() == HEAD
