@@ -13,8 +13,22 @@ Three row forms are understood (see :func:`normalize`):
   ``[{"from": ..., "value": ...}, ...]``
 * a plain ``prompt`` string, with an optional ``system`` string.
 
-The prompt is the conversation up to (not including) its last assistant turn,
-so that the inference server regenerates that answer.
+The prompt is the conversation up to and including its last user turn: the
+last turn the model must answer. Assistant turns after it are dropped (they are
+what the inference server regenerates); a row that ends in a user turn is sent
+whole. (Tool messages are not accepted yet, so a row holding one is skipped;
+a tool result is also a turn the model must answer, and the rule would end the
+prompt there.)
+
+That rule is *key version* 2 (:data:`KEY_VERSION`). Jobs created before it,
+key version 1, cut the prompt before the last assistant turn instead, which
+dropped a trailing user question; they keep that rule, so that enqueueing the
+same data into such a job again adds nothing rather than a second copy of
+every multi-turn row (see :func:`normalize` and :func:`content_key`).
+
+A row's own id (its ``id``, ``uuid``, ``conversation_id`` or ``sample_id``
+field, or the one field the user names) is kept as :attr:`Row.source_id`, so
+generated data can be joined back to its source.
 """
 
 from __future__ import annotations
@@ -32,6 +46,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 __all__ = [
+    "ID_FIELDS",
+    "KEY_VERSION",
     "MAX_ROW_CHARS",
     "RAW_PREVIEW_CHARS",
     "DatasetError",
@@ -41,6 +57,7 @@ __all__ = [
     "iter_rows",
     "normalize",
     "raw_key",
+    "source_id",
 ]
 
 MAX_ROW_CHARS = 200_000
@@ -50,6 +67,20 @@ RAW_PREVIEW_CHARS = 2_000
 """How much of a skipped row's raw text is kept in :attr:`Row.raw`."""
 
 PARQUET_BATCH_SIZE = 1024
+
+KEY_VERSION = 2
+"""The prompt rule and content-key form of new jobs (``jobs.key_version``).
+
+1: the prompt ends before the last assistant turn; key over (messages, settings).
+2: the prompt ends with the last turn the model must answer; the key also
+covers the version, so no key of version 2 equals one of version 1.
+"""
+
+ID_FIELDS = ("id", "uuid", "conversation_id", "sample_id")
+"""Fields holding a row's own id, in order of precedence (``--id-field`` overrides)."""
+
+# Roles whose turn the model answers: the prompt ends with the last of them.
+_ANSWERED_ROLES = frozenset({"user", "tool"})
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _PARQUET_SUFFIXES = (".parquet",)
@@ -90,12 +121,15 @@ class Row:
     ``index`` is the row's 0-based position in the whole source (blank lines
     do not count).  Exactly one of ``messages`` and ``skip_reason`` is set;
     ``raw`` holds the start of a skipped row's text so a user can inspect it.
+    ``source_id`` is the row's own id as text (see :data:`ID_FIELDS`), skipped
+    rows included; None when the row has none.
     """
 
     index: int
     messages: list[dict[str, str]] | None
     skip_reason: str | None = None
     raw: str | None = None
+    source_id: str | None = None
 
     @property
     def skipped(self) -> bool:
@@ -108,18 +142,24 @@ class Row:
 # --------------------------------------------------------------------------
 
 
-def normalize(obj: Mapping[str, Any], *, max_chars: int = MAX_ROW_CHARS) -> list[dict[str, str]]:
+def normalize(obj: Mapping[str, Any], *, max_chars: int = MAX_ROW_CHARS,
+              key_version: int = KEY_VERSION) -> list[dict[str, str]]:
     """Turn one row object into an OpenAI-style prompt.
 
-    Returns a fresh list of ``{"role", "content"}`` dicts that ends with a
-    user turn.  Raises :class:`InvalidRow` with a short reason otherwise.
+    Returns a fresh list of ``{"role", "content"}`` dicts: the conversation up
+    to and including its last user turn (``key_version`` 1: up to, not
+    including, its last assistant turn). Raises :class:`InvalidRow` with a
+    short reason otherwise.
     """
     if not isinstance(obj, Mapping):
         raise InvalidRow("row is not a JSON object")
     conversation = _extract_conversation(obj)
     if not conversation:
         raise InvalidRow("empty conversation")
-    prompt = _trim_last_answer(conversation)
+    if key_version == 1:
+        prompt = _trim_last_answer(conversation)
+    else:
+        prompt = _through_last_question(conversation)
     _check_prompt(prompt, max_chars=max_chars)
     return prompt
 
@@ -194,8 +234,19 @@ def _parse_message(item: Any, number: int) -> dict[str, str]:
     return {"role": canonical, "content": content}
 
 
+def _through_last_question(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation up to and including the last turn the model must answer.
+
+    Without such a turn the result is empty (the row has no user turn).
+    """
+    for position in range(len(conversation) - 1, -1, -1):
+        if conversation[position]["role"] in _ANSWERED_ROLES:
+            return conversation[: position + 1]
+    return []
+
+
 def _trim_last_answer(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
-    """Drop the last assistant turn and everything after it.
+    """Key version 1: drop the last assistant turn and everything after it.
 
     Without an assistant turn the whole conversation is the prompt.
     """
@@ -209,7 +260,7 @@ def _check_prompt(prompt: list[dict[str, str]], *, max_chars: int) -> None:
     """Reject prompts that a chat server could not sensibly answer."""
     if not any(message["role"] == "user" for message in prompt):
         raise InvalidRow("no user turn")
-    if prompt[-1]["role"] != "user":
+    if prompt[-1]["role"] not in _ANSWERED_ROLES:
         raise InvalidRow("prompt does not end with a user turn")
     total = 0
     for number, message in enumerate(prompt, 1):
@@ -237,14 +288,20 @@ def _is_encodable(text: str) -> bool:
 # --------------------------------------------------------------------------
 
 
-def content_key(messages: list[dict[str, str]], settings: Mapping[str, Any]) -> str:
+def content_key(messages: list[dict[str, str]], settings: Mapping[str, Any],
+                key_version: int = KEY_VERSION) -> str:
     """SHA-256 hex digest identifying a prompt under given generation settings.
 
     The digest is taken over canonical JSON (sorted keys, compact separators,
-    no ASCII escaping), so key order in ``settings`` does not matter.
+    no ASCII escaping), so key order in ``settings`` does not matter. From key
+    version 2 on the version is part of it; version 1 keys are the digest of
+    ``{"messages", "settings"}`` alone, as they were.
     """
+    body: dict[str, Any] = {"messages": messages, "settings": dict(settings)}
+    if key_version != 1:
+        body["key_version"] = key_version
     canonical = json.dumps(
-        {"messages": messages, "settings": dict(settings)},
+        body,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
@@ -267,7 +324,8 @@ def _sha256(text: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS) -> Iterator[Row]:
+def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS, id_field: str | None = None,
+              key_version: int = KEY_VERSION) -> Iterator[Row]:
     """Yield every row of ``source`` as a :class:`Row`, in order.
 
     ``source`` may be a JSON-lines file (``.jsonl``, ``.json``, optionally
@@ -276,16 +334,25 @@ def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS) -> Iterator[Row]:
     ``name:split``; needs the ``datasets`` package).  Problems with the source
     itself raise :class:`DatasetError` immediately, before iteration starts;
     problems with single rows become skipped rows.
+
+    ``id_field`` names the field holding each row's own id; without it, the
+    first of :data:`ID_FIELDS` that a row has. ``key_version`` selects the
+    prompt rule (see :func:`normalize`).
     """
+    if id_field is not None and not id_field.strip():
+        raise DatasetError("--id-field is empty")
+    fields = (id_field,) if id_field is not None else ID_FIELDS
     path = Path(os.path.expanduser(source))
     if path.is_dir():
-        return _rows_from_objects(_iter_directory(path, _list_data_files(path)), max_chars)
-    if path.exists():
+        records = _iter_directory(path, _list_data_files(path))
+    elif path.exists():
         _check_supported(path)
-        return _rows_from_objects(_iter_file(path), max_chars)
-    if _looks_like_path(source):
+        records = _iter_file(path)
+    elif _looks_like_path(source):
         raise DatasetError(f"no such file: {source}")
-    return _rows_from_objects(_iter_hf(source), max_chars)
+    else:
+        records = _iter_hf(source)
+    return _rows_from_objects(records, max_chars, fields, key_version)
 
 
 # A parsed record: either an object to normalise or an early skip reason,
@@ -293,20 +360,49 @@ def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS) -> Iterator[Row]:
 _Record = tuple[Any, str | None, str | None]
 
 
-def _rows_from_objects(records: Iterable[_Record], max_chars: int) -> Iterator[Row]:
+def source_id(obj: Any, fields: tuple[str, ...] = ID_FIELDS) -> str | None:
+    """The row's own id as text: the first of ``fields`` it has, non-empty.
+
+    Strings are kept as they are, numbers become their decimal text, anything
+    else its compact JSON. None when the row has none of the fields.
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    for name in fields:
+        value = obj.get(name)
+        if value is None or value == "" or isinstance(value, bool):
+            continue
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float):
+            return str(value)
+        try:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"),
+                              ensure_ascii=False, default=str)
+        except (TypeError, ValueError):
+            return str(value)
+    return None
+
+
+def _rows_from_objects(records: Iterable[_Record], max_chars: int,
+                       fields: tuple[str, ...] = ID_FIELDS,
+                       key_version: int = KEY_VERSION) -> Iterator[Row]:
     """Number records and normalise them into :class:`Row` objects."""
     for index, (obj, skip_reason, raw) in enumerate(records):
+        sid = source_id(obj, fields) if skip_reason is None else None
         if skip_reason is None:
             try:
-                messages = normalize(obj, max_chars=max_chars)
+                messages = normalize(obj, max_chars=max_chars, key_version=key_version)
             except InvalidRow as exc:
                 skip_reason = exc.reason
             else:
-                yield Row(index=index, messages=messages, skip_reason=None, raw=None)
+                yield Row(index=index, messages=messages, skip_reason=None, raw=None,
+                          source_id=sid)
                 continue
         if raw is None:
             raw = _preview(obj)
-        yield Row(index=index, messages=None, skip_reason=skip_reason, raw=raw[:RAW_PREVIEW_CHARS])
+        yield Row(index=index, messages=None, skip_reason=skip_reason,
+                  raw=raw[:RAW_PREVIEW_CHARS], source_id=sid)
 
 
 def _preview(obj: Any) -> str:

@@ -4,6 +4,12 @@ Samples are keyed by content (DESIGN invariant 9): enqueueing the same data
 into a job again inserts nothing. Malformed rows become ``skipped`` samples
 with their reason (invariant 8). Rows are inserted in batches with
 ``ON CONFLICT DO NOTHING``.
+
+A job keeps the prompt rule it was created under (``jobs.key_version``, see
+:data:`synthq.dataset.KEY_VERSION`): rows enqueued into a job made before the
+current rule are read under its old rule, so they match its samples instead
+of doubling them, and the report says so. Each sample keeps its row's own id
+as ``source_id``; ids that several samples of the job share are reported.
 """
 
 from __future__ import annotations
@@ -14,12 +20,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from synthq.dataset import MAX_ROW_CHARS, Row, content_key, iter_rows, raw_key
+from synthq.dataset import (
+    KEY_VERSION,
+    MAX_ROW_CHARS,
+    Row,
+    content_key,
+    iter_rows,
+    raw_key,
+)
 from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
@@ -120,6 +133,15 @@ class EnqueueReport:
     updated_settings: list[str] = field(default_factory=list)
     #: A few skip reasons with their dataset index, for the summary.
     skip_examples: list[tuple[int, str]] = field(default_factory=list)
+    #: The job's prompt rule (synthq.dataset.KEY_VERSION for jobs made now).
+    key_version: int = KEY_VERSION
+    #: Rows read that carry their own id (kept as the sample's source_id).
+    source_ids: int = 0
+    #: Source ids that more than one sample of the job holds, and the first few of them.
+    duplicate_source_ids: int = 0
+    duplicate_source_id_examples: list[str] = field(default_factory=list)
+    #: Things the user should know, one line each (the CLI prints them as warnings).
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -156,7 +178,8 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     now = utcnow()
     if job is None:
         values = asdict(spec)
-        job = Job(**values, state=JobState.ACTIVE, created_at=now, updated_at=now)
+        job = Job(**values, state=JobState.ACTIVE, key_version=KEY_VERSION, created_at=now,
+                  updated_at=now)
         session.add(job)
         session.flush()
         return job, True, []
@@ -169,6 +192,10 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
         raise UserError(
             f"job {spec.name!r} exists with other tokenization settings; change them with "
             f"`synthq retokenize {spec.name} ...` (no new generation), or pick another --job")
+    if job.key_version > KEY_VERSION:
+        raise UserError(
+            f"job {spec.name!r} was created by a newer synthq (key version {job.key_version}; "
+            f"this one knows up to {KEY_VERSION}): upgrade synthq to add rows to it")
     changed = [k for k in _OPERATIONAL if getattr(job, k) != getattr(spec, k)]
     for key in changed:
         setattr(job, key, getattr(spec, key))
@@ -183,9 +210,9 @@ def _insert_stmt(dialect: str):  # type: ignore[no-untyped-def]
 
 
 #: Columns a new sample is inserted with (the rest take their defaults).
-_COPY_COLUMNS = ("job_id", "content_key", "dataset_index", "prompt", "state", "attempts",
-                 "next_attempt_at", "created_at", "updated_at", "finished_at", "error_class",
-                 "error_message")
+_COPY_COLUMNS = ("job_id", "content_key", "dataset_index", "source_id", "prompt", "state",
+                 "attempts", "next_attempt_at", "created_at", "updated_at", "finished_at",
+                 "error_class", "error_message")
 
 
 def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
@@ -198,31 +225,37 @@ def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
     cursor = conn.connection.driver_connection.cursor()
     with cursor:
         cursor.execute(
-            "CREATE TEMP TABLE IF NOT EXISTS synthq_enqueue (job_id bigint, content_key text, "
-            "dataset_index integer, prompt jsonb, state text, attempts integer, "
+            "CREATE TEMP TABLE IF NOT EXISTS synthq_enqueue2 (job_id bigint, content_key text, "
+            "dataset_index integer, source_id text, prompt jsonb, state text, attempts integer, "
             "next_attempt_at timestamptz, created_at timestamptz, updated_at timestamptz, "
             "finished_at timestamptz, error_class text, error_message text) "
             "ON COMMIT DELETE ROWS")
-        with cursor.copy(f"COPY synthq_enqueue ({cols}) FROM STDIN") as copy:
+        with cursor.copy(f"COPY synthq_enqueue2 ({cols}) FROM STDIN") as copy:
             for values in batch:
                 prompt = values["prompt"]
                 copy.write_row([
                     values["job_id"], values["content_key"], values["dataset_index"],
+                    values["source_id"],
                     None if prompt is None else json.dumps(prompt, ensure_ascii=False),
                     str(values["state"]), values["attempts"], values["next_attempt_at"],
                     values["created_at"], values["updated_at"], values["finished_at"],
                     values["error_class"], values["error_message"]])
         # Dataset order becomes id order, which is dispatch order.
         cursor.execute(
-            f"INSERT INTO samples ({cols}) SELECT {cols} FROM synthq_enqueue "
+            f"INSERT INTO samples ({cols}) SELECT {cols} FROM synthq_enqueue2 "
             "ORDER BY dataset_index ON CONFLICT (job_id, content_key) DO NOTHING")
         return int(cursor.rowcount)
 
 
 def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
                 report: EnqueueReport,
-                progress: Callable[[EnqueueReport], None] | None = None) -> None:
-    """Insert ``rows`` as samples of ``job_id`` in batches, updating ``report``."""
+                progress: Callable[[EnqueueReport], None] | None = None, *,
+                key_version: int = KEY_VERSION) -> None:
+    """Insert ``rows`` as samples of ``job_id`` in batches, updating ``report``.
+
+    ``key_version`` must be the job's: the rows' prompts were cut under it, and
+    their content keys are computed under it.
+    """
     engine = get_engine()
     stmt = _insert_stmt(engine.dialect.name)
     batch: list[dict[str, Any]] = []
@@ -247,7 +280,9 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
         report.rows += 1
         # executemany needs the same keys in every row.
         values: dict[str, Any] = dict(job_id=job_id, dataset_index=row.index, attempts=0,
-                                      created_at=now, updated_at=now)
+                                      source_id=row.source_id, created_at=now, updated_at=now)
+        if row.source_id is not None:
+            report.source_ids += 1
         if row.messages is None:
             reason = row.skip_reason or "malformed row"
             report.skipped += 1
@@ -260,7 +295,8 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
                 error_message=reason if not row.raw else f"{reason}; row: {row.raw[:500]}")
         else:
             values.update(
-                content_key=content_key(row.messages, settings), prompt=row.messages,
+                content_key=content_key(row.messages, settings, key_version),
+                prompt=row.messages,
                 state=SampleState.PENDING, next_attempt_at=now, finished_at=None,
                 error_class=None, error_message=None)
         batch.append(values)
@@ -269,16 +305,49 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
     flush()
 
 
+#: Duplicate source ids named in the report.
+DUPLICATE_EXAMPLES = 5
+
+
+def duplicate_source_ids(session: Session, job_id: int,
+                         limit: int = DUPLICATE_EXAMPLES) -> tuple[int, list[str]]:
+    """How many source ids more than one sample of the job holds, and the first few."""
+    shared = (select(Sample.source_id, func.min(Sample.id).label("first"))
+              .where(Sample.job_id == job_id, Sample.source_id.is_not(None))
+              .group_by(Sample.source_id).having(func.count() > 1).subquery())
+    count = session.scalar(select(func.count()).select_from(shared)) or 0
+    examples = session.scalars(select(shared.c.source_id).order_by(shared.c.first)
+                               .limit(limit)).all() if count else []
+    return int(count), [str(e) for e in examples]
+
+
+def old_rule_warning(job_name: str, key_version: int) -> str:
+    """The line that says a job keeps its old prompt rule."""
+    return (f"job {job_name!r} was created under prompt rule {key_version} (the prompt stopped "
+            "before the last assistant turn, dropping a final user question); its rows are "
+            "read under that rule so they match its samples instead of being added twice. "
+            f"Enqueue into a new --job to use the current rule ({KEY_VERSION}: the prompt ends "
+            "with the last user turn)")
+
+
 def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
+            id_field: str | None = None,
             progress: Callable[[EnqueueReport], None] | None = None) -> EnqueueReport:
-    """Create or find the job and add the dataset's rows. Safe to repeat."""
+    """Create or find the job and add the dataset's rows. Safe to repeat.
+
+    ``id_field`` names the field holding each row's own id (default: the first
+    of ``id``, ``uuid``, ``conversation_id``, ``sample_id`` a row has).
+    """
     if not source.strip():
         raise UserError("--dataset is empty")
+    if id_field is not None and not id_field.strip():
+        raise UserError("--id-field is empty")
     spec.dataset = source
     tokenize = spec.tokenize_settings()
     if tokenize is not None:
-        # Load it now: a tokenizer or template that cannot work is an error here,
-        # not a failure of every sample.
+        # Load it now: a tokenizer or template that cannot work (one that loses
+        # characters in a round trip, too) is an error here, not a failure of
+        # every sample.
         get_chat_tokenizer(tokenize)
     from synthq.config import get_settings
 
@@ -290,13 +359,38 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
             "second worker while the first still runs")
     with session_scope() as s:
         job, created, changed = get_or_create_job(s, spec)
-        job_id, settings = job.id, job.generation_settings()
+        job_id, settings, key_version = job.id, job.generation_settings(), job.key_version
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created,
-                           updated_settings=changed)
+                           updated_settings=changed, key_version=key_version)
+    if key_version != KEY_VERSION:
+        report.warnings.append(old_rule_warning(spec.name, key_version))
     from synthq.dataset import DatasetError
 
     try:
-        insert_rows(job_id, settings, iter_rows(source, max_chars=max_chars), report, progress)
+        rows = iter_rows(source, max_chars=max_chars, id_field=id_field,
+                         key_version=key_version)
+        insert_rows(job_id, settings, rows, report, progress, key_version=key_version)
     except DatasetError as exc:
         raise UserError(str(exc)) from exc
+    _check_source_ids(report, id_field)
     return report
+
+
+def _check_source_ids(report: EnqueueReport, id_field: str | None) -> None:
+    """Warn about rows without their own id (when one was asked for) and shared ids."""
+    if id_field is not None and report.source_ids < report.rows:
+        missing = report.rows - report.source_ids
+        report.warnings.append(
+            f"{missing:,} of {report.rows:,} rows have no field {id_field!r}: their samples "
+            "have no source_id")
+    if not report.source_ids:
+        return
+    with session_scope() as s:
+        count, examples = duplicate_source_ids(s, report.job_id)
+    report.duplicate_source_ids, report.duplicate_source_id_examples = count, examples
+    if count:
+        more = ", …" if count > len(examples) else ""
+        report.warnings.append(
+            f"{count:,} source ids are held by more than one sample of job "
+            f"{report.job_name!r} (different rows with the same id): "
+            f"{', '.join(examples)}{more}")

@@ -9,11 +9,13 @@ Layout of an export directory::
       manifest.json                 counts, shards, token totals, tokenizer, settings
 
 Parquet columns (``datasets.load_dataset("parquet", data_files="OUT/*.parquet")``):
-``id`` (string), ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 0/1, as
+``id`` (string: synthq's sample id), ``source_id`` (string or null: the dataset
+row's own id), ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 0/1, as
 long as ``input_ids``), ``conversations`` (list<struct<role, content,
 reasoning_content>>: the prompt messages, then the generated assistant answer).
-JSONL is SpecForge's layout: ``{"id", "conversations": [{"role", "content"}, ...]}``,
-the answer's reasoning under ``reasoning_content`` when the job keeps reasoning.
+JSONL is SpecForge's layout: ``{"id", "source_id", "conversations": [{"role",
+"content"}, ...]}``, the answer's reasoning under ``reasoning_content`` when the
+job keeps reasoning. SpecForge reads ``conversations`` and ignores the rest.
 
 Rows are streamed with keyset pagination (``id > last ORDER BY id LIMIT BATCH``),
 one Parquet row group per page, so memory does not grow with the job. On
@@ -71,7 +73,8 @@ def parquet_schema() -> Any:
 
     message = pa.struct([("role", pa.string()), ("content", pa.string()),
                          ("reasoning_content", pa.string())])
-    return pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+    return pa.schema([("id", pa.string()), ("source_id", pa.string()),
+                      ("input_ids", pa.list_(pa.int32())),
                       ("loss_mask", pa.list_(pa.int8())),
                       ("conversations", pa.list_(message))])
 
@@ -234,7 +237,7 @@ class _Plan:
 
 
 def _columns(plan: _Plan) -> list[Any]:
-    cols: list[Any] = [Sample.id, Sample.prompt, Sample.response_content,
+    cols: list[Any] = [Sample.id, Sample.source_id, Sample.prompt, Sample.response_content,
                        Sample.num_tokens, Sample.num_supervised,
                        (Sample.input_ids.is_not(None)
                         & (Sample.tokenize_version == plan.version)).label("current")]
@@ -350,6 +353,7 @@ def _table(rows: list[Any], plan: _Plan) -> Any:
                      for r in rows]
     return pa.Table.from_arrays([
         pa.array([str(r.id) for r in rows], pa.string()),
+        pa.array([r.source_id for r in rows], pa.string()),
         pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), pa.int32())),
         pa.ListArray.from_arrays(pa.array(offsets),
                                  pa.array(np.concatenate(masks).astype(np.int8), pa.int8())),
@@ -460,8 +464,8 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                 if plan.tokenized:
                     shards.write(_table(rows, plan))
                 else:
-                    shards.write([{"id": str(r.id), "conversations": _conversation(r, plan)}
-                                  for r in rows])
+                    shards.write([{"id": str(r.id), "source_id": r.source_id,
+                                   "conversations": _conversation(r, plan)} for r in rows])
                 written += len(rows)
                 if progress:
                     progress(written, total)

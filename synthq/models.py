@@ -125,6 +125,10 @@ class Job(Base):
     mask: Mapped[str] = mapped_column(String(24), default="last_turn")
     #: Bumped by ``synthq retokenize``; samples tokenized at an older version are stale.
     tokenize_version: Mapped[int] = mapped_column(Integer, default=1)
+    #: The prompt rule and content-key form the job's samples were made under
+    #: (synthq.dataset.KEY_VERSION): 1 for jobs made before the prompt kept a
+    #: trailing user turn, 2 since. A job keeps its rule for life.
+    key_version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
@@ -153,10 +157,13 @@ class Sample(Base):
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    #: sha256 of the prompt messages and the job's generation settings.
+    #: sha256 of the prompt messages, the job's generation settings and its key_version.
     content_key: Mapped[str] = mapped_column(String(64))
     dataset_index: Mapped[int] = mapped_column(Integer)
-    #: The prompt: OpenAI messages, up to (not including) the last assistant turn.
+    #: The dataset row's own id (its ``id``, ``uuid``, ... or ``--id-field``), as text.
+    source_id: Mapped[str | None] = mapped_column(Text)
+    #: The prompt: OpenAI messages, up to and including the last user turn
+    #: (jobs of key_version 1: up to, not including, the last assistant turn).
     prompt: Mapped[list[dict[str, str]] | None] = mapped_column(JsonType, nullable=True)
     state: Mapped[SampleState] = mapped_column(_enum(SampleState))
     #: Calls made to a server for this sample (since the last requeue).

@@ -19,6 +19,13 @@ that cannot drift from the text:
    ``{% generation %}`` blocks, the mask must also agree with transformers'
    ``return_assistant_tokens_mask``.
 
+Before any of that, a tokenizer must survive a round trip: a fixed probe
+conversation, rendered, tokenized and decoded, must give back its text
+exactly. One that drops spaces or normalises characters (transformers 5.8.1
+loads DeepSeek-V3's tokenizer so, transformers #45488) is refused when it is
+loaded, naming the transformers version, instead of failing every sample with
+``mask_mismatch``.
+
 Reasoning (``reasoning_content``) is rendered the way the template renders it
 when the template knows the field, else wrapped in think markers inside the
 content; with ``reasoning="drop"`` it is left out. An empty think block that
@@ -47,6 +54,7 @@ __all__ = [
     "get_chat_tokenizer",
     "REASONING_MODES",
     "MASK_MODES",
+    "PROBE_CONVERSATION",
 ]
 
 REASONING_MODES = ("keep", "drop")
@@ -54,6 +62,18 @@ MASK_MODES = ("last_turn", "all_assistant_turns")
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "synthq-probe-7f3a"
+
+#: Rendered, tokenized and decoded when a tokenizer is loaded: the decoded text
+#: must equal the rendered one. Runs of spaces, a tab, blank lines, indentation,
+#: capitals and accents (NFC), CJK, an emoji and digits: what a pre-tokenizer
+#: that splits on whitespace, or a lower-casing or accent-stripping normaliser,
+#: would lose.
+PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "Round-trip probe: two  spaces, a\ttab,\n\nCafé naïve Ünïcode, "
+                                "日本語のテキスト, emoji 🎉 and 1234567 + 0.25?"},
+    {"role": "assistant", "content": "Sure.  Here:\n\n```python\ndef f(x):\n    return x * 2\n"
+                                     "```\nDone — “quoted” text."},
+)
 
 
 class TokenizerSetupError(errors.UserError):
@@ -142,6 +162,7 @@ class ChatTokenizer:
         self._empty_think = re.compile(
             r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
             + re.escape(settings.think_close.strip()) + r"\s*")
+        self._check_round_trip()
         self.reasoning_field = self._probe_reasoning()
 
     # -- rendering -----------------------------------------------------------------
@@ -181,6 +202,28 @@ class ChatTokenizer:
                     "--reasoning keep cannot keep it: pass --reasoning drop, or a "
                     "--chat-template that renders reasoning")
         return False
+
+    def _check_round_trip(self) -> None:
+        """Refuse a tokenizer whose decode(encode(text)) is not the text."""
+        try:
+            text = self.render(PROBE_CONVERSATION, generation_prompt=False)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
+            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
+                                      f"{exc}") from exc
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        back = str(self.tok.decode(ids, skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False))
+        if back == text:
+            return
+        import transformers
+
+        raise TokenizerSetupError(
+            f"tokenizer {self.settings.tokenizer!r} loses characters in a round trip under "
+            f"transformers {transformers.__version__}: {_round_trip_loss(text, back)}; every "
+            "sample would fail with mask_mismatch. A known cause is transformers 5.8.1 loading "
+            "DeepSeek-V3's tokenizer with a pre-tokenizer that drops spaces (transformers "
+            "#45488): use a transformers version under which it round-trips (the README says "
+            "which versions synthq's tests run)")
 
     def conversation(self, prompt: Sequence[Mapping[str, str]], content: str,
                      reasoning: str | None) -> list[dict[str, str]]:
@@ -289,6 +332,22 @@ class ChatTokenizer:
             raise errors.MaskMismatch(
                 f"mask disagrees with the template's generation blocks at {len(diff)} "
                 f"tokens (first at position {int(diff[0])})")
+
+
+def _round_trip_loss(text: str, back: str) -> str:
+    """What a round trip changed, in a few words and the first difference."""
+    spaces, kept = sum(c.isspace() for c in text), sum(c.isspace() for c in back)
+    if kept < spaces:
+        what = f"{spaces - kept} of {spaces} spaces and line breaks dropped"
+    elif kept > spaces:
+        what = f"{kept - spaces} spaces added"
+    else:
+        what = "characters changed (normalisation?)"
+    at = next((i for i, (a, b) in enumerate(zip(text, back, strict=False)) if a != b),
+              min(len(text), len(back)))
+    start = max(0, at - 12)
+    return (f"{what}: a probe conversation decodes to {back[start:at + 28]!r} "
+            f"where the text is {text[start:at + 28]!r}")
 
 
 _cache: dict[TokenizeSettings, ChatTokenizer] = {}

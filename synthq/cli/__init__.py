@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from synthq.errors import UserError
 
@@ -31,7 +32,8 @@ err = Console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
+    """Print ``message`` as one unwrapped line (no markup read in it); the exit to raise."""
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -26,8 +26,9 @@ def export(
     job: JobArg,
     out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
                    "atomically: it appears complete or not at all).")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="`parquet` (id, input_ids, "
-                   "loss_mask, conversations) or `jsonl` (SpecForge conversations).")] = "parquet",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="`parquet` (id, source_id, "
+                   "input_ids, loss_mask, conversations) or `jsonl` (SpecForge conversations, "
+                   "with id and source_id).")] = "parquet",
     shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
     include_truncated: Annotated[bool, typer.Option("--include-truncated/--exclude-truncated",
                                  help="Export answers cut by max_tokens (kept as done by "

@@ -8,6 +8,7 @@ import signal
 import threading
 
 import typer
+from rich.markup import escape
 
 from synthq.cli import (
     JsonOpt,
@@ -24,6 +25,7 @@ from synthq.cli.options import (
     ChatTemplateOpt,
     DatasetOpt,
     ExtraBodyOpt,
+    IdFieldOpt,
     InflightOpt,
     JobOpt,
     KeepTruncOpt,
@@ -48,14 +50,14 @@ from synthq.cli.render import job_progress, print_status
 from synthq.errors import UserError
 
 
-def _enqueue(spec, dataset: str, quiet: bool):  # type: ignore[no-untyped-def]
+def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ignore[no-untyped-def]
     from synthq.enqueue import enqueue
 
     ensure_db()
     if quiet:
-        return enqueue(spec, dataset)
+        return enqueue(spec, dataset, id_field=id_field)
     with console.status("reading the dataset…") as st:
-        return enqueue(spec, dataset, progress=lambda r: st.update(
+        return enqueue(spec, dataset, id_field=id_field, progress=lambda r: st.update(
             f"read {r.rows:,} rows, {r.inserted:,} new"))
 
 
@@ -70,6 +72,8 @@ def _print_report(report) -> None:  # type: ignore[no-untyped-def]
         console.print(f"updated settings: {', '.join(report.updated_settings)}")
     for index, reason in report.skip_examples[:5]:
         console.print(f"  [yellow]skipped row {index}:[/] {reason}")
+    for line in report.warnings:
+        err.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
 
 
 @app.command()
@@ -80,7 +84,8 @@ def enqueue(
     backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
     inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
+    tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
     reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
@@ -93,7 +98,7 @@ def enqueue(
     opts = dict(locals())
     try:
         spec = job_spec(opts)
-        report = _enqueue(spec, dataset, quiet=as_json)
+        report = _enqueue(spec, dataset, quiet=as_json, id_field=id_field)
     except UserError as exc:
         raise fail(str(exc)) from None
     if as_json:
@@ -110,7 +115,8 @@ def run(
     backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
     inflight: InflightOpt = 64, keep_truncated: KeepTruncOpt = False,
     chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, tokenizer: TokenizerOpt = None,
+    return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
+    tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
     reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
@@ -135,7 +141,7 @@ def run(
                             "`synthq enqueue` with workers")
         spec = job_spec(opts)
         with exclusive(settings.data_dir):
-            report = _enqueue(spec, dataset, quiet=as_json)
+            report = _enqueue(spec, dataset, quiet=as_json, id_field=id_field)
             if not as_json:
                 _print_report(report)
             stop = threading.Event()

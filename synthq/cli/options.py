@@ -37,6 +37,9 @@ TemplateKwOpt = Annotated[str | None, typer.Option(help="JSON object sent as "
                           "chat_template_kwargs, e.g. '{\"enable_thinking\": true}'.")]
 ExtraBodyOpt = Annotated[str | None, typer.Option(help="JSON object of extra request fields.")]
 TokenIdsOpt = Annotated[bool, typer.Option(help="Ask vLLM for token ids (return_token_ids).")]
+IdFieldOpt = Annotated[str | None, typer.Option(help="The row field holding each row's own "
+                      "id, kept as the sample's source_id and exported [default: the first of "
+                      "id, uuid, conversation_id, sample_id].")]
 
 
 TokenizerOpt = Annotated[str | None, typer.Option(help="The target model's tokenizer (a local "

@@ -141,8 +141,12 @@ def show_sample(
     if as_json:
         print(json.dumps(data, default=str))
         return
+    from rich.markup import escape
+
+    source = f" (id {escape(data['source_id'])})" if data["source_id"] is not None else ""
     console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row {data['dataset_index']}"
-                  f" — {data['state']}, {data['attempts']} attempts, server {data['server']}")
+                  f"{source} — {data['state']}, {data['attempts']} attempts, server "
+                  f"{data['server']}")
     if data["error_class"]:
         console.print(f"[red]{data['error_class']}[/]: {data['error_message']}")
     for m in data["prompt"] or []:

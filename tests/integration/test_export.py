@@ -97,7 +97,9 @@ def test_parquet_shards_read_back_with_datasets(
     data = datasets.load_dataset("parquet", data_files=str(out / "*.parquet"), split="train",
                                  cache_dir=str(tmp_path / "hf-cache"))
     assert data.num_rows == 7
-    assert set(data.column_names) == {"id", "input_ids", "loss_mask", "conversations"}
+    assert set(data.column_names) == {"id", "source_id", "input_ids", "loss_mask",
+                                      "conversations"}
+    assert data["source_id"] == [None] * 7  # these rows had no id of their own
     assert data["id"] == [str(i) for i in sorted(done)]  # id order across shards
     for row in data:
         columns = done[int(row["id"])]
@@ -144,7 +146,7 @@ def test_jsonl_round_trip_and_reasoning_setting(
              for line in (tmp_path / "j" / shard["file"]).read_text().splitlines()]
     assert len(lines) == 7 == manifest.exported
     for obj in lines:
-        assert set(obj) == {"id", "conversations"}
+        assert set(obj) == {"id", "source_id", "conversations"}
         columns = done[int(obj["id"])]
         assert obj["conversations"][:-1] == columns["prompt"]
         answer = {"role": "assistant", "content": columns["response_content"]}

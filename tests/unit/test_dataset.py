@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from synthq import dataset as ds
 from synthq.dataset import (
+    KEY_VERSION,
     MAX_ROW_CHARS,
     DatasetError,
     InvalidRow,
@@ -25,6 +26,7 @@ from synthq.dataset import (
     iter_rows,
     normalize,
     raw_key,
+    source_id,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
@@ -38,7 +40,8 @@ def msg(role: str, content: str) -> dict[str, str]:
 def reason_of(obj: Any, **kwargs: Any) -> str:
     """The InvalidRow reason that normalize gives for ``obj``."""
     with pytest.raises(InvalidRow) as info:
-        normalize(obj, max_chars=kwargs.get("max_chars", MAX_ROW_CHARS))
+        normalize(obj, max_chars=kwargs.get("max_chars", MAX_ROW_CHARS),
+                  key_version=kwargs.get("key_version", KEY_VERSION))
     assert str(info.value) == info.value.reason
     return info.value.reason
 
@@ -96,11 +99,8 @@ def test_sharegpt_conversations() -> None:
 )
 def test_sharegpt_role_aliases(speaker: str, role: str) -> None:
     row = {"conversations": [{"from": speaker, "value": "x"}, {"from": "human", "value": "q"}]}
-    if role == "assistant":
-        # the assistant turn is the last answer: the prompt before it has no user turn
-        assert reason_of(row) == "no user turn"
-    else:
-        assert normalize(row, max_chars=100) == [msg(role, "x"), msg("user", "q")]
+    # the row ends in a user turn: it is sent whole
+    assert normalize(row, max_chars=100) == [msg(role, "x"), msg("user", "q")]
 
 
 def test_conversation_alias() -> None:
@@ -151,7 +151,7 @@ def test_messages_take_precedence_and_nulls_count_as_absent() -> None:
 
 
 # --------------------------------------------------------------------------
-# Trimming the last assistant turn
+# The prompt: through the last user turn
 # --------------------------------------------------------------------------
 
 
@@ -173,7 +173,20 @@ def test_multi_turn_with_system_trims_last_assistant() -> None:
     ]
 
 
-def test_turns_after_last_assistant_are_dropped() -> None:
+def test_row_ending_in_a_user_turn_is_sent_whole() -> None:
+    # examples/prompts.jsonl's demo-001 has this shape: the follow-up is the question.
+    row = {
+        "messages": [
+            msg("system", "s"),
+            msg("user", "Name a city."),
+            msg("assistant", "Ashgrove."),
+            msg("user", "Describe Ashgrove."),
+        ]
+    }
+    assert normalize(row, max_chars=100) == row["messages"]
+
+
+def test_trailing_assistant_turns_are_dropped() -> None:
     row = {
         "messages": [
             msg("user", "a"),
@@ -181,7 +194,7 @@ def test_turns_after_last_assistant_are_dropped() -> None:
             msg("user", "c"),
             msg("user", "d"),
             msg("assistant", "e"),
-            msg("user", "f"),
+            msg("assistant", "f"),
         ]
     }
     assert normalize(row, max_chars=100) == [
@@ -190,6 +203,32 @@ def test_turns_after_last_assistant_are_dropped() -> None:
         msg("user", "c"),
         msg("user", "d"),
     ]
+
+
+def test_turns_after_the_last_user_turn_are_dropped() -> None:
+    row = {"messages": [msg("user", "q"), msg("assistant", "a"), msg("system", "s"),
+                        msg("assistant", "b")]}
+    assert normalize(row, max_chars=100) == [msg("user", "q")]
+    assert normalize({"messages": [msg("user", "q"), msg("system", "s")]},
+                     max_chars=100) == [msg("user", "q")]
+
+
+def test_a_conversation_may_open_with_an_assistant_turn() -> None:
+    row = {"messages": [msg("assistant", "Hi, how can I help?"), msg("user", "q")]}
+    assert normalize(row, max_chars=100) == row["messages"]
+
+
+def test_key_version_1_keeps_the_old_rule() -> None:
+    """Jobs made before the rule changed cut before the last assistant turn, as they did."""
+    demo = {"messages": [msg("system", "s"), msg("user", "a"), msg("assistant", "b"),
+                         msg("user", "c")]}
+    assert normalize(demo, key_version=1) == [msg("system", "s"), msg("user", "a")]
+    answered = {"messages": [msg("user", "a"), msg("assistant", "b")]}
+    assert normalize(answered, key_version=1) == normalize(answered) == [msg("user", "a")]
+    assert reason_of({"messages": [msg("user", "q"), msg("system", "s")]},
+                     key_version=1) == "prompt does not end with a user turn"
+    assert reason_of({"messages": [msg("assistant", "a"), msg("user", "q")]},
+                     key_version=1) == "no user turn"
 
 
 def test_no_assistant_turn_keeps_whole_conversation() -> None:
@@ -214,22 +253,7 @@ def test_no_assistant_turn_keeps_whole_conversation() -> None:
         ({"conversations": {"from": "human"}}, "conversations is not a list"),
         ({"messages": [msg("system", "s"), msg("assistant", "a")]}, "no user turn"),
         ({"messages": [msg("system", "s")]}, "no user turn"),
-        ({"messages": [msg("assistant", "a"), msg("user", "q")]}, "no user turn"),
-        (
-            {"messages": [msg("user", "q"), msg("system", "s")]},
-            "prompt does not end with a user turn",
-        ),
-        (
-            {
-                "messages": [
-                    msg("user", "q"),
-                    msg("assistant", "a"),
-                    msg("system", "s"),
-                    msg("assistant", "b"),
-                ]
-            },
-            "prompt does not end with a user turn",
-        ),
+        ({"messages": [msg("assistant", "a"), msg("assistant", "b")]}, "no user turn"),
         ({"messages": [msg("user", "   \n\t")]}, "message 1 is empty"),
         ({"messages": [msg("system", "s"), msg("user", "")]}, "message 2 is empty"),
         (
@@ -535,12 +559,23 @@ def test_content_key_stable() -> None:
     )
     # fixed value guards against accidental changes of the canonical form
     canonical = json.dumps(
-        {"messages": messages, "settings": {"model": "m", "temperature": 0.7}},
+        {"messages": messages, "settings": {"model": "m", "temperature": 0.7},
+         "key_version": 2},
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
     )
     assert key == hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def test_content_key_of_version_1_is_the_old_key() -> None:
+    """Keys of jobs made before key versions are unchanged, so their rows still match."""
+    messages = [msg("user", "hi")]
+    old = json.dumps({"messages": messages, "settings": {}}, sort_keys=True,
+                     separators=(",", ":"), ensure_ascii=False)
+    assert content_key(messages, {}, 1) == hashlib.sha256(old.encode()).hexdigest()
+    assert content_key(messages, {}, 2) != content_key(messages, {}, 1)
+    assert content_key(messages, {}) == content_key(messages, {}, KEY_VERSION)
 
 
 def test_content_key_sensitive() -> None:
@@ -568,20 +603,15 @@ _role = st.sampled_from(["system", "user", "assistant"])
 
 @st.composite
 def valid_conversations(draw: st.DrawFn) -> list[dict[str, str]]:
-    """Conversations whose prompt (before the last assistant turn) ends with a user turn.
+    """Conversations with a user turn: ``history + user + tail``.
 
-    Either ``history + user + assistant + tail`` (the tail, with no assistant
-    turns, is dropped along with the answer) or ``history + user`` where the
-    history has no assistant turn at all.
+    The tail holds no user turn (assistant answers, system messages) and is
+    dropped; the history is anything.
     """
-    has_answer = draw(st.booleans())
-    roles = _role if has_answer else st.sampled_from(["system", "user"])
-    turns = [msg(role, text) for role, text in draw(st.lists(st.tuples(roles, _text), max_size=6))]
+    turns = [msg(role, text) for role, text in draw(st.lists(st.tuples(_role, _text), max_size=6))]
     turns.append(msg("user", draw(_text)))
-    if has_answer:
-        turns.append(msg("assistant", draw(_text)))
-        tail = draw(st.lists(st.tuples(st.sampled_from(["system", "user"]), _text), max_size=2))
-        turns.extend(msg(role, text) for role, text in tail)
+    tail = draw(st.lists(st.tuples(st.sampled_from(["system", "assistant"]), _text), max_size=3))
+    turns.extend(msg(role, text) for role, text in tail)
     return turns
 
 
@@ -594,12 +624,9 @@ def _as_form(messages: list[dict[str, str]], form: str) -> dict[str, Any]:
 
 
 def _oracle(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
-    """Independent statement of the trimming rule; None when the row is invalid."""
-    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    prompt = messages[: answers[-1]] if answers else messages
-    if not prompt or prompt[-1]["role"] != "user":
-        return None
-    return prompt
+    """Independent statement of the prompt rule; None when the row is invalid."""
+    questions = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[: questions[-1] + 1] if questions else None
 
 
 @given(valid_conversations(), st.sampled_from(["messages", "conversations", "conversation"]))
@@ -715,3 +742,55 @@ def test_corrupt_gzip_is_dataset_error(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50)[:40] + b"\x00garbage")
     with pytest.raises(DatasetError, match="cannot read"):
         list(iter_rows(str(path)))
+
+
+# --------------------------------------------------------------------------
+# Source ids: the row's own id
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ({"id": "a-1", "uuid": "u", "conversation_id": "c"}, "a-1"),
+        ({"uuid": "u", "conversation_id": "c", "sample_id": "s"}, "u"),
+        ({"conversation_id": "c", "sample_id": "s"}, "c"),
+        ({"sample_id": 7}, "7"),
+        ({"id": None, "uuid": "", "sample_id": "s"}, "s"),  # null and empty count as absent
+        ({"id": 12345678901234}, "12345678901234"),
+        ({"id": {"shard": 1, "n": 2}}, '{"n":2,"shard":1}'),
+        ({"id": True}, None),
+        ({"prompt": "no id"}, None),
+    ],
+)
+def test_source_id_fields(row: dict[str, Any], expected: str | None) -> None:
+    assert source_id(row) == expected
+
+
+def test_source_ids_from_jsonl_rows(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "r0", "prompt": "a"},
+        {"uuid": "r1", "conversations": [{"from": "human", "value": "b"}]},
+        {"conversation_id": 2, "messages": [msg("robot", "x")]},  # skipped, id kept
+        "{not json",
+        {"prompt": "no id"},
+    ])
+    rows = list(iter_rows(str(path)))
+    assert [r.source_id for r in rows] == ["r0", "r1", "2", None, None]
+    assert rows[2].skipped
+
+
+def test_id_field_names_the_one_field(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "ignored", "prompt_id": "p0", "prompt": "a"},
+        {"id": "ignored", "prompt": "b"},
+    ])
+    assert [r.source_id for r in iter_rows(str(path), id_field="prompt_id")] == ["p0", None]
+    with pytest.raises(DatasetError, match="--id-field is empty"):
+        iter_rows(str(path), id_field=" ")
+
+
+def test_source_ids_from_parquet(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"prompt": ["a", "b"], "id": pa.array([10, None], pa.int64())}),
+                   tmp_path / "d.parquet")
+    assert [r.source_id for r in iter_rows(str(tmp_path / "d.parquet"))] == ["10", None]
