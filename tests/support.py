@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,37 +28,73 @@ def free_port() -> int:
 
 
 class Simulator:
-    """A ``synthq simulate`` subprocess on a free port."""
+    """A simulator subprocess on a free port: ``synthq simulate ARGS`` (the CLI), or
+    ``serve(SimConfig(CONFIG))`` for settings the CLI does not expose."""
 
-    def __init__(self, args: list[str], log_dir: Path) -> None:
+    def __init__(self, args: list[str] | None = None, log_dir: Path | None = None, *,
+                 config: str | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.log_path = log_dir / f"sim-{self.port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "synthq.cli", "simulate", "--port", str(self.port), *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base_url}/v1"
+        if config is not None:
+            code = ("from synthq.testing.simulator import SimConfig, serve; "
+                    f"serve(SimConfig({config}), port={self.port})")
+            cmd = [sys.executable, "-c", code]
+        else:
+            cmd = [sys.executable, "-m", "synthq.cli", "simulate", "--port", str(self.port),
+                   *(args or [])]
+        # Closed in stop().
+        self._log = (open(log_dir / f"sim-{self.port}.log", "w+b")  # noqa: SIM115
+                     if log_dir else tempfile.TemporaryFile())  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.base_url, timeout=10)
+        self._client: Any = None
         deadline = time.monotonic() + 20
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"simulator died: {self.log_path.read_text()}")
+                raise RuntimeError(f"simulator died: {self.log()}")
             try:
                 if self.http.get("/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("simulator did not start")
-            time.sleep(0.1)
+                raise RuntimeError(f"simulator did not start: {self.log()}")
+            time.sleep(0.05)
+
+    @property
+    def client(self) -> Any:
+        """A sync openai client for this simulator (no retries)."""
+        if self._client is None:
+            import openai
+
+            self._client = openai.OpenAI(base_url=self.url, api_key="x", max_retries=0)
+        return self._client
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def stats(self) -> dict[str, Any]:
         return self.http.get("/sim/stats").json()
 
     def reset(self) -> None:
-        self.http.post("/sim/reset")
+        self.http.post("/sim/reset").raise_for_status()
+
+    def wait_idle(self, timeout: float = 3.0) -> dict[str, Any]:
+        """Wait until no request is active (e.g. after client disconnects)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["active"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
         self.http.close()
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -67,6 +104,19 @@ class Simulator:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+    close = stop
+
+
+def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m synthq.cli ARGS`` with the test's settings; asserts exit 0 if ``check``."""
+    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args],
+                            env=env if env is not None else child_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stderr + result.stdout
+    return result
 
 
 class Proc:

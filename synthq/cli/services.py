@@ -113,7 +113,7 @@ def simulate(
 
     Example: `synthq simulate --port 8000 --capacity 16 --latency 0.5 --error-rate 0.05`
     """
-    from synthq.simulator import SimConfig, serve
+    from synthq.testing.simulator import SimConfig, serve
 
     rates = dict(hang_rate=hang_rate, stall_rate=stall_rate, rate_limit_rate=rate_limit_rate,
                  error_rate=error_rate, context_length_rate=context_length_rate,

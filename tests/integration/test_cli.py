@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import update
-from support import REPO, child_env
+from support import REPO, run_cli
 
 from synthq.db import session_scope
 from synthq.models import Sample
@@ -17,12 +17,7 @@ from synthq.models import Sample
 pytestmark = pytest.mark.integration
 
 
-def synthq(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stderr + result.stdout
-    return result
+synthq = run_cli
 
 
 @pytest.fixture

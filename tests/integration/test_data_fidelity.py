@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select, update
-from support import REPO, child_env
+from support import run_cli
 
 from synthq.db import session_scope
 from synthq.embedded import run_job
@@ -33,12 +31,7 @@ def msg(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def synthq(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stderr + result.stdout
-    return result
+synthq = run_cli
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import event, insert, update
-from support import REPO, child_env
+from support import run_cli
 
 from synthq import export as export_mod
 from synthq.db import get_engine, session_scope, utcnow
@@ -351,8 +350,7 @@ def test_tokenizer_fingerprint_of_a_local_tokenizer(
 
 
 def synthq(*args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_cli(*args, check=False)
     if "--json" not in args:  # rich wraps long lines at the terminal width
         result.stdout, result.stderr = (" ".join(result.stdout.split()),
                                         " ".join(result.stderr.split()))

@@ -1,4 +1,4 @@
-"""Integration tests of the OpenAI-compatible simulator (synthq.simulator).
+"""Integration tests of the OpenAI-compatible simulator (synthq.testing.simulator).
 
 Each simulator runs as a real uvicorn subprocess on a free loopback port and is
 driven through the ``openai`` client and raw ``httpx``, the way synthq's workers
@@ -8,112 +8,26 @@ and benchmarks use it.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from support import Simulator
 
 pytestmark = pytest.mark.integration
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 15.0
-
-
-class SimProcess:
-    """A simulator subprocess and the clients that talk to it."""
-
-    def __init__(self, config: str) -> None:
-        """Start ``serve(SimConfig(<config>))`` on a free port and wait for /health."""
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        code = (
-            "from synthq.simulator import SimConfig, serve; "
-            f"serve(SimConfig({config}), port={self.port})"
-        )
-        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": python_path}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=self._log, stderr=self._log
-        )
-        self.http = httpx.Client(base_url=self.base_url, timeout=10.0)
-        self._wait_healthy()
-        self.client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0)
-
-    def _wait_healthy(self) -> None:
-        """Poll /health until the server answers, failing early if it died."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"simulator exited early:\n{self.log()}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"simulator did not become healthy:\n{self.log()}")
-
-    def log(self) -> str:
-        """Everything the subprocess printed so far."""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def stats(self) -> dict[str, Any]:
-        """GET /sim/stats."""
-        return self.http.get("/sim/stats").json()
-
-    def reset(self) -> None:
-        """POST /sim/reset."""
-        self.http.post("/sim/reset").raise_for_status()
-
-    def wait_idle(self, timeout: float = 3.0) -> dict[str, Any]:
-        """Wait until no request is active (e.g. after client disconnects)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if stats["active"] == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        """Stop the subprocess and close the clients."""
-        self.client.close()
-        self.http.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-def _free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def start_sim() -> Iterator[Callable[[str], SimProcess]]:
+def start_sim() -> Iterator[Callable[[str], Simulator]]:
     """Factory starting simulators; all are killed at the end of the module."""
-    started: list[SimProcess] = []
+    started: list[Simulator] = []
 
-    def start(config: str = "") -> SimProcess:
-        sim = SimProcess(config)
+    def start(config: str = "") -> Simulator:
+        sim = Simulator(config=config)
         started.append(sim)
         return sim
 
@@ -123,13 +37,13 @@ def start_sim() -> Iterator[Callable[[str], SimProcess]]:
 
 
 @pytest.fixture(scope="module")
-def sim(start_sim: Callable[[str], SimProcess]) -> SimProcess:
+def sim(start_sim: Callable[[str], Simulator]) -> Simulator:
     """A fast simulator: 8-word answers, 20 ms latency, retry_after=2."""
     return start_sim("latency=0.02, response_tokens=8, retry_after=2")
 
 
 @pytest.fixture(scope="module")
-def reasoning_sim(start_sim: Callable[[str], SimProcess]) -> SimProcess:
+def reasoning_sim(start_sim: Callable[[str], Simulator]) -> Simulator:
     """A reasoning simulator streaming at 50 tokens/s."""
     return start_sim(
         "latency=0.02, reasoning=True, response_tokens=8, reasoning_tokens=4, tokens_per_second=50"
@@ -141,14 +55,14 @@ def _prompt(text: str = "") -> str:
     return f"Explain durable queues {uuid.uuid4().hex[:8]} {text}".strip()
 
 
-def _ask(sim: SimProcess, content: str, **kwargs: Any) -> Any:
+def _ask(sim: Simulator, content: str, **kwargs: Any) -> Any:
     """One non-streamed chat completion."""
     return sim.client.chat.completions.create(
         model="sim-model", messages=[{"role": "user", "content": content}], **kwargs
     )
 
 
-def _stream(sim: SimProcess, content: str, **kwargs: Any) -> list[Any]:
+def _stream(sim: Simulator, content: str, **kwargs: Any) -> list[Any]:
     """One streamed chat completion, as the list of chunks."""
     stream = sim.client.chat.completions.create(
         model="sim-model", messages=[{"role": "user", "content": content}], stream=True, **kwargs
@@ -159,13 +73,13 @@ def _stream(sim: SimProcess, content: str, **kwargs: Any) -> list[Any]:
 # --------------------------------------------------------------------------- basics
 
 
-def test_health_and_models(sim: SimProcess) -> None:
+def test_health_and_models(sim: Simulator) -> None:
     assert sim.http.get("/health").status_code == 200
     models = sim.client.models.list()
     assert [m.id for m in models.data] == ["sim-model"]
 
 
-def test_non_streamed_answer_is_deterministic(sim: SimProcess) -> None:
+def test_non_streamed_answer_is_deterministic(sim: Simulator) -> None:
     prompt = _prompt()
     first = _ask(sim, prompt)
     second = _ask(sim, prompt)
@@ -184,7 +98,7 @@ def test_non_streamed_answer_is_deterministic(sim: SimProcess) -> None:
     assert first.usage.total_tokens == first.usage.prompt_tokens + 8
 
 
-def test_prompt_tokens_count_all_messages(sim: SimProcess) -> None:
+def test_prompt_tokens_count_all_messages(sim: Simulator) -> None:
     messages = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
@@ -194,7 +108,7 @@ def test_prompt_tokens_count_all_messages(sim: SimProcess) -> None:
     assert answer.choices[0].message.content.split()[:3] == ["one", "two", "three"]
 
 
-def test_streamed_answer_with_usage(sim: SimProcess) -> None:
+def test_streamed_answer_with_usage(sim: Simulator) -> None:
     prompt = _prompt()
     chunks = _stream(sim, prompt, stream_options={"include_usage": True})
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -209,7 +123,7 @@ def test_streamed_answer_with_usage(sim: SimProcess) -> None:
     assert len(chunks) == 11
 
 
-def test_raw_sse_framing(sim: SimProcess) -> None:
+def test_raw_sse_framing(sim: Simulator) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": _prompt()}], "stream": True}
     response = sim.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200
@@ -222,7 +136,7 @@ def test_raw_sse_framing(sim: SimProcess) -> None:
     assert "usage" not in events[-3]  # no usage chunk unless include_usage
 
 
-def test_max_tokens_caps_answer(sim: SimProcess) -> None:
+def test_max_tokens_caps_answer(sim: Simulator) -> None:
     capped = _ask(sim, _prompt(), max_tokens=3)
     assert len(capped.choices[0].message.content.split()) == 3
     assert capped.choices[0].finish_reason == "length"
@@ -232,7 +146,7 @@ def test_max_tokens_caps_answer(sim: SimProcess) -> None:
     assert roomy.choices[0].finish_reason == "stop"
 
 
-def test_unknown_fields_are_ignored(sim: SimProcess) -> None:
+def test_unknown_fields_are_ignored(sim: Simulator) -> None:
     answer = _ask(
         sim,
         _prompt(),
@@ -251,14 +165,14 @@ def test_unknown_fields_are_ignored(sim: SimProcess) -> None:
         {"model": "m", "messages": [{"role": "user", "content": "x [[sim:typo]]"}]},
     ],
 )
-def test_invalid_requests_get_openai_400(sim: SimProcess, body: dict[str, Any]) -> None:
+def test_invalid_requests_get_openai_400(sim: Simulator, body: dict[str, Any]) -> None:
     response = sim.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     error = response.json()
     assert error["object"] == "error" and error["code"] == 400 and error["message"]
 
 
-def test_invalid_json_gets_400(sim: SimProcess) -> None:
+def test_invalid_json_gets_400(sim: Simulator) -> None:
     response = sim.http.post("/v1/chat/completions", content=b"{not json")
     assert response.status_code == 400
 
@@ -266,7 +180,7 @@ def test_invalid_json_gets_400(sim: SimProcess) -> None:
 # --------------------------------------------------------------------------- reasoning
 
 
-def test_reasoning_non_streamed(reasoning_sim: SimProcess) -> None:
+def test_reasoning_non_streamed(reasoning_sim: Simulator) -> None:
     answer = _ask(reasoning_sim, _prompt())
     message = answer.choices[0].message
     assert len(message.content.split()) == 8
@@ -274,7 +188,7 @@ def test_reasoning_non_streamed(reasoning_sim: SimProcess) -> None:
     assert answer.usage.completion_tokens == 12
 
 
-def test_reasoning_streamed_before_content(reasoning_sim: SimProcess) -> None:
+def test_reasoning_streamed_before_content(reasoning_sim: Simulator) -> None:
     started = time.monotonic()
     chunks = _stream(reasoning_sim, _prompt())
     elapsed = time.monotonic() - started
@@ -289,7 +203,7 @@ def test_reasoning_streamed_before_content(reasoning_sim: SimProcess) -> None:
     assert elapsed >= 12 / 50  # tokens_per_second=50 paces the 12 tokens
 
 
-def test_reasoning_counts_toward_max_tokens(reasoning_sim: SimProcess) -> None:
+def test_reasoning_counts_toward_max_tokens(reasoning_sim: Simulator) -> None:
     answer = _ask(reasoning_sim, _prompt(), max_tokens=6)
     message = answer.choices[0].message
     assert len(message.reasoning_content.split()) == 4
@@ -300,20 +214,20 @@ def test_reasoning_counts_toward_max_tokens(reasoning_sim: SimProcess) -> None:
 # --------------------------------------------------------------------------- faults
 
 
-def test_rate_limit_directive(sim: SimProcess) -> None:
+def test_rate_limit_directive(sim: Simulator) -> None:
     with pytest.raises(openai.RateLimitError) as info:
         _ask(sim, _prompt("[[sim:rate_limit]]"))
     assert info.value.response.headers["retry-after"] == "2"
     assert info.value.body["type"] == "RateLimitError"
 
 
-def test_error_directive(sim: SimProcess) -> None:
+def test_error_directive(sim: Simulator) -> None:
     with pytest.raises(openai.InternalServerError) as info:
         _ask(sim, _prompt("[[sim:error]]"))
     assert info.value.status_code == 500
 
 
-def test_context_length_directive(sim: SimProcess) -> None:
+def test_context_length_directive(sim: Simulator) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _ask(sim, _prompt("[[sim:context_length]]"))
     assert "maximum context length" in str(info.value)
@@ -321,7 +235,7 @@ def test_context_length_directive(sim: SimProcess) -> None:
     assert info.value.body["message"].startswith("This model's maximum context length is 4096")
 
 
-def test_reset_directive_breaks_the_stream(sim: SimProcess) -> None:
+def test_reset_directive_breaks_the_stream(sim: Simulator) -> None:
     received: list[Any] = []
     with pytest.raises(openai.APIConnectionError):  # the SDK wraps the broken chunked read
         for chunk in sim.client.chat.completions.create(
@@ -336,7 +250,7 @@ def test_reset_directive_breaks_the_stream(sim: SimProcess) -> None:
         _ask(sim, _prompt("[[sim:reset]]"))
 
 
-def test_stall_and_hang_time_out_and_release(sim: SimProcess) -> None:
+def test_stall_and_hang_time_out_and_release(sim: Simulator) -> None:
     sim.reset()
     timeout = httpx.Timeout(5.0, read=0.5)
     with httpx.Client(base_url=sim.base_url, timeout=timeout) as client:
@@ -362,7 +276,7 @@ def test_stall_and_hang_time_out_and_release(sim: SimProcess) -> None:
     assert stats["faults"]["hang"] == 1 and stats["faults"]["stall"] == 1
 
 
-def test_empty_directive(sim: SimProcess) -> None:
+def test_empty_directive(sim: Simulator) -> None:
     answer = _ask(sim, _prompt("[[sim:empty]]"))
     assert answer.choices[0].message.content == ""
     assert answer.choices[0].finish_reason == "stop"
@@ -371,7 +285,7 @@ def test_empty_directive(sim: SimProcess) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_length_directive(sim: SimProcess) -> None:
+def test_length_directive(sim: Simulator) -> None:
     answer = _ask(sim, _prompt("[[sim:length]]"))
     assert answer.choices[0].finish_reason == "length"
     assert 0 < len(answer.choices[0].message.content.split()) < 8
@@ -379,7 +293,7 @@ def test_length_directive(sim: SimProcess) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_counted_directive_lets_retries_succeed(sim: SimProcess) -> None:
+def test_counted_directive_lets_retries_succeed(sim: Simulator) -> None:
     prompt = _prompt("[[sim:error*2]]")
     for _ in range(2):
         with pytest.raises(openai.InternalServerError):
@@ -391,7 +305,7 @@ def test_counted_directive_lets_retries_succeed(sim: SimProcess) -> None:
         _ask(sim, prompt)
 
 
-def test_random_fault_rates(start_sim: Callable[[str], SimProcess]) -> None:
+def test_random_fault_rates(start_sim: Callable[[str], Simulator]) -> None:
     faulty = start_sim("latency=0, response_tokens=4, error_rate=0.3, length_rate=0.3, seed=7")
     errors = lengths = 0
     for _ in range(40):
@@ -410,7 +324,7 @@ def test_random_fault_rates(start_sim: Callable[[str], SimProcess]) -> None:
 # --------------------------------------------------------------------------- capacity and stats
 
 
-def test_capacity_limits_concurrency(start_sim: Callable[[str], SimProcess]) -> None:
+def test_capacity_limits_concurrency(start_sim: Callable[[str], Simulator]) -> None:
     limited = start_sim("capacity=2, latency=0.5, response_tokens=4")
     results: list[str] = []
     errors: list[BaseException] = []
@@ -437,7 +351,7 @@ def test_capacity_limits_concurrency(start_sim: Callable[[str], SimProcess]) -> 
     assert stats["completed"] == 6
 
 
-def test_stats_count_prompts_and_reset(sim: SimProcess) -> None:
+def test_stats_count_prompts_and_reset(sim: Simulator) -> None:
     sim.reset()
     first, second = _prompt("alpha"), _prompt("beta")
     for prompt in (first, first, second):

@@ -18,8 +18,8 @@ Directives override the random fault rates. NAME is one of :data:`FAULTS`.
 
 Run it from another process (it blocks)::
 
-    python -c "from synthq.simulator import SimConfig, serve; serve(SimConfig(), port=8000)"
-    python -m synthq.simulator --port 8000 --capacity 16 --latency 0.2 --error-rate 0.05
+    python -c "from synthq.testing.simulator import SimConfig, serve; serve(SimConfig(), port=8000)"
+    python -m synthq.testing.simulator --port 8000 --capacity 16 --latency 0.2 --error-rate 0.05
 
 Besides the OpenAI routes it serves ``GET /sim/stats`` (counters, see
 :class:`_Stats`), ``POST /sim/reset`` (zero the counters) and ``GET /sim/config``.
@@ -784,7 +784,7 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m synthq.simulator``."""
+    """Entry point of ``python -m synthq.testing.simulator``."""
     args = vars(_arg_parser().parse_args(argv))
     host, port, log_level = args.pop("host"), args.pop("port"), args.pop("log_level")
     serve(SimConfig(**args), host=host, port=port, log_level=log_level)
