@@ -21,6 +21,7 @@ from support import Simulator
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.fixture(scope="module")
 def start_sim() -> Iterator[Callable[[str], Simulator]]:
     """Factory starting simulators; all are killed at the end of the module."""
