@@ -43,6 +43,8 @@ class JobStatus:
     #: differ from the ones the server reported (return_token_ids).
     #: Servers failing their health probe, with the error.
     unhealthy: dict[str, str | None] = field(default_factory=dict)
+    #: Live generation workers (every job's): name, capacity, calls in flight.
+    workers: list[dict[str, Any]] = field(default_factory=list)
     tokenizer: str | None = None
     tokenize_version: int = 1
     stale_examples: int = 0
@@ -129,6 +131,13 @@ def job_status(session: Session, job: Job) -> JobStatus:
     from synthq.health import unhealthy
 
     status.unhealthy = unhealthy(session, job.servers)
+    from synthq.config import get_settings
+    from synthq.workers import live
+
+    status.workers = [
+        {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
+         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
+        for w in live(session, now=now, timeout=get_settings().worker_timeout)]
     if job.tokenizer:
         from synthq.retokenize import stale_query
 

@@ -73,6 +73,11 @@ def print_status(status: JobStatus) -> None:
         console.print(f"[red]server {url} fails its health probe[/] ({error}): nothing is sent")
     if status.inflight:
         console.print("in flight: " + ", ".join(f"{k} {v}" for k, v in status.inflight.items()))
+    if status.workers:
+        console.print("workers: " + ", ".join(
+            f"{w['name']} {w['inflight']}/{w['capacity']}" for w in status.workers))
+    elif status.open and not status.finished:
+        console.print("[yellow]no live worker[/]: start `synthq worker` (or use `synthq run`)")
     if status.finished:
         console.print(f"[green]finished[/]: {c['done']:,} done, {c['failed']:,} failed, "
                       f"{c['skipped']:,} skipped")

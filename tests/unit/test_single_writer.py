@@ -1,0 +1,35 @@
+"""states.py is the only writer of samples, attempts and job states (a grep, as the rule says)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Writes that belong in synthq/states.py only.
+FORBIDDEN = re.compile(
+    r"update\(\s*(Sample|Attempt|Job)\b|insert\(\s*(Sample|Attempt)\b|delete\(\s*(Sample|Attempt)\b"
+    r"|\.state\s*=[^=]|session\.add\(\s*(Sample|Attempt)\(")
+
+
+def offenders() -> list[str]:
+    found = []
+    for folder in ("synthq", "worker", "api"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "synthq" / "states.py":
+                continue
+            for no, line in enumerate(path.read_text().splitlines(), 1):
+                if FORBIDDEN.search(line.split("#", 1)[0]):
+                    found.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
+    return found
+
+
+def test_only_states_writes_samples_attempts_and_job_states() -> None:
+    assert offenders() == []
+
+
+def test_the_rule_can_fail(tmp_path: Path) -> None:
+    assert FORBIDDEN.search("s.execute(update(Sample).where(Sample.id == 1))")
+    assert FORBIDDEN.search("session.execute(insert(Attempt).values(**row))")
+    assert FORBIDDEN.search("    job.state = JobState.PAUSED")
+    assert not FORBIDDEN.search("if job.state == JobState.PAUSED:")
