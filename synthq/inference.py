@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
 import openai
 
-from synthq import errors
+from synthq import errors, netio
 
 __all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after"]
 
@@ -87,6 +88,20 @@ def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
     return errors.BadRequest(message)
 
 
+async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Lines of a server-sent-event body, as bytes (no text decoding layer per chunk:
+    ``json.loads`` takes UTF-8 bytes)."""
+    pending = b""
+    async for data in chunks:
+        if pending:
+            data = pending + data
+        *lines, pending = data.split(b"\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 class _Accumulator:
     """Builds the answer from SSE chunk payloads."""
 
@@ -132,11 +147,12 @@ class InferenceClient:
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url
         self.max_connections = max_connections
-        http = httpx2.AsyncClient(
-            limits=httpx2.Limits(max_connections=max_connections,
-                                 max_keepalive_connections=max_connections),
-            transport=transport,
-        )
+        limits = httpx2.Limits(max_connections=max_connections,
+                               max_keepalive_connections=max_connections)
+        if transport is None:
+            transport = httpx2.AsyncHTTPTransport(limits=limits)
+            netio.install(transport)  # asyncio-protocol sockets: a third of the CPU per chunk
+        http = httpx2.AsyncClient(limits=limits, transport=transport)
         self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                           http_client=http)
 
@@ -174,11 +190,11 @@ class InferenceClient:
                 extra_body=body or None,
                 **request.sampling,
             ) as response:
-                async for line in response.iter_lines():
-                    if not line.startswith("data:"):
+                async for line in _sse_lines(response.http_response.aiter_bytes()):
+                    if not line.startswith(b"data:"):
                         continue  # blank separators, comments, event names
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         # Read on to the end of the body (nothing, normally): a
                         # response left unread closes its keep-alive connection.
                         done = True
