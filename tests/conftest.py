@@ -71,7 +71,8 @@ def pg(pg_session_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
     engine = create_engine(pg_session_url)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE training_runs, attempts, samples, jobs, servers, workers RESTART IDENTITY CASCADE"))
+        conn.execute(text("TRUNCATE training_runs, attempts, samples, jobs, servers, workers "
+                          "RESTART IDENTITY CASCADE"))
     engine.dispose()
     monkeypatch.setenv("SYNTHQ_DATABASE_URL", pg_session_url)
     monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
