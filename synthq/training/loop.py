@@ -359,7 +359,7 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> 
             optimizer.step()
             scheduler.step()
             step += 1
-            _accumulate(window, float(loss), stats, int(valid.sum()), t1 - t0,
+            _accumulate(window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
                         time.perf_counter() - t1)
             if step % cfg.log_every == 0 or step == total:
                 record = _record(window, step, float(scheduler.get_last_lr()[0]))
