@@ -154,6 +154,9 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
         raise fail(f"interrupted: rerun `synthq train {info['job']}` to resume run {run_id} "
                    "from its last checkpoint", code=130) from None
     row = _runs(str(run_id), by_run=True)[0]
+    if state == "stale":
+        raise fail(f"run {run_id} is being trained by {row['worker']}; follow it with "
+                   f"`synthq runs {info['job']} --watch`")
     if as_json:
         print(json.dumps(row))
     elif state == "done":
