@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     #: may open under load. Threads wait for a free one; transactions are short.
     db_pool_size: int = 8
     db_max_overflow: int = 16
+    #: Training runs: seconds without a heartbeat before a running run counts as
+    #: orphaned (its worker died) and is handed to another worker, which resumes
+    #: it from its last checkpoint; and seconds a pending run waits before its
+    #: ``train`` message is sent again (it may have died with the broker).
+    train_lease: float = 120.0
+    train_resend_after: float = 900.0
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["SampleState", "JobState", "INFLIGHT", "FINISHED"]
+__all__ = ["SampleState", "JobState", "RunState", "INFLIGHT", "FINISHED"]
 
 
 class SampleState(enum.StrEnum):
@@ -28,6 +28,19 @@ class JobState(enum.StrEnum):
     #: Nothing new is dispatched; calls in flight finish.
     PAUSED = "paused"
     #: Like paused, for good (``resume`` refuses).
+    CANCELLED = "cancelled"
+
+
+class RunState(enum.StrEnum):
+    #: Waiting for a training worker (a ``train`` message was published).
+    PENDING = "pending"
+    #: A worker holds the claim and heart-beats.
+    RUNNING = "running"
+    #: The drafter checkpoint is written. Final.
+    DONE = "done"
+    #: Stopped by an error; ``error`` says why. Final (``synthq train`` starts a new one).
+    FAILED = "failed"
+    #: Stopped by a person. Final.
     CANCELLED = "cancelled"
 
 

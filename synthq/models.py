@@ -30,9 +30,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from synthq.enums import JobState, SampleState
+from synthq.enums import JobState, RunState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "UTCDateTime"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "TrainingRun", "UTCDateTime"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -129,6 +129,14 @@ class Job(Base):
     #: (synthq.dataset.KEY_VERSION): 1 for jobs made before the prompt kept a
     #: trailing user turn, 2 since. A job keeps its rule for life.
     key_version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Training (synthq.training): when the readiness check starts a run, and on what.
+    #: ``ready`` (98 % of non-skipped samples done, none in flight), ``done:F``,
+    #: ``count:N`` or ``never``. Nothing starts by itself without ``train_target``.
+    train_when: Mapped[str] = mapped_column(String(32), default="ready")
+    #: The target model (local path or Hugging Face id) a drafter is trained for.
+    train_target: Mapped[str | None] = mapped_column(String(1000))
+    #: Hyperparameters for runs the readiness check starts (TrainConfig fields).
+    train_settings: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
@@ -267,3 +275,41 @@ class Worker(Base):
     inflight: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime]
     heartbeat_at: Mapped[datetime]
+
+
+class TrainingRun(Base):
+    """One EAGLE-3 drafter training run of a job's data (synthq.training)."""
+
+    __tablename__ = "training_runs"
+    __table_args__ = (Index("ix_training_runs_job_id_state", "job_id", "state"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    state: Mapped[RunState] = mapped_column(_enum(RunState))
+    #: ``auto`` (the readiness check) or ``manual`` (``synthq train``).
+    trigger: Mapped[str] = mapped_column(String(16))
+    #: The target model (local path or Hugging Face id).
+    target: Mapped[str] = mapped_column(String(1000))
+    #: The TrainConfig, as a dict (also saved inside every checkpoint).
+    settings: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    #: Logged steps: ``[{"step", "loss", "acc": [7 floats], "accept", "lr", "tokens"}, ...]``.
+    metrics: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
+    #: Where the export, cache, checkpoints and the final drafter go.
+    output_dir: Mapped[str] = mapped_column(String(1000))
+    #: The latest checkpoint: a resumable step directory while running, the
+    #: vLLM-loadable drafter once done.
+    checkpoint: Mapped[str | None] = mapped_column(String(1000))
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    #: The step the latest (re)start resumed from (0: from scratch).
+    resumed_from: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    #: Random token of the process that holds the run; every write presents it.
+    claim: Mapped[str | None] = mapped_column(String(32))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    #: Renewed while the run trains; a stale one is handed to another worker.
+    heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]

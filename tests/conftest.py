@@ -74,7 +74,7 @@ def pg(pg_session_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
     engine = create_engine(pg_session_url)
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE attempts, samples, jobs, servers, workers "
+        conn.execute(text("TRUNCATE training_runs, attempts, samples, jobs, servers, workers "
                           "RESTART IDENTITY CASCADE"))
     engine.dispose()
     monkeypatch.setenv("SYNTHQ_DATABASE_URL", pg_session_url)

@@ -4,6 +4,7 @@ Start the generation worker with::
 
     celery -A worker.app worker -Q generate,control,tokenize -P threads -c 128 -E
     celery -A worker.app beat
+    celery -A worker.app worker -Q train -P solo     # drafter training (GPU)
 
 (``synthq worker`` and ``synthq beat`` wrap exactly these.)
 """
@@ -14,7 +15,7 @@ from celery import Celery
 
 from synthq.config import get_settings
 
-__all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE"]
+__all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
 
 settings = get_settings()
 
@@ -24,6 +25,8 @@ settings = get_settings()
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
 TOKENIZE_ROUTE = {"queue": "tokenize", "exchange": "", "routing_key": "tokenize"}
+# Drafter training (synthq.training): its own worker, one run at a time (-P solo, GPU).
+TRAIN_ROUTE = {"queue": "train", "exchange": "", "routing_key": "train"}
 
 app = Celery("synthq", broker=settings.broker_url or "redis://127.0.0.1:6379/0",
              include=["worker.tasks"])
@@ -44,7 +47,7 @@ app.conf.update(
     worker_send_task_events=True,
     task_send_sent_event=True,
     task_routes={"synthq.generate": GENERATE_ROUTE, "synthq.dispatch": CONTROL_ROUTE,
-                 "synthq.retokenize": TOKENIZE_ROUTE},
+                 "synthq.retokenize": TOKENIZE_ROUTE, "synthq.train": TRAIN_ROUTE},
     task_default_queue="control",
     beat_schedule={
         "dispatch": {

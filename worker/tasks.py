@@ -16,7 +16,7 @@ from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.retokenize import retokenize_batch
-from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, app
+from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE, app
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def dispatch_tick() -> int:
     swept = sweep()
     if swept:
         log.info("sweep returned %d samples to pending", swept)
+    _train_tick()
     return dispatch(publish)
 
 
@@ -141,3 +142,36 @@ def retokenize(job_id: int, sample_ids: list[int]) -> dict[str, int]:
     """Recompute a batch of examples from stored responses (no server call)."""
     result = retokenize_batch(job_id, sample_ids)
     return {"done": result.done, "failed": result.failed, "skipped": result.skipped}
+
+
+# --- drafter training (synthq.training) ------------------------------------------------
+
+
+def publish_train(run_ids: Sequence[int]) -> None:
+    """One ``train`` message per run id."""
+    with app.producer_or_acquire() as producer:
+        for run_id in run_ids:
+            train.apply_async((run_id,), producer=producer, **TRAIN_ROUTE)
+
+
+def _train_tick() -> None:
+    """Beat: start runs for jobs whose data is ready; re-send orphaned runs."""
+    from synthq.training.readiness import check_readiness  # no torch: cheap
+
+    try:
+        ready = check_readiness(publish_train)
+    except Exception:  # training must never stop the dispatcher
+        log.exception("training readiness check failed")
+        return
+    if ready.started:
+        log.info("readiness: started training runs %s", ready.started)
+
+
+# Acknowledged on receipt: a run lasts hours (past Redis' visibility timeout);
+# SQL and the readiness check's sweep, not the broker, bring back a lost run.
+@app.task(name="synthq.train", acks_late=False)
+def train(run_id: int) -> str:
+    """Train one drafter run to the end (torch loads only in the training worker)."""
+    from synthq.training.loop import execute_run
+
+    return execute_run(run_id)

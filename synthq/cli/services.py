@@ -32,6 +32,9 @@ def worker(
     ctx: typer.Context,
     concurrency: Annotated[int, typer.Option("-c", "--concurrency", help="Threads: calls in "
                            "flight in this process.")] = 128,
+    queues: Annotated[str, typer.Option("--queues", "-Q", help="`generate,control,tokenize` "
+                      "(generation), or `train`: the drafter training worker (GPU, one run "
+                      "at a time).")] = "generate,control,tokenize",
 ) -> None:
     """Start a generation worker (celery worker, threads pool). Extra args go to celery.
 
@@ -39,7 +42,18 @@ def worker(
     """
     if concurrency < 1:
         raise fail("--concurrency must be at least 1")
-    _celery(["worker", "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
+    names = [q.strip() for q in queues.split(",") if q.strip()]
+    unknown = set(names) - {"generate", "control", "tokenize", "train"}
+    if not names or unknown:
+        raise fail(f"--queues: unknown queue(s) {', '.join(sorted(unknown)) or '(none)'}; "
+                   "known: generate, control, tokenize, train")
+    if "train" in names:
+        if names != ["train"]:
+            raise fail("--queues train runs alone: a training worker takes one run at a time")
+        _celery(["worker", "-Q", "train", "-P", "solo", "-E", "--without-mingle",
+                 "--without-gossip", "-l", "INFO", *ctx.args])
+        return
+    _celery(["worker", "-Q", ",".join(names), "-P", "threads", "-c", str(concurrency),
              "-E", "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
 
 

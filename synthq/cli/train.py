@@ -1,0 +1,233 @@
+"""Drafter training: `synthq train` and `synthq runs`.
+
+torch is imported only inside `train` when it runs a run in-process: listing
+runs and enqueueing one never load it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from synthq.cli import (
+    JobArg,
+    JsonOpt,
+    app,
+    console,
+    ensure_db,
+    fail,
+    with_job,
+)
+from synthq.config import get_settings
+from synthq.errors import UserError
+
+
+def _config(opts: dict[str, Any]) -> Any:
+    from synthq.training.config import TrainConfig
+
+    cfg = TrainConfig(**opts)
+    cfg.check()
+    return cfg
+
+
+@app.command()
+def train(
+    job: JobArg,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="The target model: a "
+                      "local directory or a Hugging Face id [default: the job's stored "
+                      "target].")] = None,
+    when: Annotated[str, typer.Option(help="`now` starts a run now. `ready` (98 % of "
+                    "non-skipped samples done, none in flight), `done:F`, `count:N` or `never` "
+                    "store the threshold and target on the job; beat starts the run.")] = "now",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory [default: "
+                   "SYNTHQ_DATA_DIR/runs/JOB-runID].")] = None,
+    draft_vocab_size: Annotated[int, typer.Option(help="Draft vocabulary: the most "
+                                "frequent supervised ids.")] = 32_000,
+    max_len: Annotated[int, typer.Option(help="Cut examples to this many tokens.")] = 2048,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 1,
+    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 1,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: all "
+                         "epochs).")] = 0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 1e-4,
+    warmup_ratio: Annotated[float, typer.Option(help="Warmup share of the steps.")] = 0.02,
+    ttt_steps: Annotated[int, typer.Option(help="Training-time test steps.")] = 7,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
+    log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.")] = 10,
+    hidden_states: Annotated[str, typer.Option(help="`online` (target runs in each step) "
+                             "or `offline` (cached per sample as safetensors).")] = "online",
+    seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train an EAGLE-3 drafter on a job's data, or arm the job to train when ready.
+
+    Without a broker (SYNTHQ_BROKER_URL unset) the run trains in this process to
+    the end; with one, it is sent to the `train` queue (`synthq worker --queues
+    train`). Rerun after a kill: an unfinished run of the job resumes from its
+    last checkpoint.
+
+    Example: `synthq train my-job --target /models/llama-3.1-8b --epochs 2 --lr 1e-4`
+    """
+    from synthq.db import utcnow
+    from synthq.training.config import parse_when
+    from synthq.training.runs import check_target, new_run
+
+    try:
+        cfg = _config(dict(draft_vocab_size=draft_vocab_size, max_len=max_len,
+                           batch_size=batch_size, epochs=epochs, max_steps=max_steps, lr=lr,
+                           warmup_ratio=warmup_ratio, ttt_steps=ttt_steps,
+                           save_every=save_every, log_every=log_every,
+                           hidden_states=hidden_states, seed=seed))
+        threshold = None if when == "now" else parse_when(when)
+        if target is not None:
+            check_target(target)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+
+    def go(s, j) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+        from sqlalchemy import select
+
+        from synthq.models import TrainingRun
+        from synthq.training.states import OPEN
+
+        chosen = target or j.train_target
+        if threshold is not None:
+            if chosen is None and threshold.kind != "never":
+                raise UserError("give --target: the job has no stored target model")
+            j.train_when, j.train_target, j.train_settings = str(threshold), chosen, \
+                cfg.to_dict()
+            j.updated_at = utcnow()
+            return {"job": j.name, "train_when": str(threshold), "target": chosen}
+        if chosen is None:
+            raise UserError("give --target: the job has no stored target model")
+        unfinished = s.scalar(select(TrainingRun).where(
+            TrainingRun.job_id == j.id, TrainingRun.state.in_(OPEN),
+            TrainingRun.target == chosen).order_by(TrainingRun.id.desc()).limit(1))
+        if unfinished is not None:
+            return {"run": unfinished.id, "resumed": True, "job": j.name,
+                    "output_dir": unfinished.output_dir}
+        run = new_run(s, j, target=chosen, config=cfg, trigger="manual", output_dir=out)
+        return {"run": run.id, "resumed": False, "job": j.name, "output_dir": run.output_dir}
+
+    info = with_job(job, go)
+    if threshold is not None:
+        if as_json:
+            print(json.dumps(info))
+        else:
+            console.print(f"job {info['job']}: train_when={info['train_when']}, target "
+                          f"{info['target']} (beat starts the run when the job is ready)")
+        return
+    run_id = info["run"]
+    if not get_settings().embedded:
+        from worker.tasks import publish_train
+
+        publish_train([run_id])
+        if as_json:
+            print(json.dumps({**info, "queued": True}))
+        else:
+            console.print(f"training run {run_id} of job {info['job']} sent to the train "
+                          f"queue; follow it with `synthq runs {info['job']} --watch`")
+        return
+    _run_here(run_id, info, as_json)
+
+
+def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
+    from synthq.training.loop import execute_run
+
+    if not as_json:
+        verb = "resuming" if info["resumed"] else "starting"
+        console.print(f"{verb} training run {run_id} of job {info['job']} in "
+                      f"{info['output_dir']}")
+
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        if not as_json:
+            acc = " ".join(f"{a:.2f}" for a in record["acc"])
+            console.print(f"step {step}: loss {record['loss']:.4f} acc [{acc}] "
+                          f"accept≈{record['accept']:.2f}")
+
+    try:
+        state = execute_run(run_id, on_step=on_step)
+    except KeyboardInterrupt:
+        raise fail(f"interrupted: rerun `synthq train {info['job']}` to resume run {run_id} "
+                   "from its last checkpoint", code=130) from None
+    row = _runs(str(run_id), by_run=True)[0]
+    if state == "stale":
+        raise fail(f"run {run_id} is being trained by {row['worker']}; follow it with "
+                   f"`synthq runs {info['job']} --watch`")
+    if as_json:
+        print(json.dumps(row))
+    elif state == "done":
+        console.print(f"run {run_id} done: drafter in {row['checkpoint']}")
+    if state != "done":
+        raise fail(f"run {run_id} {state}: {row['error'] or 'see `synthq runs`'}", code=1)
+
+
+def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:
+    from synthq.db import session_scope
+    from synthq.training.runs import list_runs
+
+    if ref is None or by_run:
+        try:
+            ensure_db()
+        except UserError as exc:
+            raise fail(str(exc)) from None
+        with session_scope() as s:
+            rows = list_runs(s)
+        return [r for r in rows if not by_run or str(r["id"]) == ref]
+    return with_job(ref, lambda s, j: list_runs(s, j.id))  # type: ignore[no-any-return]
+
+
+def _table(rows: list[dict[str, Any]]) -> Table:
+    table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈", "checkpoint / error")
+    for r in rows:
+        total = f"/{r['total_steps']}" if r["total_steps"] else ""
+        acc = f"{r['acc'][0]:.2f}" if r["acc"] else ""
+        table.add_row(str(r["id"]), str(r["job"]), r["state"], f"{r['step']}{total}",
+                      f"{r['loss']:.4f}" if r["loss"] is not None else "", acc,
+                      f"{r['accept']:.2f}" if r["accept"] is not None else "",
+                      r["error"] if r["state"] == "failed" else (r["checkpoint"] or ""))
+    return table
+
+
+@app.command()
+def runs(
+    job: Annotated[str | None, typer.Argument(help="Job name or id [default: all "
+                   "jobs].")] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until no run is "
+                     "pending or running (Ctrl-C to leave).")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between redraws with "
+                        "--watch.")] = 2.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """List training runs: state, step, loss, accuracy, acceptance, checkpoint.
+
+    Example: `synthq runs my-job --watch`
+    """
+    if interval <= 0:
+        raise fail("--interval must be positive")
+    if not watch:
+        rows = _runs(job)
+        if as_json:
+            print(json.dumps(rows))
+        elif rows:
+            console.print(_table(rows))
+        else:
+            console.print("no training runs yet: `synthq train --help`")
+        return
+    from rich.live import Live
+
+    try:
+        with Live(_table(_runs(job)), console=console, auto_refresh=False) as live:
+            while True:
+                rows = _runs(job)
+                live.update(_table(rows), refresh=True)
+                if not any(r["state"] in ("pending", "running") for r in rows):
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    if as_json:
+        print(json.dumps(_runs(job)))

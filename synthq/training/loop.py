@@ -1,0 +1,424 @@
+"""One training run, start to end: :func:`execute_run` (the ``train`` task and ``synthq train``).
+
+Steps: claim the run (CAS) → export the job's examples (synthq.export; kept in
+OUT/data so a resumed run trains on the same snapshot) → draft vocabulary →
+target → drafter (from the last checkpoint if any) → training-time test steps
+→ checkpoints every ``save_every`` steps → the final drafter in vLLM's layout.
+
+A heartbeat thread renews the run's claim; when it is refused (cancelled, or
+another worker took the run over after this one looked dead) training stops
+without writing. With several GPUs the task starts ``torchrun`` over
+:func:`main`; rank 0 writes to SQL and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from synthq.config import get_settings
+from synthq.db import session_scope, utcnow
+from synthq.errors import UserError
+from synthq.models import Job, TrainingRun
+from synthq.training import states
+from synthq.training.checkpoint import latest_state, plot_metrics, save_drafter, save_state
+from synthq.training.config import TrainConfig
+from synthq.training.data import (
+    FeatureCache,
+    TargetFeatures,
+    batches,
+    collate,
+    draft_vocab,
+    load_examples,
+    step_mask,
+    target_features,
+)
+from synthq.training.model import DraftConfig, Eagle3Drafter
+
+__all__ = ["execute_run", "load_target", "ttt_loss", "acceptance_estimate", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class _Lost(Exception):
+    """The run is no longer this process's (cancelled or taken over)."""
+
+
+@dataclass
+class _Ctx:
+    run_id: int
+    token: str
+    rank: int = 0
+    world: int = 1
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        if self.lost.is_set():
+            raise _Lost()
+
+    def write(self, **values: Any) -> None:
+        """Progress to SQL (rank 0 only); raises _Lost when the claim is gone."""
+        if self.rank != 0:
+            return
+        with session_scope() as s:
+            ok = states.progress(s, self.run_id, self.token, now=utcnow(), **values)
+        if not ok:
+            self.lost.set()
+        if self.lost.is_set():
+            raise _Lost()
+
+
+def _heartbeat(ctx: _Ctx, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        try:
+            with session_scope() as s:
+                if not states.progress(s, ctx.run_id, ctx.token, now=utcnow()):
+                    ctx.lost.set()
+                    return
+        except Exception:  # a database hiccup: the next beat tries again
+            log.exception("training run %d: heartbeat failed", ctx.run_id)
+
+
+def execute_run(run_id: int, *, worker: str | None = None,
+                on_step: Callable[[int, dict[str, Any]], None] | None = None) -> str:
+    """Claim run ``run_id`` and train it to the end. Returns its final state, or
+    ``stale`` when another process holds it. Errors end the run ``failed`` with
+    the reason; ``on_step(step, record)`` sees each logged step."""
+    settings = get_settings()
+    token = secrets.token_hex(8)
+    worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    with session_scope() as s:
+        if not states.claim(s, run_id, token, worker=worker, now=utcnow(),
+                            lease=settings.train_lease):
+            return "stale"
+    ctx = _Ctx(run_id, token)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(ctx, max(1.0, settings.train_lease / 4),
+                                                      stop), daemon=True, name="synthq-train-hb")
+    beat.start()
+    try:
+        if torch.cuda.device_count() > 1 and not os.environ.get("SYNTHQ_NO_DDP"):
+            _torchrun(ctx)
+            return _state(run_id)
+        _train(ctx, on_step)
+        return "done"
+    except _Lost:
+        log.warning("training run %d: lost its claim (cancelled or taken over); stopped", run_id)
+        return _state(run_id)
+    except UserError as exc:
+        _fail(ctx, str(exc))
+        return "failed"
+    except Exception as exc:
+        log.exception("training run %d failed", run_id)
+        _fail(ctx, f"{type(exc).__name__}: {exc}")
+        return "failed"
+    finally:
+        stop.set()
+        beat.join()
+
+
+def _state(run_id: int) -> str:
+    with session_scope() as s:
+        run = s.get(TrainingRun, run_id)
+        return str(run.state) if run else "missing"
+
+
+def _fail(ctx: _Ctx, error: str) -> None:
+    with session_scope() as s:
+        states.fail(s, ctx.run_id, ctx.token, error=error, now=utcnow())
+
+
+def _torchrun(ctx: _Ctx) -> None:
+    """DDP over every GPU of this machine; this process keeps the claim and heartbeat."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={torch.cuda.device_count()}", "-m", "synthq.training.loop",
+           str(ctx.run_id), ctx.token]
+    proc = subprocess.Popen(cmd)
+    while proc.poll() is None:
+        if ctx.lost.wait(5):
+            proc.terminate()
+            proc.wait()
+            raise _Lost()
+    if proc.returncode != 0 and _state(ctx.run_id) == "running":
+        raise RuntimeError(f"torchrun exited with status {proc.returncode}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """torchrun entry: ``python -m synthq.training.loop RUN_ID TOKEN`` on every rank."""
+    import torch.distributed as dist
+
+    run_id, token = (argv or sys.argv[1:])[:2]
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    ctx = _Ctx(int(run_id), token, rank=rank, world=world)
+    try:
+        _train(ctx, None)
+    except _Lost:
+        pass
+    except Exception as exc:
+        if rank == 0:
+            _fail(ctx, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the pieces ----------------------------------------------------------------------------
+
+
+def load_target(path: str, device: torch.device | None = None) -> Any:
+    """The target model in eval mode: bf16 with ``device_map="auto"`` on CUDA, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    if torch.cuda.is_available():
+        device_map: Any = {"": device} if device is not None else "auto"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                     device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``out[:, i] = x[:, i + s]``; the last ``s`` positions are zero."""
+    out = torch.zeros_like(x)
+    if x.shape[1] > s:
+        out[:, :x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def ttt_loss(logits: list[torch.Tensor], feats: TargetFeatures, loss_mask: torch.Tensor,
+             draft_to_target: torch.Tensor, decay: float
+             ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Weighted forward KL of the unrolled steps, and (correct, counted) per step.
+
+    Step k's logits at position i [B, L, V] learn the target's distribution at
+    position i+1+k (which predicts token i+2+k), restricted to the draft
+    vocabulary and renormalised; supervised where ``loss_mask[i+2+k]``.
+    Cross-entropy against the target's probabilities equals the forward KL up
+    to the target's entropy, a constant.
+    """
+    total = torch.zeros((), device=logits[0].device)
+    stats = []
+    for k, lk in enumerate(logits):
+        m = step_mask(loss_mask, k).to(lk.device)  # [B, L]
+        n = int(m.sum())
+        if k == 0 and n == 0:
+            raise RuntimeError("a batch with no supervised token reached the loss")
+        p = torch.softmax(_shift(feats.logits, 1 + k).to(lk.device).float(), dim=-1)
+        logq = torch.log_softmax(lk.float(), dim=-1)
+        ce = -(p * logq).sum(-1)  # [B, L]
+        total = total + (decay ** k) * (ce * m).sum() / max(n, 1)
+        with torch.no_grad():
+            guess = draft_to_target[lk.argmax(-1)]  # [B, L] target ids
+            want = _shift(feats.top, 1 + k).to(guess.device)
+            stats.append((int(((guess == want) & m).sum()), n))
+    return total, stats
+
+
+def acceptance_estimate(acc: list[float]) -> float:
+    """Expected tokens per target forward: 1 + Σ_k Π_{j<=k} acc_j (chained acceptance)."""
+    tau, chain = 1.0, 1.0
+    for a in acc:
+        chain *= a
+        tau += chain
+    return tau
+
+
+def _lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def _prepare_data(ctx: _Ctx, run: dict[str, Any], cfg: TrainConfig) -> Path:
+    """The job's examples exported into OUT/data once (reused when resuming)."""
+    from synthq.export import export_job
+
+    data = Path(run["output_dir"]) / "data"
+    if not (data / "manifest.json").is_file():
+        if ctx.rank == 0:
+            export_job(run["job_id"], data, fmt="parquet", include_truncated=True,
+                       allow_stale=True)
+        if ctx.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+    return data
+
+
+def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
+    with session_scope() as s:
+        row = s.get(TrainingRun, ctx.run_id)
+        assert row is not None
+        job = s.get(Job, row.job_id)
+        run: dict[str, Any] = {"job_id": row.job_id, "job": job.name if job else str(row.job_id),
+               "output_dir": row.output_dir, "target": row.target, "settings": row.settings,
+               "metrics": list(row.metrics or [])}
+    cfg = TrainConfig.from_dict(run["settings"])
+    cfg.check()
+    out = Path(run["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    examples = load_examples(_prepare_data(ctx, run, cfg), cfg.max_len)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    target = load_target(run["target"], device if ctx.world > 1 else None)
+    vocab_size = target.config.vocab_size
+    draft_ids, d2t, t2d = draft_vocab(examples, cfg.draft_vocab_size, vocab_size)
+    ctx.write()
+
+    drafter = Eagle3Drafter(DraftConfig.from_target(target.config, len(draft_ids)))
+    drafter.init_from_target(target, draft_ids)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    drafter.to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    per_epoch = math.ceil(len(examples) / (cfg.batch_size * ctx.world))
+    total = per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(total, max(1, int(cfg.warmup_ratio * total))))
+
+    ckpts = out / "checkpoints"
+    step = 0
+    metrics: list[dict[str, Any]] = run["metrics"]
+    last = latest_state(ckpts)
+    if last is not None:  # resume: weights, optimizer moments, schedule, step
+        state = torch.load(last / "state.pt", map_location=device, weights_only=False)
+        drafter.load_state_dict(state["drafter"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = int(state["step"])
+        metrics = [m for m in metrics if m["step"] <= step]
+        log.info("training run %d: resuming from %s (step %d)", ctx.run_id, last, step)
+    ctx.write(total_steps=total, resumed_from=step, step=step, metrics=metrics,
+              **({"checkpoint": str(last)} if last else {}))
+
+    cache = None
+    if cfg.hidden_states == "offline":
+        cache = FeatureCache(out / "cache")
+        mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
+        cache.fill(target, mine, draft_ids, heartbeat=ctx.check)
+        if ctx.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        del target  # the cache replaces it: free its memory for training
+        target = None
+
+    model: torch.nn.Module = drafter
+    if ctx.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(drafter, device_ids=[device.index])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else _nullcontext()
+    d2t_ids = drafter.draft_to_target
+    window: dict[str, Any] = _window(cfg.ttt_steps)
+    drafter.train()
+    while step < total:
+        epoch, skip = divmod(step, per_epoch)
+        order = batches(examples, cfg.batch_size * ctx.world, cfg.seed, epoch)
+        for global_batch in order[skip:]:
+            if step >= total:
+                break
+            idx = global_batch[ctx.rank::ctx.world] or global_batch[:1]
+            ids, loss_mask, valid = collate(examples, idx)
+            t0 = time.perf_counter()
+            if cache is not None:
+                feats = cache.load(examples, idx, ids.shape[1])
+            else:
+                feats = target_features(target, ids, draft_ids)
+            t1 = time.perf_counter()
+            with autocast:
+                logits = model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
+                loss, stats = ttt_loss(logits, feats, loss_mask, d2t_ids, cfg.ttt_decay)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            _accumulate(window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
+                        time.perf_counter() - t1)
+            if step % cfg.log_every == 0 or step == total:
+                record = _record(window, step, float(scheduler.get_last_lr()[0]))
+                metrics.append(record)
+                window = _window(cfg.ttt_steps)
+                if on_step:
+                    on_step(step, record)
+                ctx.write(step=step, metrics=metrics)
+            if ctx.lost.is_set():
+                raise _Lost()
+            if step % cfg.save_every == 0 and step < total and ctx.rank == 0:
+                path = save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
+                                  {"run_id": ctx.run_id})
+                plot_metrics(metrics, out / "metrics.png", f"run {ctx.run_id} ({run['job']})")
+                ctx.write(step=step, checkpoint=str(path), metrics=metrics)
+    if ctx.rank != 0:
+        return
+    save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(), {"run_id": ctx.run_id})
+    final = save_drafter(out / "final", drafter, cfg.to_dict())
+    plot_metrics(metrics, final / "metrics.png", f"run {ctx.run_id} ({run['job']})")
+    with session_scope() as s:
+        if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
+                             step=step, metrics=metrics):
+            raise _Lost()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _window(steps: int) -> dict[str, Any]:
+    return {"loss": 0.0, "n": 0, "correct": [0] * steps, "count": [0] * steps, "tokens": 0,
+            "target_s": 0.0, "draft_s": 0.0}
+
+
+def _accumulate(w: dict[str, Any], loss: float, stats: list[tuple[int, int]], tokens: int,
+                target_s: float, draft_s: float) -> None:
+    w["loss"] += loss
+    w["n"] += 1
+    for k, (c, n) in enumerate(stats):
+        w["correct"][k] += c
+        w["count"][k] += n
+    w["tokens"] += tokens
+    w["target_s"] += target_s
+    w["draft_s"] += draft_s
+
+
+def _record(w: dict[str, Any], step: int, lr: float) -> dict[str, Any]:
+    acc = [c / n if n else 0.0 for c, n in zip(w["correct"], w["count"], strict=True)]
+    seconds = w["target_s"] + w["draft_s"]
+    return {"step": step, "loss": w["loss"] / max(1, w["n"]), "acc": acc,
+            "accept": acceptance_estimate(acc), "lr": lr, "tokens": w["tokens"],
+            "tokens_per_s": w["tokens"] / seconds if seconds else None,
+            "target_share": w["target_s"] / seconds if seconds else None}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Greedy speculative decoding with a trained drafter: the proof that it drafts right.
+
+Each round, the drafter proposes ``k`` tokens the way vLLM's EAGLE-3 drafts
+(step 0 over the verified prefix, then one token at a time), and one target
+forward verifies them all: the longest prefix equal to the target's own greedy
+choices is kept, plus the target's next token. The output is therefore exactly
+the target's greedy output; the acceptance length (tokens per target forward)
+says how much the drafter saves. No KV cache: this is a check, not a server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from synthq.training.model import Eagle3Drafter, aux_layer_ids
+
+__all__ = ["speculative_generate", "greedy_generate", "propose"]
+
+
+def _target(target: Any, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy next token after each prefix [L], and the aux features [1, L, 3H]."""
+    out = target(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids(target.config.num_hidden_layers)],
+                    dim=-1)
+    return out.logits[0].argmax(-1), aux.float()
+
+
+@torch.no_grad()
+def propose(drafter: Eagle3Drafter, tokens: list[int], aux: torch.Tensor, k: int) -> list[int]:
+    """``k`` draft tokens after ``tokens`` (x_0..x_L), given aux [1, L, 3H] of x_0..x_{L-1}."""
+    to_target = drafter.draft_to_target
+    ids = torch.tensor([tokens[1:]])  # position i holds token i+1
+    logits, hidden, cache = drafter.step(ids, aux, 0, None)
+    drafts = [int(to_target[logits[0, -1].argmax()])]
+    hidden = hidden[:, -1:]
+    for j in range(1, k):
+        logits, hidden, cache = drafter.step(torch.tensor([[drafts[-1]]]), hidden, j, cache)
+        drafts.append(int(to_target[logits[0, -1].argmax()]))
+    return drafts
+
+
+@torch.no_grad()
+def greedy_generate(target: Any, prompt: list[int], max_new: int) -> list[int]:
+    """The target's own greedy continuation (one forward per token)."""
+    seq = list(prompt)
+    for _ in range(max_new):
+        preds, _ = _target(target, seq)
+        seq.append(int(preds[-1]))
+    return seq[len(prompt):]
+
+
+@torch.no_grad()
+def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int], max_new: int,
+                         k: int = 5) -> tuple[list[int], list[int]]:
+    """Greedy draft-and-verify. Returns the new tokens and the tokens gained per verify round."""
+    drafter.eval()
+    preds, aux = _target(target, list(prompt))
+    seq = [*prompt, int(preds[-1])]
+    new = [seq[-1]]
+    lengths: list[int] = []
+    while len(new) < max_new:
+        drafts = propose(drafter, seq, aux[:, :len(seq) - 1], k)
+        preds, aux = _target(target, seq + drafts)
+        t = len(seq) - 1  # preds[t + m] is the target's choice after seq + drafts[:m]
+        m = 0
+        while m < k and drafts[m] == int(preds[t + m]):
+            m += 1
+        gained = [*drafts[:m], int(preds[t + m])]
+        seq += gained
+        new += gained
+        lengths.append(len(gained))
+    return new[:max_new], lengths

@@ -1,0 +1,140 @@
+"""Training run states and every training run transition.
+
+Like :mod:`synthq.states`, each transition is one compare-and-set ``UPDATE``
+naming its allowed sources; the process that trains a run holds a random
+``claim`` token and presents it on every write, so a worker that lost its run
+(its heartbeat went stale and another worker took it over) cannot write to it.
+
+::
+
+    pending ──claim──▶ running ──finish──▶ done
+       ▲                 │ │
+       └──stale sweep────┘ └──fail──▶ failed
+    (pending/running ──cancel──▶ cancelled)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.orm import Session
+
+from synthq.enums import RunState
+from synthq.models import TrainingRun
+
+__all__ = ["RunState", "OPEN", "create", "claim", "progress", "finish", "fail", "cancel",
+           "sweep_stale"]
+
+
+#: States in which a run still has work to do.
+OPEN = (RunState.PENDING, RunState.RUNNING)
+
+
+def create(session: Session, *, job_id: int, trigger: str, target: str,
+           settings: dict[str, Any], output_dir: str, now: datetime) -> int:
+    """A new pending run; returns its id. ``output_dir`` may name ``{run}``."""
+    run = TrainingRun(job_id=job_id, state=RunState.PENDING, trigger=trigger, target=target,
+                      settings=settings, metrics=[], output_dir=output_dir, step=0,
+                      resumed_from=0, created_at=now, updated_at=now)
+    session.add(run)
+    session.flush()
+    if "{run}" in output_dir:
+        run.output_dir = output_dir.replace("{run}", str(run.id))
+    return int(run.id)
+
+
+def claim(session: Session, run_id: int, token: str, *, worker: str, now: datetime,
+          lease: float) -> bool:
+    """pending → running, or a running run whose heartbeat is older than ``lease`` seconds."""
+    stale = and_(TrainingRun.state == RunState.RUNNING,
+                 TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
+    result = session.execute(
+        update(TrainingRun)
+        .where(TrainingRun.id == run_id, or_(TrainingRun.state == RunState.PENDING, stale))
+        .values(state=RunState.RUNNING, claim=token, worker=worker, heartbeat_at=now,
+                started_at=now, updated_at=now, error=None)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def progress(session: Session, run_id: int, token: str, *, now: datetime,
+             **values: Any) -> bool:
+    """running → running: heartbeat plus any of step, total_steps, metrics, checkpoint.
+
+    False means the run is no longer this process's (cancelled, or taken over).
+    """
+    result = session.execute(
+        update(TrainingRun)
+        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
+               TrainingRun.claim == token)
+        .values(heartbeat_at=now, updated_at=now, **values)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def finish(session: Session, run_id: int, token: str, *, checkpoint: str, now: datetime,
+           **values: Any) -> bool:
+    """running → done, with the final checkpoint."""
+    result = session.execute(
+        update(TrainingRun)
+        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
+               TrainingRun.claim == token)
+        .values(state=RunState.DONE, checkpoint=checkpoint, claim=None, finished_at=now,
+                updated_at=now, heartbeat_at=now, **values)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def fail(session: Session, run_id: int, token: str | None, *, error: str, now: datetime) -> bool:
+    """running → failed (with the claim), or pending → failed (``token`` None)."""
+    if token is None:
+        cond = TrainingRun.state == RunState.PENDING
+    else:
+        cond = and_(TrainingRun.state == RunState.RUNNING, TrainingRun.claim == token)
+    result = session.execute(
+        update(TrainingRun).where(TrainingRun.id == run_id, cond)
+        .values(state=RunState.FAILED, error=error, claim=None, finished_at=now, updated_at=now)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def cancel(session: Session, run_id: int, *, now: datetime) -> bool:
+    """pending/running → cancelled; the training process stops at its next heartbeat."""
+    result = session.execute(
+        update(TrainingRun).where(TrainingRun.id == run_id, TrainingRun.state.in_(OPEN))
+        .values(state=RunState.CANCELLED, claim=None, finished_at=now, updated_at=now)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: float) -> list[int]:
+    """Runs that need a (new) ``train`` message; returns their ids.
+
+    A running run whose heartbeat is older than ``lease`` (its worker died)
+    goes back to pending; a pending run untouched for ``resend_after`` seconds
+    (its message may have died with the broker) is touched. The caller
+    publishes a message for each; a duplicate is harmless (the claim is a CAS).
+    """
+    stale = list(session.scalars(
+        select(TrainingRun.id).where(TrainingRun.state == RunState.RUNNING,
+                                     TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
+        .with_for_update(skip_locked=True)))
+    waiting = list(session.scalars(
+        select(TrainingRun.id).where(TrainingRun.state == RunState.PENDING,
+                                     TrainingRun.updated_at < now - timedelta(seconds=resend_after))
+        .with_for_update(skip_locked=True)))
+    if stale:
+        session.execute(
+            update(TrainingRun)
+            .where(TrainingRun.id.in_(stale), TrainingRun.state == RunState.RUNNING,
+                   TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
+            .values(state=RunState.PENDING, claim=None, updated_at=now,
+                    error="the training worker stopped heart-beating; resuming from the last "
+                          "checkpoint")
+            .execution_options(synchronize_session=False))
+    if waiting:
+        session.execute(update(TrainingRun).where(TrainingRun.id.in_(waiting))
+                        .values(updated_at=now).execution_options(synchronize_session=False))
+    return sorted(stale + waiting)

@@ -1,0 +1,128 @@
+"""The train queue with real processes: a Celery training worker killed mid-run resumes,
+and the `synthq train` / `synthq runs` / `synthq worker --queues` commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import REPO, Proc, child_env, wait_for
+
+from synthq.db import session_scope
+from synthq.models import Job, TrainingRun
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _run_row(run_id: int) -> TrainingRun:
+    with session_scope() as s:
+        run = s.get(TrainingRun, run_id)
+        assert run is not None
+        s.expunge(run)
+        return run
+
+
+def synthq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(**env),
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_killed_training_worker_resumes_from_its_last_checkpoint(
+        pg: str, redis_url: str, greedy_job: Callable[..., int], tiny_target_dir: Path,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from synthq.config import get_settings
+    from synthq.training.config import TrainConfig
+    from synthq.training.readiness import check_readiness
+    from synthq.training.runs import new_run
+    from worker.tasks import publish_train
+
+    monkeypatch.setenv("SYNTHQ_TRAIN_LEASE", "3")
+    get_settings.cache_clear()
+    job_id = greedy_job(16)
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        run_id = new_run(s, job, target=str(tiny_target_dir), trigger="manual",
+                         config=TrainConfig(draft_vocab_size=64, batch_size=2, epochs=30,
+                                            max_steps=70, lr=1e-2, save_every=10,
+                                            log_every=5)).id
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-Q", "train", "-P",
+           "solo", "--without-mingle", "--without-gossip", "-l", "INFO"]
+    first = Proc(cmd, child_env(), tmp_path / "train1.log")
+    second = None
+    try:
+        publish_train([run_id])
+        wait_for(lambda: _run_row(run_id).step >= 25, 120,
+                 f"training did not start: {first.log()[-3000:]}")
+        first.kill9()
+        killed = _run_row(run_id)
+        assert killed.state == "running" and killed.checkpoint is not None
+        saved = int(Path(killed.checkpoint).name.split("-")[1])
+        assert saved >= 20 and saved % 10 == 0
+        # Beat's readiness check notices the silent run and sends it again.
+        wait_for(lambda: check_readiness(publish_train).to_send == [run_id], 20,
+                 "the orphaned run was not sent again")
+        second = Proc(cmd, child_env(), tmp_path / "train2.log")
+        run = wait_for(lambda: (r := _run_row(run_id)).state in ("done", "failed") and r, 180,
+                       f"the run did not finish: {second.log()[-3000:]}")
+        assert run.state == "done", run.error
+        assert run.resumed_from >= saved and run.step == 70
+        assert Path(run.checkpoint or "").name == "final"
+        steps = [m["step"] for m in run.metrics]
+        assert steps == sorted(set(steps)) and steps[-1] == 70
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_train_and_runs_commands(pg: str, greedy_job: Callable[..., int],
+                                 tiny_target_dir: Path, tmp_path: Path) -> None:
+    job_id = greedy_job(4)
+    env = {"SYNTHQ_BROKER_URL": "", "COLUMNS": "400"}
+    # Bad input: one error line, exit 2, no traceback.
+    bad = [["train", str(job_id), "--target", str(tmp_path)],           # no config.json
+           ["train", "nope", "--target", str(tiny_target_dir)],         # no such job
+           ["train", str(job_id), "--target", str(tiny_target_dir), "--when", "soon"],
+           ["train", str(job_id), "--target", str(tiny_target_dir), "--lr", "5"],
+           ["train", str(job_id), "--target", str(tiny_target_dir), "--hidden-states", "x"],
+           ["train", str(job_id)],                                      # no stored target
+           ["runs", "nope"], ["runs", "--interval", "0"],
+           ["worker", "--queues", "train,generate"]]
+    for args in bad:
+        result = synthq(*args, **env)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, result.stderr)
+    assert "Example:" in synthq("train", "--help").stdout
+    assert "Example:" in synthq("runs", "--help").stdout
+
+    # Arm the job: the target and threshold are stored on it.
+    armed = synthq("train", str(job_id), "--target", str(tiny_target_dir), "--when", "done:0.9",
+                   "--epochs", "2", "--json", **env)
+    assert armed.returncode == 0, armed.stderr
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert (job.train_when, job.train_target, job.train_settings["epochs"]) == \
+            ("done:0.9", str(tiny_target_dir), 2)
+
+    # Without a broker, `synthq train` trains in this process to the end.
+    result = synthq("train", str(job_id), "--max-steps", "3", "--draft-vocab-size", "32",
+                    "--log-every", "1", "--json", **env)
+    assert result.returncode == 0, result.stderr
+    row: dict[str, Any] = json.loads(result.stdout)
+    assert row["state"] == "done" and row["step"] == 3
+    assert Path(row["checkpoint"], "model.safetensors").is_file()
+    listed = json.loads(synthq("runs", str(job_id), "--json", **env).stdout)
+    assert [(r["id"], r["state"], r["checkpoint"]) for r in listed] == \
+        [(row["id"], "done", row["checkpoint"])]
+    table = synthq("runs", **env)
+    assert table.returncode == 0 and "done" in table.stdout
+    watched = synthq("runs", str(job_id), "--watch", "--interval", "0.1", **env)
+    assert watched.returncode == 0 and "done" in watched.stdout
