@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     worker_timeout: float = 15.0
     #: Calls one generation process holds in flight; 0: the worker's ``-c``.
     worker_capacity: int = 0
+    #: Seconds a worker told to stop (SIGTERM) lets its calls finish; then it
+    #: cuts them and returns their samples to pending (due at once).
+    shutdown_grace: float = 60.0
     #: Seconds the batch writer keeps retrying through a database outage
     #: before it gives a write up (the sample's lease then returns it).
     write_retry_seconds: float = 600.0

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, or_, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from synthq import health, states, workers
@@ -57,6 +60,8 @@ class _Server:
     down: bool = False
     #: It failed its health probe (synthq.health): nothing is sent to it.
     unhealthy: bool = False
+    #: One of its jobs has other servers too: retries prefer those.
+    shared: bool = False
 
     @property
     def effective_limit(self) -> int:
@@ -76,6 +81,7 @@ def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
             # Two jobs on one server: the stricter limit holds for both.
             entry.limit = min(entry.limit, limit)
             entry.job_ids.append(job_id)
+            entry.shared = entry.shared or len(urls) > 1
     return list(servers.values())
 
 
@@ -123,23 +129,31 @@ def _probe_due(session: Session, url: str, now: datetime) -> bool:
 _LOCK_KEY = int.from_bytes(hashlib.sha256(b"synthq:dispatch").digest()[:8], "big", signed=True)
 
 
-def _take(s: Session, server: _Server, room: int, now: datetime,
-          queued_timeout: float) -> list[Dispatched]:
-    """Move up to ``room`` due samples of the server's jobs to queued."""
-    due = [Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-           Sample.next_attempt_at <= now]
-    rows: list[tuple[int, int]] = []
-    # A probe of a down server takes a sample that has not failed yet, so
-    # probing does not wear out one sample's attempts.
-    for extra in ([Sample.attempts == 0], []) if server.down else ([],):
-        rows = [(r[0], r[1]) for r in s.execute(
-            select(Sample.id, Sample.job_id).where(*due, *extra)
-            .order_by(Sample.next_attempt_at, Sample.id)
-            .limit(room)
-            .with_for_update(of=Sample, skip_locked=True)
-        )]
-        if rows:
-            break
+def _preference(server: _Server) -> list[Any]:
+    """The first round's filter for a server; the second round takes any due sample.
+
+    A probe of a down server takes a sample that has not failed yet, so probing
+    does not wear out one sample's attempts; with other servers on the job, a
+    sample that just failed on this server goes to another one first.
+    """
+    if server.down:
+        return [Sample.attempts == 0]
+    if server.shared:
+        return [or_(Sample.last_server.is_(None), Sample.last_server != server.url)]
+    return []
+
+
+def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
+          extra: Sequence[Any]) -> list[Dispatched]:
+    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued."""
+    rows = [(r[0], r[1]) for r in s.execute(
+        select(Sample.id, Sample.job_id)
+        .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+               Sample.next_attempt_at <= now, *extra)
+        .order_by(Sample.next_attempt_at, Sample.id)
+        .limit(room)
+        .with_for_update(of=Sample, skip_locked=True)
+    )]
     if not rows:
         return []
     token = secrets.token_hex(16)
@@ -166,7 +180,6 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
     server's samples after the commit. Returns the count.
     """
     settings = get_settings()
-    batches: list[list[Dispatched]] = []
     with session_scope() as s:
         if s.get_bind().dialect.name == "postgresql":
             s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
@@ -188,22 +201,42 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
             entry.down = server_is_down(s, entry.url)
         # Most room first: when there is less work than room, it goes where room is.
         servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
+        rooms = {x.url: min(x.effective_limit - load.get(x.url, 0), settings.dispatch_batch)
+                 for x in servers}
         for entry in servers:
-            room = min(entry.effective_limit - load.get(entry.url, 0), settings.dispatch_batch,
-                       free)
             if entry.down and not _probe_due(s, entry.url, now):
-                room = 0
-            if room <= 0:
-                continue
-            taken = _take(s, entry, room, now, settings.queued_timeout)
-            if taken:
-                batches.append(taken)
+                rooms[entry.url] = 0
+        taken_by: dict[str, list[Dispatched]] = {}
+        # Round 1: each server's preferred samples; round 2: whatever is left.
+        for preferred in (True, False):
+            for entry in servers:
+                room = min(rooms[entry.url], free)
+                extra = _preference(entry)
+                # Round 2 is for servers with a preference; a down server's probe is one.
+                second_needed = bool(extra) and not (entry.down and taken_by.get(entry.url))
+                if room <= 0 or (not preferred and not second_needed):
+                    continue
+                taken = _take(s, entry, room, now, settings.queued_timeout,
+                              extra if preferred else [])
+                taken_by.setdefault(entry.url, []).extend(taken)
+                rooms[entry.url] -= len(taken)
                 free -= len(taken)
-            if free <= 0:
-                break
+        batches = [b for b in taken_by.values() if b]
     for batch in batches:
         publish(batch)
     return sum(len(b) for b in batches)
+
+
+#: When this process's sweeps last succeeded, since when without a gap, and whether
+#: this process has met a database error since.
+_sweeps = {"last": 0.0, "since": 0.0, "trouble": False}
+
+
+def database_trouble() -> None:
+    """Note a database error seen by this process's scheduling (dispatch, sweep, probes)."""
+    _sweeps["trouble"] = True
+#: Seconds a worker row may stay after its last heartbeat (``status`` shows it meanwhile).
+FORGET_WORKERS_AFTER = 3600.0
 
 
 def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
@@ -212,11 +245,30 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) ->
 
     ``reclaim_all`` treats every lease as expired: for a process that knows it
     is the only one working on these jobs (the embedded runner, at start).
+
+    A worker counts as dead when it has not heart-beaten for ``worker_timeout``
+    seconds, but only while this sweeper could see the database for that long
+    too: after a database outage every worker's heartbeat is old, and the
+    workers need a moment to write the answers they held (and a heartbeat)
+    before anyone judges them.
     """
     settings = get_settings()
     now = utcnow()
+    mono = time.monotonic()
+    if _sweeps["trouble"] or mono - _sweeps["last"] > max(10.0, 2 * settings.worker_timeout):
+        _sweeps["since"] = mono  # back after an outage (or a long pause): wait and see
+        _sweeps["trouble"] = False
+    if _sweeps["last"] == 0.0:
+        _sweeps["since"] = mono - settings.worker_timeout  # a fresh sweeper judges at once
+    judge = mono - _sweeps["since"] >= settings.worker_timeout
     cutoff = now + timedelta(days=36500) if reclaim_all else now
-    with session_scope() as s:
-        moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
-                              worker_timeout=settings.worker_timeout)
+    try:
+        with session_scope() as s:
+            moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
+                                  worker_timeout=settings.worker_timeout if judge else None)
+            workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
+    except DBAPIError:
+        database_trouble()
+        raise
+    _sweeps["last"] = mono
     return len(moved)

@@ -63,6 +63,8 @@ class JobSpec:
     backoff_cap: float = 300.0
     inflight_limit: int = 64
     keep_truncated: bool = False
+    #: A streamed answer longer than this fails as ``response_too_large``.
+    max_response_bytes: int = 4 << 20
     dataset: str = ""
     # Tokenization (synthq.tokenize); no tokenizer means none.
     tokenizer: str | None = None
@@ -91,7 +93,8 @@ class JobSpec:
             raise UserError("the same --server is given twice")
         positive = {"--max-tokens": self.max_tokens, "--timeout": self.total_timeout,
                     "--stall-timeout": self.stall_timeout, "--max-attempts": self.max_attempts,
-                    "--inflight": self.inflight_limit, "--backoff-cap": self.backoff_cap}
+                    "--inflight": self.inflight_limit, "--backoff-cap": self.backoff_cap,
+                    "--max-response-bytes": self.max_response_bytes}
         for flag, value in positive.items():
             if not value > 0:
                 raise UserError(f"{flag} must be positive, got {value}")
@@ -149,7 +152,7 @@ class EnqueueReport:
 
 #: Settings that may change on an existing job (how to run it, not what it makes).
 _OPERATIONAL = ("servers", "total_timeout", "stall_timeout", "max_attempts", "backoff_base",
-                "backoff_cap", "inflight_limit", "keep_truncated")
+                "backoff_cap", "inflight_limit", "keep_truncated", "max_response_bytes")
 
 
 def find_job(session: Session, ref: str | int) -> Job:

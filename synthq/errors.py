@@ -117,6 +117,12 @@ class ServerError(RetryableError):
     error_class = "server_error"
 
 
+class ResponseTooLarge(PermanentError):
+    """The streamed answer exceeded the job's max_response_bytes."""
+
+    error_class = "response_too_large"
+
+
 class BadRequest(PermanentError):
     """The server rejected the request (4xx)."""
 
@@ -176,5 +182,5 @@ RETRYABLE_CLASSES = frozenset(
 PERMANENT_CLASSES = frozenset(
     c.error_class
     for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable,
-              MaskMismatch, NoSupervisedTokens)
+              MaskMismatch, NoSupervisedTokens, ResponseTooLarge)
 )

@@ -62,6 +62,8 @@ class Executor:
         self._clients: dict[str, InferenceClient] = {}  # loop thread only
         self._retired: list[InferenceClient] = []
         self._closed = False
+        #: Set by :meth:`begin_shutdown`: new batches are released, not run.
+        self._stopping = False
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="synthq-loop",
                                         daemon=True)
@@ -84,6 +86,13 @@ class Executor:
         items = [(int(i[0]), str(i[1]), i[2] if len(i) > 2 else None) for i in items]
         if not items:
             return {}
+        if self._stopping:  # shutting down: hand the samples back instead of starting them
+            def release() -> int:
+                with session_scope() as s:
+                    return states.release(s, [(i, t) for i, t, _ in items], now=utcnow())
+
+            with_db_retry(release, what="release on shutdown")
+            return {i: Outcome.STALE for i, _, _ in items}
         job_ids = {j for _, _, j in items if j is not None}
         # The message names the jobs, so the lease is theirs from the start
         # (a generous one otherwise; the first renewal makes it the job's own).
@@ -98,7 +107,9 @@ class Executor:
                                           lease_until=now + timedelta(seconds=lease),
                                           worker=self.name, now=now)
 
-        claimed = with_db_retry(claim, what=f"claim of {len(items)} samples")
+        # Retried through a database outage for about as long as the queued
+        # deadline: past that, the sweep hands these samples out again anyway.
+        claimed = with_db_retry(claim, attempts=20, what=f"claim of {len(items)} samples")
         outcomes = {i: Outcome.STALE for i, _, _ in items}
         if not claimed:
             return outcomes
@@ -111,6 +122,28 @@ class Executor:
                      pool: ThreadPoolExecutor) -> Future[dict[int, Outcome]]:
         """:meth:`run_batch` on a thread of ``pool`` (the embedded runner's carriers)."""
         return pool.submit(self.run_batch, items)
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Stop starting batches; cut the calls still running after ``grace`` seconds.
+
+        A cut call's sample goes back to pending, due at once (class
+        ``interrupted``), so another worker takes it over without waiting for
+        a lease. Batches then end, and Celery's warm shutdown with them.
+        """
+        self._stopping = True
+        # Capacity 0 at once: the dispatcher stops queueing samples for this worker.
+        self.capacity = 0
+        inflight = len(self._calls)
+        self.writer.submit(lambda s, now: workers.heartbeat(
+            s, self.name, capacity=0, inflight=inflight, now=now))
+
+        def cut() -> None:
+            for call in list(self._calls.values()):
+                if call.calling and call.task is not None:
+                    call.interrupted = True
+                    call.task.cancel()
+
+        self.loop.call_soon_threadsafe(self.loop.call_later, grace, cut)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the keepalive, forget this worker, close the clients and the writer."""

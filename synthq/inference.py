@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ class ChatRequest:
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
+    #: Bytes of streamed body after which the call fails as ``response_too_large``.
+    max_response_bytes: int = 4 << 20
 
 
 @dataclass(slots=True)
@@ -57,6 +60,9 @@ class ChatResult:
     completion_token_ids: list[int] | None
     latency_s: float
     ttft_s: float | None
+    #: Characters repaired so the text can be stored: ``{"invalid_utf8": n, "nul": n,
+    #: "surrogate": n}`` (each replaced by U+FFFD), or None when nothing was.
+    repairs: dict[str, int] | None = None
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -88,11 +94,16 @@ def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
     return errors.BadRequest(message)
 
 
-async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _sse_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
     """Lines of a server-sent-event body, as bytes (no text decoding layer per chunk:
-    ``json.loads`` takes UTF-8 bytes)."""
+    ``json.loads`` takes UTF-8 bytes). More than ``limit`` bytes in all fails the call."""
     pending = b""
+    seen = 0
     async for data in chunks:
+        seen += len(data)
+        if seen > limit:
+            raise errors.ResponseTooLarge(
+                f"the streamed response passed max_response_bytes={limit:,}")
         if pending:
             data = pending + data
         *lines, pending = data.split(b"\n")
@@ -100,6 +111,33 @@ async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield line
     if pending:
         yield pending
+
+
+def _parse(data: bytes, repairs: dict[str, int]) -> Any:
+    """One SSE payload; invalid UTF-8 is decoded with U+FFFD and counted."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        repairs["invalid_utf8"] = repairs.get("invalid_utf8", 0) + text.count("\ufffd")
+        return json.loads(text)
+
+
+#: Characters no database text column takes: NUL (PostgreSQL) and lone surrogates (UTF-8).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str | None, repairs: dict[str, int]) -> str | None:
+    """``text`` with NUL and lone surrogates replaced by U+FFFD, each counted in ``repairs``."""
+    if text is None or not _UNSTORABLE.search(text):
+        return text
+
+    def fix(match: re.Match[str]) -> str:
+        kind = "nul" if match.group() == "\x00" else "surrogate"
+        repairs[kind] = repairs.get(kind, 0) + 1
+        return "\ufffd"
+
+    return _UNSTORABLE.sub(fix, text)
 
 
 class _Accumulator:
@@ -177,8 +215,11 @@ class InferenceClient:
                                  read=read_timeout, pool=read_timeout)
         body = dict(request.extra_body)
         acc = _Accumulator()
+        repairs: dict[str, int] = {}
         ttft: float | None = None
         done = False
+        #: The response has begun: a broken connection now is the server's fault.
+        answering = False
         try:
             async with self._client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
                 model=request.model,
@@ -190,7 +231,9 @@ class InferenceClient:
                 extra_body=body or None,
                 **request.sampling,
             ) as response:
-                async for line in _sse_lines(response.http_response.aiter_bytes()):
+                answering = True
+                async for line in _sse_lines(response.http_response.aiter_bytes(),
+                                             request.max_response_bytes):
                     if not line.startswith(b"data:"):
                         continue  # blank separators, comments, event names
                     data = line[5:].strip()
@@ -199,7 +242,9 @@ class InferenceClient:
                         # response left unread closes its keep-alive connection.
                         done = True
                         continue
-                    chunk = json.loads(data)
+                    chunk = _parse(data, repairs)
+                    if not isinstance(chunk, dict):
+                        raise errors.ServerError(f"malformed stream chunk: {data[:200]!r}")
                     if "error" in chunk and not chunk.get("choices"):
                         raise errors.ServerError(f"error in stream: {chunk['error']}"[:2000])
                     if ttft is None:
@@ -212,15 +257,24 @@ class InferenceClient:
         except openai.APIStatusError as exc:
             raise _convert_status(exc) from exc
         except (openai.APIConnectionError, httpx2.TransportError) as exc:
+            if answering:  # it answered, then broke off: not an unreachable server
+                raise errors.ServerError(
+                    f"the connection broke mid-response: {type(exc).__name__}: {exc}"[:2000]
+                ) from exc
             raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}"[:2000]) from exc
-        except json.JSONDecodeError as exc:
-            raise errors.ServerError(f"malformed stream chunk: {exc}") from exc
+        except ValueError as exc:  # JSONDecodeError, or a body that is not SSE at all
+            raise errors.ServerError(f"malformed stream chunk: {exc}"[:2000]) from exc
         if not done and acc.finish_reason is None:
-            raise errors.ConnectionFailed("the stream ended before the response was complete")
+            # The body ended cleanly but without [DONE] or a finish reason: the
+            # server misbehaved (a proxy's error page, a crashed handler), it is
+            # not unreachable. Retried, and it does not mark the server down.
+            raise errors.ServerError("the stream ended without [DONE] or a finish reason "
+                                     "(not a complete OpenAI stream)")
         usage = acc.usage or {}
+        content = storable("".join(acc.content), repairs) or ""
         return ChatResult(
-            content="".join(acc.content),
-            reasoning_content="".join(acc.reasoning) or None,
+            content=content,
+            reasoning_content=storable("".join(acc.reasoning), repairs) or None,
             finish_reason=acc.finish_reason,
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
@@ -228,4 +282,5 @@ class InferenceClient:
             completion_token_ids=acc.token_ids,
             latency_s=time.monotonic() - start,
             ttft_s=ttft,
+            repairs=repairs or None,
         )

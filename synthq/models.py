@@ -101,6 +101,9 @@ class Job(Base):
     backoff_cap: Mapped[float] = mapped_column(Float)
     #: Most requests in flight (queued + running) on each server.
     inflight_limit: Mapped[int] = mapped_column(Integer)
+    #: Bytes of streamed response after which a call fails as response_too_large.
+    max_response_bytes: Mapped[int] = mapped_column(Integer, default=4 << 20,
+                                                    server_default=str(4 << 20))
     #: Keep answers cut by max_tokens (finish_reason=length) as done.
     keep_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
     state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.ACTIVE)
@@ -197,6 +200,11 @@ class Sample(Base):
     # The training example (synthq.tokenize), written with the done transition.
     #: Token ids, little-endian int32.
     input_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    #: Characters replaced by U+FFFD so the response could be stored, by kind
+    #: (``invalid_utf8``, ``nul``, ``surrogate``); None when none were.
+    repairs: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    #: The server of the last failed call: a retry prefers another one.
+    last_server: Mapped[str | None] = mapped_column(String(500))
     #: Loss mask, one bit per token (numpy.packbits order).
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int | None] = mapped_column(Integer)

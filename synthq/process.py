@@ -108,7 +108,8 @@ def _response_columns(result: ChatResult) -> dict[str, Any]:
                 finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
                 completion_tokens=result.completion_tokens,
                 prompt_token_ids=pack_ids(result.prompt_token_ids),
-                completion_token_ids=pack_ids(result.completion_token_ids))
+                completion_token_ids=pack_ids(result.completion_token_ids),
+                repairs=result.repairs)
 
 
 def tokenize_response(job: Job, prompt: list[dict[str, str]], content: str,
@@ -141,7 +142,7 @@ class Call:
     """What the executor knows about one sample in flight (for renewal and cancelling)."""
 
     __slots__ = ("claimed", "lease_s", "renewed_at", "started_at", "started_mono", "calling",
-                 "lost", "task")
+                 "lost", "interrupted", "task")
 
     def __init__(self, claimed: Claimed, lease_s: float) -> None:
         self.claimed = claimed
@@ -153,6 +154,8 @@ class Call:
         self.calling = False
         #: Set by the renewal that found the lease gone.
         self.lost = False
+        #: Set when the worker stops and cuts the call (its grace period ran out).
+        self.interrupted = False
         #: The task running this sample (cancelled when the lease is lost mid-call).
         self.task: asyncio.Task[Any] | None = None
 
@@ -176,7 +179,8 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
                     completion_tokens=result.completion_tokens if result else None)
 
     request = ChatRequest(model=job.model, messages=c.prompt, max_tokens=job.max_tokens,
-                          sampling=dict(job.sampling), extra_body=dict(job.extra_body))
+                          sampling=dict(job.sampling), extra_body=dict(job.extra_body),
+                          max_response_bytes=job.max_response_bytes)
     result: ChatResult | None = None
     call.calling = True
     try:
@@ -185,6 +189,13 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         _check_result(job, result)
     except asyncio.CancelledError:
         call.calling = False
+        if call.interrupted:  # the worker is stopping: back to pending, due now
+            message = "the worker shut down during the call"
+            won = await _write(writer, c, lambda s, now: states.retry(
+                s, c.sample_id, c.token, now=now, next_attempt_at=now,
+                error_class="interrupted", error_message=message,
+                attempt=attempt("interrupted", message, None)))
+            return Outcome.RETRY if won else Outcome.LOST
         if not call.lost:
             raise
         log.warning("sample %s: lease lost mid-call; dropping the call", c.sample_id)

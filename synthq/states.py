@@ -217,8 +217,9 @@ def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: date
     """running → pending, due again at ``next_attempt_at`` (the retry waits in SQL)."""
     won = _cas(session, sample_id, [SampleState.RUNNING],
                dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
-                    next_attempt_at=next_attempt_at, error_class=error_class,
-                    error_message=error_message, updated_at=now), token=token)
+                    last_server=Sample.server, next_attempt_at=next_attempt_at,
+                    error_class=error_class, error_message=error_message, updated_at=now),
+               token=token)
     _attempt(session, attempt, won=won)
     return won
 
@@ -331,6 +332,8 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
         session.execute(
             update(Sample).where(Sample.id.in_(back), *where)
             .values(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+                    last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
+                                     else_=Sample.last_server),
                     next_attempt_at=now, updated_at=now)
             .execution_options(synchronize_session=False))
         moved += [(i, SampleState.PENDING) for i in back]

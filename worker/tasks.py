@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import signals
+from sqlalchemy.exc import DBAPIError
 
 from synthq.config import get_settings
-from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
+from synthq.dispatch import Dispatched, active_servers, database_trouble, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.retokenize import retokenize_batch
@@ -95,6 +96,14 @@ def _start_executor(sender: Any = None, **_: Any) -> None:
     executor()
 
 
+@signals.worker_shutting_down.connect
+def _begin_shutdown(**_: Any) -> None:
+    """Warm shutdown (SIGTERM): calls get ``shutdown_grace`` seconds, then are cut."""
+    with _executor_lock:
+        if _executor is not None:
+            _executor.begin_shutdown(get_settings().shutdown_grace)
+
+
 @signals.worker_shutdown.connect
 def _stop_executor(**_: Any) -> None:
     """Warm shutdown: the batches have finished; forget this worker at once."""
@@ -120,6 +129,15 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
 @app.task(name="synthq.dispatch")
 def dispatch_tick() -> int:
     """Beat: probe servers' health, return expired leases, then queue what is due."""
+    try:
+        return _tick()
+    except DBAPIError:
+        database_trouble()  # the sweep waits before judging workers by their heartbeats
+        log.warning("dispatch tick: the database is unreachable; the next tick retries")
+        return 0
+
+
+def _tick() -> int:
     for url, healthy in probe_due(active_servers()).items():
         if not healthy:
             log.warning("server %s failed its health probe: nothing is sent to it", url)

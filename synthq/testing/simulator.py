@@ -14,7 +14,12 @@ is one whitespace-separated word.
 Per-request faults: put ``[[sim:NAME]]`` in the last user message to force fault
 NAME on every request carrying it, or ``[[sim:NAME*K]]`` to force it only on the
 first K requests carrying that exact last user message (so retries can succeed).
-Directives override the random fault rates. NAME is one of :data:`FAULTS`.
+Directives override the random fault rates. NAME is one of :data:`FAULTS`, or
+one of the payload faults of :data:`PAYLOAD_FAULTS` (directives only): ``nul``
+and ``surrogate`` put a NUL or a lone surrogate in the answer, ``badutf8``
+sends bytes that are not UTF-8, ``html`` answers 200 with an HTML page instead
+of an event stream, ``nodone`` ends the stream cleanly without a finish reason
+or ``[DONE]``.
 
 Run it from another process (it blocks)::
 
@@ -67,7 +72,9 @@ FAULTS: tuple[str, ...] = (
     "length",
 )
 _ERROR_FAULTS = frozenset({"rate_limit", "error", "context_length"})
-_DIRECTIVE_RE = re.compile(r"\[\[sim:([A-Za-z_]*)(?:\*(\d+))?\]\]")
+#: Faults in the answer's bytes, forced by directive only (no random rate).
+PAYLOAD_FAULTS: tuple[str, ...] = ("nul", "surrogate", "badutf8", "html", "nodone")
+_DIRECTIVE_RE = re.compile(r"\[\[sim:([A-Za-z0-9_]*)(?:\*(\d+))?\]\]")
 
 #: Chunks (after the role chunk) a stalled or reset stream sends before it stops.
 _PARTIAL_TOKEN_CHUNKS = 3
@@ -339,8 +346,9 @@ def _parse_directive(text: str) -> tuple[str, int | None] | None:
     if match is None:
         return None
     name, count = match.group(1), match.group(2)
-    if name not in FAULTS:
-        raise _BadRequest(f"unknown simulator directive {name!r}; expected one of {FAULTS}")
+    if name not in FAULTS and name not in PAYLOAD_FAULTS:
+        raise _BadRequest(f"unknown simulator directive {name!r}; expected one of "
+                          f"{FAULTS + PAYLOAD_FAULTS}")
     return name, int(count) if count is not None else None
 
 
@@ -612,7 +620,7 @@ class _ChatCompletions:
             await _send_error(send, 400, str(exc), "BadRequestError")
             return
         if fault is not None:
-            stats.faults[fault] += 1
+            stats.faults[fault] = stats.faults.get(fault, 0) + 1
         if fault in _ERROR_FAULTS:
             await self._send_fault_error(fault, send)
             return
@@ -672,6 +680,11 @@ class _ChatCompletions:
                       token_ids: bool = False) -> None:
         """Send a streamed answer; stall/reset stop after a few token chunks."""
         events, n_tokens = self.sim.stream_events(plan, include_usage, token_ids)
+        if plan.fault == "html":
+            await _send_bytes(send, 200, b"<html><body>502 Bad Gateway</body></html>",
+                              [(b"content-type", b"text/html")])
+            return
+        events = _corrupt(events, plan.fault)
         partial = plan.fault in ("stall", "reset")
         if partial:
             n_tokens = min(n_tokens, _PARTIAL_TOKEN_CHUNKS)
@@ -698,6 +711,19 @@ class _ChatCompletions:
         if fault == "reset":
             raise _SimulatedReset("simulated connection reset")
         await _wait_forever()
+
+
+def _corrupt(events: list[bytes], fault: str | None) -> list[bytes]:
+    """Apply a payload fault to a streamed answer's events (role chunk first)."""
+    if fault == "nodone":  # no finish chunk, no usage, no [DONE]: the body just ends
+        return [e for e in events[:-1] if b'"finish_reason":null' in e]
+    if fault in ("nul", "surrogate", "badutf8") and len(events) > 2:
+        bad = {"nul": b"\\u0000", "surrogate": b"\\ud800", "badutf8": b"\xff\xfe"}[fault]
+        first = events[1]
+        i = first.index(b'"content": "') + len(b'"content": "') if b'"content": "' in first \
+            else first.index(b'"content":"') + len(b'"content":"')
+        events = [events[0], first[:i] + bad + first[i:], *events[2:]]
+    return events
 
 
 def build_app(config: SimConfig) -> Starlette:

@@ -58,7 +58,10 @@ CASES = [
     ("error*2",             {},                                    "done",   None,             3),
     ("error",               {},                                    "failed", "server_error",   3),
     ("rate_limit*1",        {},                                    "done",   None,             2),
-    ("reset",               {},                                    "failed", "connection",     3),
+    # A stream the server breaks off after answering is its fault, not unreachability.
+    ("reset",               {},                                    "failed", "server_error",   3),
+    ("html",                {},                                    "failed", "server_error",   3),
+    ("nodone",              {},                                    "failed", "server_error",   3),
     ("stall",               {"stall_timeout": 1.0},                "failed", "stalled",        3),
     ("hang",                {"stall_timeout": 1.0},                "failed", "stalled",        3),
     ("hang",                {"stall_timeout": 5.0, "total_timeout": 1.0}, "failed", "timeout", 3),
@@ -185,3 +188,53 @@ def test_server_without_health_endpoint_is_watched_passively(
     gaps = [(b - a).total_seconds() for a, b in zip(starts[3:], starts[4:], strict=False)]
     assert all(g >= 1.9 for g in gaps), gaps
     assert probe_due([dead]) == {dead: False}
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("nul", "nul"), ("surrogate", "surrogate"),
+                                             ("badutf8", "invalid_utf8")])
+def test_unstorable_text_is_repaired_and_counted(simulator: Callable[..., Any],
+                                                 job_factory: Callable[..., Any],
+                                                 fault: str, kind: str) -> None:
+    """NUL (PostgreSQL refuses it), a lone surrogate (not UTF-8) and invalid UTF-8 bytes:
+    stored with U+FFFD in their place, and counted on the sample."""
+    sim = simulator("--latency", "0")
+    report = job_factory([f"bad bytes [[sim:{fault}]]"], servers=[sim.url], max_attempts=3)
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    assert smp.state == "done", smp.error_message
+    assert smp.repairs and smp.repairs.get(kind, 0) >= 1, smp.repairs
+    assert "\ufffd" in (smp.response_content or "")
+
+
+def test_response_over_max_bytes_fails_permanently(simulator: Callable[..., Any],
+                                                   job_factory: Callable[..., Any]) -> None:
+    sim = simulator("--latency", "0", "--response-tokens", "200")
+    report = job_factory(["a long answer please"], servers=[sim.url], max_response_bytes=2000)
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    assert (smp.state, smp.error_class, smp.attempts) == ("failed", "response_too_large", 1)
+
+
+def test_malformed_answers_do_not_mark_the_server_down(simulator: Callable[..., Any],
+                                                       job_factory: Callable[..., Any]) -> None:
+    from synthq.dispatch import server_is_down
+
+    sim = simulator("--latency", "0")
+    report = job_factory([f"junk {i} [[sim:html]]" for i in range(4)], servers=[sim.url],
+                         max_attempts=1)
+    run_until_settled(report.job_id)
+    with session_scope() as s:
+        assert not server_is_down(s, sim.url)
+
+
+def test_a_retry_prefers_another_server(simulator: Callable[..., Any],
+                                        job_factory: Callable[..., Any]) -> None:
+    a, b = simulator("--latency", "0"), simulator("--latency", "0")
+    report = job_factory(["flaky once [[sim:error*1]]"], servers=[a.url, b.url])
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    with session_scope() as s:
+        servers = list(s.scalars(select(Attempt.server).where(Attempt.sample_id == smp.id)
+                                 .order_by(Attempt.id)))
+    # Each simulator fails the prompt's first request to it: A fails, B fails, A answers.
+    assert smp.state == "done" and servers[0] != servers[1] and servers[1] != servers[2], servers
