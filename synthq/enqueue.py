@@ -37,7 +37,6 @@ from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.states import JobState, SampleState
-from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
            "find_job"]
@@ -190,6 +189,8 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
         raise UserError(
             f"job {spec.name!r} exists with other generation settings "
             f"({json.dumps(job.generation_settings())}); pick another --job name")
+    from synthq.tokenize import TokenizeSettings
+
     theirs, ours = TokenizeSettings.from_job(job), spec.tokenize_settings()
     if theirs != ours:
         raise UserError(
@@ -351,6 +352,8 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
         # Load it now: a tokenizer or template that cannot work (one that loses
         # characters in a round trip, too) is an error here, not a failure of
         # every sample.
+        from synthq.tokenize import get_chat_tokenizer
+
         get_chat_tokenizer(tokenize)
     from synthq.config import get_settings
 

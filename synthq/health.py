@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import httpx
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    import httpx
 
 from synthq.db import session_scope, utcnow
 from synthq.models import Server
@@ -40,6 +43,8 @@ def health_url(base_url: str) -> str:
 
 def probe(base_url: str, client: httpx.Client) -> str | None:
     """None when the server is healthy, else what went wrong."""
+    import httpx
+
     try:
         response = client.get(health_url(base_url), timeout=PROBE_TIMEOUT)
     except httpx.HTTPError as exc:
@@ -56,6 +61,8 @@ def _shared_client() -> httpx.Client:
     """One client per process: making one builds an SSL context (milliseconds of CPU)."""
     global _client
     if _client is None:
+        import httpx
+
         _client = httpx.Client()
     return _client
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
 from synthq.cli import (
     JobArg,
@@ -22,8 +21,10 @@ from synthq.cli import (
     fail,
     with_job,
 )
-from synthq.config import get_settings
 from synthq.errors import UserError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def _config(opts: dict[str, Any]) -> Any:
@@ -121,6 +122,8 @@ def train(
                           f"{info['target']} (beat starts the run when the job is ready)")
         return
     run_id = info["run"]
+    from synthq.config import get_settings
+
     if not get_settings().embedded:
         from worker.tasks import publish_train
 
@@ -181,6 +184,8 @@ def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:
 
 
 def _table(rows: list[dict[str, Any]]) -> Table:
+    from rich.table import Table
+
     table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈", "checkpoint / error")
     for r in rows:
         total = f"/{r['total_steps']}" if r["total_steps"] else ""
