@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, insert, select, tuple_, update
+from sqlalchemy import and_, case, event, exists, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from synthq.enums import FINISHED, INFLIGHT, JobState, SampleState
@@ -80,14 +80,27 @@ def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
 
 
 def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
-    """The call's row. A call whose result could not be written ended ``lost``."""
+    """The call's row. A call whose result could not be written ended ``lost``.
+
+    Rows are gathered and inserted in one statement just before the commit
+    (the batch writer records dozens of calls per transaction).
+    """
     if attempt is None:
         return
     row = dict(attempt)
     if not won:
         row["outcome"] = "lost"
         row["error_message"] = "lease lost before the result was written"
-    _exec(session, insert(Attempt).values(**row))
+    rows = session.info.setdefault("synthq_attempts", [])
+    if not rows:
+        event.listen(session, "before_commit", _insert_attempts, once=True)
+    rows.append(row)
+
+
+def _insert_attempts(session: Session) -> None:
+    rows = session.info.pop("synthq_attempts", [])
+    if rows:
+        _exec(session, insert(Attempt), rows)
 
 
 # -- dispatch and claim ----------------------------------------------------------------
@@ -237,7 +250,7 @@ def fail(session: Session, sample_id: int, token: str, *, error_class: str, erro
 
 def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
     """The lease was lost mid-call: the sample is someone else's; only the call is logged."""
-    _exec(session, insert(Attempt).values(**{**attempt, "outcome": "lost"}))
+    _attempt(session, {**attempt, "outcome": "lost"}, won=True)
     return False
 
 
