@@ -31,7 +31,11 @@ from api.routes import exports, jobs, samples, system, ui  # noqa: E402
 from synthq.db import safe_url  # noqa: E402
 from synthq.errors import UserError  # noqa: E402
 
-__all__ = ["app", "create_app"]
+__all__ = ["app", "create_app", "ROUTERS"]
+
+#: Every router of the app (tests walk them: no route escapes the auth checks).
+ROUTERS = (system.public, system.private, jobs.router, samples.router, exports.router,
+           ui.router)
 
 log = logging.getLogger("synthq.api")
 
@@ -64,7 +68,7 @@ def create_app() -> FastAPI:
     @app.exception_handler(UserError)
     async def _user_error(request: Request, exc: UserError) -> Response:
         return JSONResponse({"detail": safe_url(str(exc))},
-                            status_code=status.HTTP_422_UNPROCESSABLE_ENTITY)
+                            status_code=422)
 
     @app.exception_handler(StatementError)
     async def _bad_value(request: Request, exc: StatementError) -> Response:
@@ -72,7 +76,7 @@ def create_app() -> FastAPI:
         if isinstance(exc, DataError) or isinstance(exc.orig, ValueError | OverflowError):
             return JSONResponse({"detail": "a value is not valid for the database "
                                  "(NUL character or out of range)"},
-                                status_code=status.HTTP_422_UNPROCESSABLE_ENTITY)
+                                status_code=422)
         raise exc
 
     @app.exception_handler(NotLoggedIn)

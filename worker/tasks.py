@@ -12,6 +12,7 @@ from typing import Any
 from celery import signals
 
 from synthq.config import get_settings
+from synthq.db import safe_url
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
@@ -27,8 +28,13 @@ def publish(batch: Sequence[Dispatched]) -> None:
     with app.producer_or_acquire() as producer:
         for start in range(0, len(batch), size):
             chunk = batch[start:start + size]
+            # Flower's task row shows argsrepr: which samples, not their claim tokens.
+            jobs = sorted({d.job_id for d in chunk})
+            shown = (f"job {', '.join(map(str, jobs))}: samples "
+                     f"{[d.sample_id for d in chunk]} on {safe_url(chunk[0].server)}")
             generate.apply_async(([[d.sample_id, d.token, d.job_id] for d in chunk],
-                                  chunk[0].server), producer=producer, **GENERATE_ROUTE)
+                                  chunk[0].server), producer=producer, argsrepr=shown,
+                                 **GENERATE_ROUTE)
 
 
 class _Refill:
@@ -109,12 +115,16 @@ def _stop_executor(**_: Any) -> None:
 def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any]:
     """Run a batch of one server's samples to their outcomes.
 
-    Returns the outcome counts (what Flower shows for the task), e.g.
-    ``{"server": ..., "samples": 32, "done": 31, "retry": 1}``.
+    Returns the outcome counts and which samples ended how (what Flower shows
+    as the task's result), e.g. ``{"server": ..., "samples": 32, "done": 31,
+    "retry": 1, "ids": {"done": [...], "retry": [17]}}``.
     """
     outcomes = executor().run_batch(items)
-    return {"server": server, "samples": len(items),
-            **Counter(str(o) for o in outcomes.values())}
+    ids: dict[str, list[int]] = {}
+    for sample_id, outcome in sorted(outcomes.items()):
+        ids.setdefault(str(outcome), []).append(sample_id)
+    return {"server": safe_url(server) if server else server, "samples": len(items),
+            **Counter(str(o) for o in outcomes.values()), "ids": ids}
 
 
 @app.task(name="synthq.dispatch")

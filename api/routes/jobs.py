@@ -78,7 +78,7 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
     try:
         job_settings = JobSettings.model_validate(json.loads(spec))
     except (ValueError, ValidationError) as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+        raise HTTPException(422,
                             f"spec is not valid JobSettings JSON: {exc}") from None
     filename = Path(file.filename or "upload.jsonl").name
     suffix = "".join(Path(filename).suffixes[-2:]) or ".jsonl"
@@ -90,7 +90,7 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
             while chunk := file.file.read(1 << 20):
                 size += len(chunk)
                 if size > settings.api_upload_max_bytes:
-                    raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+                    raise HTTPException(413,
                                         f"file is over {settings.api_upload_max_bytes:,} bytes")
                 out.write(chunk)
         report, bad = service.enqueue_file(job_settings.to_spec(filename.split(".")[0]),
@@ -98,7 +98,7 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
         shutil.rmtree(tmp, ignore_errors=True)
     result = _result(report, bad)
     # Malformed rows: 422 with the reason for each; the good rows are in the job.
-    code = status.HTTP_422_UNPROCESSABLE_ENTITY if bad else status.HTTP_201_CREATED
+    code = 422 if bad else status.HTTP_201_CREATED
     return JSONResponse(result.model_dump(mode="json"), status_code=code)
 
 
