@@ -86,7 +86,8 @@ def list_samples(session: Session, job_id: int, *, state: str | None = None,
                Sample.completion_tokens, Sample.num_tokens, Sample.num_supervised,
                Sample.updated_at)
         .where(*conds).order_by(Sample.id).limit(limit + 1)).all()
-    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), *r[6:]) for r in rows[:limit]]
+    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], r[7], r[8], r[9],
+                      r[10], r[11], r[12]) for r in rows[:limit]]
     return page, (page[-1].id if len(rows) > limit else None)
 
 
@@ -215,6 +216,8 @@ def done_per_minute(session: Session, job_id: int, *, minutes: int = 60,
         Sample.finished_at >= start)).all()
     buckets = [0] * minutes
     for t in times:
+        if t is None:
+            continue
         index = int((t - start).total_seconds() // 60)
         if 0 <= index < minutes:
             buckets[index] += 1
@@ -251,8 +254,8 @@ def _histograms(session: Session, column: Any, buckets: tuple[float, ...]
     rows = session.execute(
         select(Attempt.server, *cols, func.count(column), func.coalesce(func.sum(column), 0.0))
         .where(column.is_not(None)).group_by(Attempt.server)).all()
-    return {safe_url(r[0]): ([int(x) for x in r[1:1 + len(buckets)]], int(r[-2]), float(r[-1]))
-            for r in rows}
+    return {safe_url(r[0]): ([int(x) for x in r[1:1 + len(buckets)]], int(r[-2]),
+                             float(r[-1])) for r in rows}
 
 
 def metrics_snapshot(session: Session) -> MetricsSnapshot:
@@ -260,7 +263,7 @@ def metrics_snapshot(session: Session) -> MetricsSnapshot:
     samples = {(name, str(state)): n for name, state, n in session.execute(
         select(Job.name, Sample.state, func.count()).join(Sample, Sample.job_id == Job.id)
         .group_by(Job.name, Sample.state))}
-    inflight = {safe_url(server): n for server, n in session.execute(
+    inflight = {safe_url(server or ""): n for server, n in session.execute(
         select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT),
                                                   Sample.server.is_not(None))
         .group_by(Sample.server))}

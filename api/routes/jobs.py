@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 

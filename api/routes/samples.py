@@ -36,7 +36,8 @@ def list_samples(
 @router.get("/api/samples/{sample_id}", response_model=SampleDetailPublic,
             responses={404: ERRORS[404]},
             summary="One sample: prompt, answer, reasoning, attempts, tokens, mask runs")
-def get_sample(sample_id: Annotated[int, Path(ge=1, le=2**62)], session: SessionDep) -> SampleDetailPublic:
+def get_sample(sample_id: Annotated[int, Path(ge=1, le=2**62)],
+               session: SessionDep) -> SampleDetailPublic:
     detail = query.sample_detail(session, sample_id)
     if detail is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no sample {sample_id}")
