@@ -28,13 +28,8 @@ def publish(batch: Sequence[Dispatched]) -> None:
     with app.producer_or_acquire() as producer:
         for start in range(0, len(batch), size):
             chunk = batch[start:start + size]
-            # Flower's task row shows argsrepr: which samples, not their claim tokens.
-            jobs = sorted({d.job_id for d in chunk})
-            shown = (f"job {', '.join(map(str, jobs))}: samples "
-                     f"{[d.sample_id for d in chunk]} on {safe_url(chunk[0].server)}")
             generate.apply_async(([[d.sample_id, d.token, d.job_id] for d in chunk],
-                                  chunk[0].server), producer=producer, argsrepr=shown,
-                                 **GENERATE_ROUTE)
+                                  chunk[0].server), producer=producer, **GENERATE_ROUTE)
 
 
 class _Refill:
