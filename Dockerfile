@@ -1,7 +1,8 @@
-# synthq generation image: CLI, Celery worker/beat, Flower, simulator.
+# synthq image: CLI, Celery worker/beat, REST API, Flower, simulator.
 #
-# torch is deliberately NOT installed here (the `train` extra is a separate,
-# GPU image); generation only needs the tokenizer side of transformers.
+# torch is deliberately NOT installed by default (the `train` extra makes the
+# separate GPU image); generation and the API only need the tokenizer side of
+# transformers.
 #
 #   docker build -t synthq .
 #   docker run --rm synthq                 # synthq --help
@@ -17,8 +18,13 @@ WORKDIR /app
 
 # Dependencies first, from pyproject.toml alone, so that editing the code
 # does not reinstall them (this layer is rebuilt only when pyproject changes).
+# SYNTHQ_EXTRAS: optional dependency groups; `api` (REST API, job page,
+# metrics) by default, `api,train` for the training worker's image.
+ARG SYNTHQ_EXTRAS=api
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = [e for e in os.environ['SYNTHQ_EXTRAS'].split(',') if e]; \
+print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

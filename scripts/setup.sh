@@ -9,5 +9,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
 pip torch==2.13.0
-pip -e '.[dev,train]'
+pip -e '.[dev,train,api]'
 .venv/bin/python -c "import synthq, celery, torch"

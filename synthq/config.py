@@ -86,6 +86,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _default_db(self) -> Settings:
+        from synthq.secrets import check_secret, check_url
+
+        # A copy of .env.example left unchanged must not start a service.
+        check_url("SYNTHQ_DATABASE_URL", self.database_url)
+        check_url("SYNTHQ_BROKER_URL", self.broker_url)
+        check_secret("SYNTHQ_API_KEY", self.api_key, required=False)
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'synthq.db'}"
         return self

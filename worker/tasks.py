@@ -13,6 +13,7 @@ from celery import signals
 from sqlalchemy.exc import DBAPIError
 
 from synthq.config import get_settings
+from synthq.db import safe_url
 from synthq.dispatch import Dispatched, active_servers, database_trouble, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
@@ -118,12 +119,16 @@ def _stop_executor(**_: Any) -> None:
 def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any]:
     """Run a batch of one server's samples to their outcomes.
 
-    Returns the outcome counts (what Flower shows for the task), e.g.
-    ``{"server": ..., "samples": 32, "done": 31, "retry": 1}``.
+    Returns the outcome counts and which samples ended how (what Flower shows
+    as the task's result), e.g. ``{"server": ..., "samples": 32, "done": 31,
+    "retry": 1, "ids": {"done": [...], "retry": [17]}}``.
     """
     outcomes = executor().run_batch(items)
-    return {"server": server, "samples": len(items),
-            **Counter(str(o) for o in outcomes.values())}
+    ids: dict[str, list[int]] = {}
+    for sample_id, outcome in sorted(outcomes.items()):
+        ids.setdefault(str(outcome), []).append(sample_id)
+    return {"server": safe_url(server) if server else server, "samples": len(items),
+            **Counter(str(o) for o in outcomes.values()), "ids": ids}
 
 
 @app.task(name="synthq.dispatch")

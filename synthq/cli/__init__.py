@@ -91,7 +91,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable 
 
 # The commands register themselves on `app` when their modules are imported;
 # the order here is the order of `synthq --help`.
-from synthq.cli import generate, watch, manage, data, train, services  # noqa: E402, F401, I001
+from synthq.cli import generate, watch, manage, data, train, services, api  # noqa: E402, F401, I001
 
 
 def main() -> None:  # pragma: no cover

@@ -1,0 +1,96 @@
+"""Prometheus metrics read from SQL at scrape time.
+
+Every generation process writes its calls and heartbeats to the database, so
+one collector that reads SQL reports the whole fleet, across processes and
+machines, without prometheus-client's multiprocess mode. Counters and
+histograms are computed from the ``attempts`` table, which only grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from synthq import query
+from synthq.db import session_scope
+
+__all__ = ["SqlCollector", "registry"]
+
+
+def _buckets(bounds: tuple[float, ...], counts: list[int], total: int) -> list[tuple[str, float]]:
+    return [*((f"{b:g}", float(n)) for b, n in zip(bounds, counts, strict=True)),
+            ("+Inf", float(total))]
+
+
+class SqlCollector(Collector):
+    def collect(self) -> Iterator[Metric]:
+        with session_scope() as s:
+            snap = query.metrics_snapshot(s)
+        samples = GaugeMetricFamily("synthq_samples", "Samples by job and state.",
+                                    labels=["job", "state"])
+        for (job, state), n in sorted(snap.samples.items()):
+            samples.add_metric([job, state], n)
+        yield samples
+        inflight = GaugeMetricFamily("synthq_requests_in_flight",
+                                     "Samples queued or running, by server.", labels=["server"])
+        for server, n in sorted(snap.inflight.items()):
+            inflight.add_metric([server], n)
+        yield inflight
+        healthy = GaugeMetricFamily("synthq_server_healthy",
+                                    "1 if the server passed its last health probe.",
+                                    labels=["server"])
+        for server, ok in sorted(snap.healthy.items()):
+            healthy.add_metric([server], ok)
+        yield healthy
+        calls = CounterMetricFamily("synthq_requests", "Calls to inference servers by outcome "
+                                    "(ok, a failure class, lost, running).",
+                                    labels=["server", "outcome"])
+        failures = CounterMetricFamily("synthq_request_failures", "Failed calls by class.",
+                                       labels=["server", "class"])
+        for (server, outcome), n in sorted(snap.calls.items()):
+            calls.add_metric([server, outcome], n)
+            if outcome not in ("ok", "running"):
+                failures.add_metric([server, outcome], n)
+        yield calls
+        yield failures
+        for name, doc, data, bounds in (
+                ("synthq_request_duration_seconds", "Latency of finished calls.",
+                 snap.latency, query.LATENCY_BUCKETS),
+                ("synthq_time_to_first_token_seconds", "Seconds to the first streamed chunk.",
+                 snap.ttft, query.TTFT_BUCKETS)):
+            hist = HistogramMetricFamily(name, doc, labels=["server"])
+            for server, (counts, total, sum_) in sorted(data.items()):
+                hist.add_metric([server], _buckets(bounds, counts, total), sum_)
+            yield hist
+        tokens = CounterMetricFamily("synthq_generated_tokens",
+                                     "Completion tokens of successful calls.", labels=["server"])
+        for server, n in sorted(snap.generated_tokens.items()):
+            tokens.add_metric([server], n)
+        yield tokens
+        beat = GaugeMetricFamily("synthq_worker_last_heartbeat_timestamp_seconds",
+                                 "Unix time of each worker's last heartbeat.", labels=["worker"])
+        capacity = GaugeMetricFamily("synthq_worker_capacity", "Calls a worker may hold.",
+                                     labels=["worker"])
+        held = GaugeMetricFamily("synthq_worker_in_flight", "Calls a worker held at its last "
+                                 "heartbeat.", labels=["worker"])
+        for worker, (at, cap, n) in sorted(snap.workers.items()):
+            beat.add_metric([worker], at)
+            capacity.add_metric([worker], cap)
+            held.add_metric([worker], n)
+        yield beat
+        yield capacity
+        yield held
+
+
+def registry() -> CollectorRegistry:
+    """A registry holding only the SQL collector (one per app)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SqlCollector())
+    return reg

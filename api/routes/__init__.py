@@ -1,0 +1,1 @@
+"""The API's routers: jobs, samples, exports, system (health, metrics, docs), ui."""

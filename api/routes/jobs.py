@@ -1,0 +1,149 @@
+"""Jobs: create (server-side path, Hugging Face id, upload), list, status, steer, requeue."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, HTTPException, Response, UploadFile, status
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from api.deps import JobDep, JobRef, SessionDep, SettingsDep, job_or_404
+from api.schemas import (
+    EnqueueResult,
+    ErrorBody,
+    JobCreate,
+    JobDetail,
+    JobSettings,
+    JobStateChange,
+    JobSummary,
+    RequeueRequest,
+    RequeueResult,
+    RowError,
+)
+from synthq import query, service
+from synthq.config import get_settings
+from synthq.db import safe_url, session_scope, utcnow
+from synthq.enqueue import EnqueueReport
+from synthq.enums import JobState
+from synthq.status import job_status
+from synthq.workers import live
+
+router = APIRouter(prefix="/api/jobs", tags=["jobs"])
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    404: {"model": ErrorBody, "description": "No such job."},
+    422: {"model": ErrorBody, "description": "Invalid input."},
+}
+
+
+def _result(r: EnqueueReport, bad: list[tuple[int, str]]) -> EnqueueResult:
+    return EnqueueResult(
+        job_id=r.job_id, job_name=r.job_name, created=r.created, rows=r.rows,
+        inserted=r.inserted, duplicates=r.duplicates, skipped=r.skipped,
+        updated_settings=r.updated_settings, warnings=r.warnings,
+        bad_rows=[RowError(row=i, reason=reason) for i, reason in bad])
+
+
+@router.get("", response_model=list[JobSummary], summary="List jobs")
+def list_jobs(session: SessionDep) -> list[query.JobSummary]:
+    return query.list_jobs(session)
+
+
+@router.post("", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
+             responses=ERRORS, summary="Create a job (or add to one) from a server-side "
+             "path or a Hugging Face dataset")
+def create_job(body: JobCreate, settings: SettingsDep) -> EnqueueResult:
+    if body.path is not None:
+        source = str(service.data_path(settings.data_dir, body.path))
+    else:
+        source = str(body.hf_dataset)
+    name = Path(source.rstrip("/")).name.split(".")[0]
+    report, bad = service.enqueue_file(body.to_spec(name), source, id_field=body.id_field)
+    return _result(report, bad)
+
+
+@router.post("/upload", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
+             responses={**ERRORS, 413: {"model": ErrorBody, "description": "File too large."}},
+             summary="Create a job (or add to one) from an uploaded JSONL or Parquet file")
+def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .json, .gz) or "
+                                                 "Parquet file.")],
+               spec: Annotated[str, Form(description="JobSettings as a JSON object.")],
+               settings: SettingsDep) -> Response:
+    try:
+        job_settings = JobSettings.model_validate(json.loads(spec))
+    except (ValueError, ValidationError) as exc:
+        raise HTTPException(422,
+                            f"spec is not valid JobSettings JSON: {exc}") from None
+    filename = Path(file.filename or "upload.jsonl").name
+    suffix = "".join(Path(filename).suffixes[-2:]) or ".jsonl"
+    settings.uploads_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=settings.uploads_dir) as tmp:
+        path = Path(tmp) / f"upload{suffix}"
+        with path.open("wb") as out:
+            size = 0
+            while chunk := file.file.read(1 << 20):
+                size += len(chunk)
+                if size > settings.api_upload_max_bytes:
+                    raise HTTPException(413,
+                                        f"file is over {settings.api_upload_max_bytes:,} bytes")
+                out.write(chunk)
+        report, bad = service.enqueue_file(job_settings.to_spec(filename.split(".")[0]),
+                                           str(path), id_field=job_settings.id_field)
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = _result(report, bad)
+    # Malformed rows: 422 with the reason for each; the good rows are in the job.
+    code = 422 if bad else status.HTTP_201_CREATED
+    return JSONResponse(result.model_dump(mode="json"), status_code=code)
+
+
+@router.get("/{job}", response_model=JobDetail, responses=ERRORS,
+            summary="Counts per state, done/s, ETA, failures, calls, load, workers")
+def get_job(job: JobDep, session: SessionDep) -> JobDetail:
+    st = job_status(session, job)
+    workers = live(session, now=utcnow(), timeout=get_settings().worker_timeout)
+    data = st.to_dict()
+    data["servers"] = [safe_url(s) for s in data["servers"]]
+    data["inflight"] = {safe_url(k): v for k, v in data["inflight"].items()}
+    data["unhealthy"] = {safe_url(k): v and safe_url(v) for k, v in data["unhealthy"].items()}
+    return JobDetail(**{k: v for k, v in data.items() if k in JobDetail.model_fields
+                        and k != "workers"},
+                     workers=[asdict(w) for w in workers])
+
+
+def _set_state(ref: str, target: JobState) -> JobStateChange:
+    with session_scope() as s:
+        job = job_or_404(s, ref)
+        before = service.set_job_state(s, job, target)
+        return JobStateChange(id=job.id, name=job.name, before=before, state=str(job.state))
+
+
+@router.post("/{job}/pause", response_model=JobStateChange, responses=ERRORS,
+             summary="Stop dispatching the job's samples")
+def pause(job: JobRef) -> JobStateChange:
+    return _set_state(job, JobState.PAUSED)
+
+
+@router.post("/{job}/resume", response_model=JobStateChange, responses=ERRORS,
+             summary="Dispatch a paused job again")
+def resume(job: JobRef) -> JobStateChange:
+    return _set_state(job, JobState.ACTIVE)
+
+
+@router.post("/{job}/cancel", response_model=JobStateChange, responses=ERRORS,
+             summary="Stop a job for good (its data stays)")
+def cancel(job: JobRef) -> JobStateChange:
+    return _set_state(job, JobState.CANCELLED)
+
+
+@router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,
+             summary="Failed samples (all, of some classes, or by id) back to pending")
+def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
+    with session_scope() as s:
+        return RequeueResult(requeued=service.requeue(
+            s, job_or_404(s, job), classes=body.classes, sample_ids=body.sample_ids))

@@ -1,0 +1,44 @@
+"""Samples: a job's samples with filters and keyset pagination; one sample in full."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+
+from api.deps import JobDep, SessionDep
+from api.routes.jobs import ERRORS
+from api.schemas import SampleDetailPublic, SamplePage, SamplePublic
+from synthq import query
+from synthq.enums import SampleState
+
+router = APIRouter(tags=["samples"])
+
+
+@router.get("/api/jobs/{job}/samples", response_model=SamplePage, responses=ERRORS,
+            summary="A job's samples in id order, filtered; pass next_after as after")
+def list_samples(
+    job: JobDep, session: SessionDep,
+    state: Annotated[SampleState | None, Query()] = None,
+    error_class: Annotated[str | None, Query(max_length=32)] = None,
+    server: Annotated[str | None, Query(max_length=500)] = None,
+    after: Annotated[int, Query(ge=0, le=2**62, description="Last id of the previous "
+                                "page.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> SamplePage:
+    items, next_after = query.list_samples(session, job.id, state=state,
+                                           error_class=error_class, server=server,
+                                           after=after, limit=limit)
+    return SamplePage(items=[SamplePublic(**asdict(i)) for i in items], next_after=next_after)
+
+
+@router.get("/api/samples/{sample_id}", response_model=SampleDetailPublic,
+            responses={404: ERRORS[404]},
+            summary="One sample: prompt, answer, reasoning, attempts, tokens, mask runs")
+def get_sample(sample_id: Annotated[int, Path(ge=1, le=2**62)],
+               session: SessionDep) -> SampleDetailPublic:
+    detail = query.sample_detail(session, sample_id)
+    if detail is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no sample {sample_id}")
+    return SampleDetailPublic.model_validate(detail.to_dict())

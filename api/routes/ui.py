@@ -1,0 +1,120 @@
+"""The job page at /ui: server-rendered Jinja templates, no front-end build step.
+
+Pages read through :mod:`synthq.query` and :func:`synthq.status.job_status`;
+their forms change state through :mod:`synthq.service`, like the API routes.
+The token is typed once at /ui/login and kept as an HttpOnly, SameSite=Strict
+session cookie; every form carries a CSRF field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from api.auth import COOKIE, CsrfDep, UiDep, check_token, csrf_value, session_value
+from api.deps import JobRef, SessionDep, SettingsDep, job_or_404
+from synthq import query, service
+from synthq.config import get_settings
+from synthq.db import safe_url, session_scope, utcnow
+from synthq.enums import JobState
+from synthq.errors import UserError
+from synthq.status import job_status
+from synthq.workers import live
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+templates = Jinja2Templates(directory=str(Path(__file__).resolve().parents[1] / "templates"))
+templates.env.filters["safe_url"] = safe_url
+
+
+def _page(request: Request, name: str, code: int = 200, **context: object) -> HTMLResponse:
+    from api.config import api_settings
+
+    context.setdefault("csrf", csrf_value(api_settings()) if api_settings().auth_enabled
+                       else "")
+    return templates.TemplateResponse(request, name, context, status_code=code)
+
+
+@router.get("/login", response_class=HTMLResponse)
+def login_form(request: Request) -> HTMLResponse:
+    return _page(request, "login.html", error=None)
+
+
+@router.post("/login", response_class=HTMLResponse)
+def login(request: Request, settings: SettingsDep,
+          token: Annotated[str, Form(max_length=1000)] = "") -> Response:
+    if settings.auth_enabled and not check_token(settings, token):
+        return _page(request, "login.html", code=status.HTTP_401_UNAUTHORIZED,
+                     error="wrong token")
+    response = RedirectResponse("/ui", status_code=status.HTTP_303_SEE_OTHER)
+    if settings.auth_enabled:
+        response.set_cookie(COOKIE, session_value(settings), httponly=True, samesite="strict",
+                            secure=settings.api_secure_cookie, path="/")
+    return response
+
+
+@router.post("/logout", dependencies=[CsrfDep])
+def logout() -> Response:
+    response = RedirectResponse("/ui/login", status_code=status.HTTP_303_SEE_OTHER)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+@router.get("", response_class=HTMLResponse, dependencies=[UiDep])
+def jobs_page(request: Request, session: SessionDep) -> HTMLResponse:
+    return _page(request, "jobs.html", jobs=query.list_jobs(session))
+
+
+@router.get("/jobs/{job}", response_class=HTMLResponse, dependencies=[UiDep])
+def job_page(request: Request, job: JobRef, session: SessionDep,
+             message: str | None = None) -> HTMLResponse:
+    j = job_or_404(session, job)
+    st = job_status(session, j)
+    chart = query.done_per_minute(session, j.id, minutes=60)
+    failed, _ = query.list_samples(session, j.id, state="failed", limit=20)
+    recent, _ = query.list_samples(session, j.id, limit=20)
+    workers = live(session, now=utcnow(), timeout=get_settings().worker_timeout)
+    return _page(request, "job.html", job=st, chart=chart, peak=max(n for _, n in chart) or 1,
+                 failed=failed, recent=recent, workers=workers, message=message,
+                 states=[s.value for s in JobState])
+
+
+def _back(job: str, message: str) -> Response:
+    from urllib.parse import quote
+
+    return RedirectResponse(f"/ui/jobs/{quote(job, safe='')}?message={quote(message)}",
+                            status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.post("/jobs/{job}/requeue", dependencies=[CsrfDep])
+def requeue(job: JobRef, error_class: Annotated[str, Form(max_length=32)] = "") -> Response:
+    with session_scope() as s:
+        j = job_or_404(s, job)
+        try:
+            n = service.requeue(s, j, classes=[error_class] if error_class else [])
+        except UserError as exc:
+            return _back(job, str(exc))
+    what = f"{error_class} " if error_class else ""
+    return _back(job, f"requeued {n:,} failed {what}samples")
+
+
+@router.post("/jobs/{job}/state", dependencies=[CsrfDep])
+def set_state(job: JobRef, target: Annotated[JobState, Form()]) -> Response:
+    with session_scope() as s:
+        j = job_or_404(s, job)
+        try:
+            before = service.set_job_state(s, j, target)
+        except UserError as exc:
+            return _back(job, str(exc))
+    return _back(job, f"job {before} → {target}")
+
+
+@router.get("/samples/{sample_id}", response_class=HTMLResponse, dependencies=[UiDep])
+def sample_page(request: Request, sample_id: int, session: SessionDep) -> HTMLResponse:
+    detail = query.sample_detail(session, sample_id) if 0 < sample_id < 2**62 else None
+    if detail is None:
+        return _page(request, "missing.html", code=404, what=f"sample {sample_id}")
+    return _page(request, "sample.html", s=detail)

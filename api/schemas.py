@@ -1,0 +1,260 @@
+"""Request and response bodies: separate create and public shapes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from synthq.enqueue import JobSpec
+
+
+class JobSettings(BaseModel):
+    """Generation and tokenization settings, as `synthq enqueue` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="Job name [default: the dataset's file name]. "
+                             "The same name and settings again adds to the job.")
+    model: str = Field(description="Model name the servers serve.")
+    servers: list[str] = Field(min_length=1, description="Base URLs of OpenAI-compatible "
+                               "servers, e.g. http://vllm:8000/v1.")
+    max_tokens: int = 4096
+    temperature: float | None = None
+    top_p: float | None = None
+    timeout: float = Field(1800.0, description="Total seconds one call may take.")
+    stall_timeout: float = 300.0
+    max_attempts: int = 5
+    backoff_base: float = 2.0
+    backoff_cap: float = 300.0
+    inflight: int = Field(64, description="Most requests in flight per server.")
+    keep_truncated: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    return_token_ids: bool = False
+    id_field: str | None = None
+    tokenizer: str | None = Field(None, description="The target's tokenizer (path or id).")
+    chat_template: str | None = Field(None, description="Chat template text overriding the "
+                                      "tokenizer's own.")
+    max_seq_len: int = 4096
+    reasoning: Literal["keep", "drop"] = "keep"
+    mask: Literal["last_turn", "all_assistant_turns"] = "last_turn"
+    think_open: str = "<think>\n"
+    think_close: str = "\n</think>\n\n"
+
+    def to_spec(self, default_name: str) -> JobSpec:
+        """The JobSpec `synthq enqueue` would make from the same options."""
+        sampling: dict[str, Any] = {}
+        if self.temperature is not None:
+            sampling["temperature"] = self.temperature
+        if self.top_p is not None:
+            sampling["top_p"] = self.top_p
+        body = dict(self.extra_body)
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        return JobSpec(
+            name=self.name or default_name or "job", model=self.model,
+            servers=[s.rstrip("/") for s in self.servers], max_tokens=self.max_tokens,
+            sampling=sampling, extra_body=body, total_timeout=self.timeout,
+            stall_timeout=self.stall_timeout, max_attempts=self.max_attempts,
+            backoff_base=self.backoff_base, backoff_cap=self.backoff_cap,
+            inflight_limit=self.inflight, keep_truncated=self.keep_truncated,
+            tokenizer=self.tokenizer, chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
+            reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
+            think_close=self.think_close)
+
+
+class JobCreate(JobSettings):
+    """A job from a file on the server (under the data directory) or a Hugging Face id."""
+
+    path: str | None = Field(None, description="A JSONL/Parquet file or directory, relative "
+                             "to the server's data directory.")
+    hf_dataset: str | None = Field(None, description="A Hugging Face dataset id, "
+                                   "`name[:split]`.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JobCreate:
+        if (self.path is None) == (self.hf_dataset is None):
+            raise ValueError("give exactly one of path and hf_dataset")
+        return self
+
+
+class RowError(BaseModel):
+    row: int = Field(description="0-based index of the row in the file.")
+    reason: str
+
+
+class EnqueueResult(BaseModel):
+    job_id: int
+    job_name: str
+    created: bool
+    rows: int
+    inserted: int
+    duplicates: int
+    skipped: int
+    updated_settings: list[str]
+    warnings: list[str]
+    #: Every malformed row (up to 1,000) with its reason.
+    bad_rows: list[RowError] = Field(default_factory=list)
+
+
+class JobSummary(BaseModel):
+    id: int
+    name: str
+    state: str
+    model: str
+    created_at: datetime
+    counts: dict[str, int]
+
+
+class WorkerPublic(BaseModel):
+    name: str
+    capacity: int
+    inflight: int
+    heartbeat_at: datetime
+    started_at: datetime
+
+
+class JobDetail(BaseModel):
+    id: int
+    name: str
+    state: str
+    model: str
+    total: int
+    counts: dict[str, int]
+    open: int
+    finished: bool
+    done_per_s: float
+    eta_s: float | None
+    failures: dict[str, int]
+    retrying: dict[str, int]
+    calls: dict[str, int]
+    inflight: dict[str, int]
+    servers: list[str]
+    unhealthy: dict[str, str | None]
+    tokenizer: str | None
+    tokenize_version: int
+    stale_examples: int
+    num_tokens: int
+    num_supervised: int
+    workers: list[WorkerPublic]
+
+
+class JobStateChange(BaseModel):
+    id: int
+    name: str
+    before: str
+    state: str
+
+
+class RequeueRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    classes: list[str] = Field(default_factory=list, description="Only failures of these "
+                               "classes (timeout, server_error, ...).")
+    sample_ids: list[int] = Field(default_factory=list, description="Only these samples.")
+
+
+class RequeueResult(BaseModel):
+    requeued: int
+
+
+class SamplePublic(BaseModel):
+    id: int
+    dataset_index: int
+    source_id: str | None
+    state: str
+    attempts: int
+    server: str | None
+    error_class: str | None
+    error_message: str | None
+    finish_reason: str | None
+    completion_tokens: int | None
+    num_tokens: int | None
+    num_supervised: int | None
+    updated_at: datetime
+
+
+class SamplePage(BaseModel):
+    items: list[SamplePublic]
+    #: Pass as ``after`` for the next page; null on the last one.
+    next_after: int | None
+
+
+class AttemptPublic(BaseModel):
+    id: int
+    server: str
+    worker: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+    error_message: str | None
+    latency_s: float | None
+    ttft_s: float | None
+    completion_tokens: int | None
+
+
+class MaskSegmentPublic(BaseModel):
+    supervised: bool
+    tokens: int
+    text: str | None
+
+
+class SampleDetailPublic(BaseModel):
+    id: int
+    job_id: int
+    job_name: str
+    dataset_index: int
+    source_id: str | None
+    state: str
+    attempts: int
+    server: str | None
+    error_class: str | None
+    error_message: str | None
+    prompt: list[dict[str, Any]] | None
+    response_content: str | None
+    reasoning_content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    num_tokens: int | None
+    num_supervised: int | None
+    tokenize_version: int | None
+    created_at: datetime
+    finished_at: datetime | None
+    attempt_log: list[AttemptPublic]
+    mask: list[MaskSegmentPublic]
+
+
+class ExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["parquet", "jsonl"] = "parquet"
+    shard_size: int = Field(10_000, ge=1, le=10_000_000)
+    include_truncated: bool = True
+    allow_stale: bool = False
+
+
+class ExportPublic(BaseModel):
+    id: str
+    job_id: int
+    format: str
+    state: Literal["running", "done", "failed"]
+    error: str | None
+    started_at: str
+    finished_at: str | None
+    files: list[str]
+    manifest: dict[str, Any] | None
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    detail: str

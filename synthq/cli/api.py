@@ -1,0 +1,93 @@
+"""Front ends: `synthq api` (REST API and job page) and `synthq flower` (task dashboard)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from synthq.cli import app, err, fail
+
+
+def _dev(flag: bool) -> bool:
+    return flag or os.environ.get("SYNTHQ_API_DEV", "").lower() in ("1", "true", "yes")
+
+
+@app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    dev: Annotated[bool, typer.Option("--dev", help="Development: start without a token "
+                   "(same as SYNTHQ_API_DEV=1).")] = False,
+) -> None:
+    """Serve the REST API, its OpenAPI docs (/docs), the job page (/ui) and /metrics.
+
+    Needs SYNTHQ_API_TOKEN (a bearer token, at least 16 characters; not the
+    .env.example placeholder) unless --dev.
+
+    Example: `SYNTHQ_API_TOKEN=$(openssl rand -hex 24) synthq api --host 0.0.0.0 --port 8080`
+    """
+    if dev:
+        os.environ["SYNTHQ_API_DEV"] = "1"
+    if not 0 < port < 65536:
+        raise fail("--port must be 1..65535")
+    from synthq.secrets import check_secret
+
+    if not _dev(dev):
+        try:
+            check_secret("SYNTHQ_API_TOKEN", os.environ.get("SYNTHQ_API_TOKEN"))
+        except ValueError as exc:
+            raise fail(f"{exc}: the API refuses to start without a real token "
+                       "(--dev or SYNTHQ_API_DEV=1 for development)") from None
+    # The API must not import torch; transformers would whenever it is installed.
+    os.environ["SYNTHQ_API_HIDE_TORCH"] = "1"
+    import uvicorn
+
+    err.print(f"synthq API on http://{host}:{port} (docs /docs, job page /ui)")
+    uvicorn.run("api.app:app", host=host, port=port, proxy_headers=True, log_level="info")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def flower(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="TCP port.")] = 5555,
+    address: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    dev: Annotated[bool, typer.Option("--dev", help="Development: allow no basic auth "
+                   "(same as SYNTHQ_API_DEV=1).")] = False,
+) -> None:
+    """Start Flower (Celery tasks and workers) behind basic auth. Extra args go to flower.
+
+    Basic auth comes from FLOWER_BASIC_AUTH=user:password (several: comma-separated),
+    never from the command line (it would show in `ps`). Flower's /metrics
+    needs it too; only /healthcheck is open.
+
+    Example: `FLOWER_BASIC_AUTH=admin:$(openssl rand -hex 12) synthq flower --address 0.0.0.0`
+    """
+    from synthq.config import get_settings
+    from synthq.secrets import check_secret
+
+    if get_settings().embedded:
+        raise fail("SYNTHQ_BROKER_URL is not set: Flower watches a Redis broker's workers")
+    auth = os.environ.get("FLOWER_BASIC_AUTH", "")
+    if any(arg.startswith("--basic-auth") or arg.startswith("--basic_auth") for arg in ctx.args):
+        raise fail("pass basic auth in FLOWER_BASIC_AUTH, not on the command line")
+    if os.environ.get("FLOWER_UNAUTHENTICATED_API", "").lower() in ("1", "true", "yes"):
+        raise fail("FLOWER_UNAUTHENTICATED_API is set: unset it")
+    if not _dev(dev):
+        pairs = [p for p in auth.split(",") if p]
+        try:
+            if not pairs:
+                raise ValueError("FLOWER_BASIC_AUTH is not set")
+            for pair in pairs:
+                user, sep, password = pair.partition(":")
+                if not user or not sep:
+                    raise ValueError("FLOWER_BASIC_AUTH must be user:password")
+                check_secret("the FLOWER_BASIC_AUTH password", password)
+        except ValueError as exc:
+            raise fail(f"{exc}: Flower refuses to start without basic auth "
+                       "(--dev or SYNTHQ_API_DEV=1 for development)") from None
+    cmd = [sys.executable, "-m", "worker.flower", f"--port={port}", f"--address={address}",
+           "--max-tasks=1000000", *ctx.args]
+    os.execv(sys.executable, cmd)

@@ -1,0 +1,286 @@
+"""Read-only views of jobs and samples for the REST API and the job page.
+
+Nothing here writes: changes go through :mod:`synthq.states` (and
+:func:`synthq.enqueue.enqueue`). The CLI's ``status`` shares
+:func:`synthq.status.job_status`; this module adds what a web page needs:
+job lists, filtered sample pages (keyset pagination), one sample with its
+attempts and loss mask, samples done per minute, and the figures behind
+``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from synthq.db import safe_url, utcnow
+from synthq.enums import INFLIGHT, SampleState
+from synthq.models import Attempt, Job, Sample, Server, Worker
+from synthq.packing import unpack_ids, unpack_mask
+
+__all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail",
+           "sample_detail", "mask_segments", "done_per_minute", "MetricsSnapshot",
+           "metrics_snapshot", "LATENCY_BUCKETS", "TTFT_BUCKETS"]
+
+
+@dataclass
+class JobSummary:
+    id: int
+    name: str
+    state: str
+    model: str
+    created_at: datetime
+    counts: dict[str, int]
+
+
+def list_jobs(session: Session) -> list[JobSummary]:
+    """Every job, oldest first, with its counts per state (one grouped query)."""
+    counts: dict[int, dict[str, int]] = {}
+    for job_id, state, n in session.execute(
+            select(Sample.job_id, Sample.state, func.count()).group_by(Sample.job_id,
+                                                                       Sample.state)):
+        counts.setdefault(job_id, {s.value: 0 for s in SampleState})[str(state)] = n
+    return [JobSummary(j.id, j.name, str(j.state), j.model, j.created_at,
+                       counts.get(j.id, {s.value: 0 for s in SampleState}))
+            for j in session.scalars(select(Job).order_by(Job.id))]
+
+
+@dataclass
+class SampleRow:
+    id: int
+    dataset_index: int
+    source_id: str | None
+    state: str
+    attempts: int
+    server: str | None
+    error_class: str | None
+    error_message: str | None
+    finish_reason: str | None
+    completion_tokens: int | None
+    num_tokens: int | None
+    num_supervised: int | None
+    updated_at: datetime
+
+
+def list_samples(session: Session, job_id: int, *, state: str | None = None,
+                 error_class: str | None = None, server: str | None = None, after: int = 0,
+                 limit: int = 100) -> tuple[list[SampleRow], int | None]:
+    """A page of a job's samples in id order, after ``after``; and the next page's ``after``."""
+    conds = [Sample.job_id == job_id, Sample.id > after]
+    if state:
+        conds.append(Sample.state == state)
+    if error_class:
+        conds.append(Sample.error_class == error_class)
+    if server:
+        conds.append(Sample.server == server)
+    rows = session.execute(
+        select(Sample.id, Sample.dataset_index, Sample.source_id, Sample.state, Sample.attempts,
+               Sample.server, Sample.error_class, Sample.error_message, Sample.finish_reason,
+               Sample.completion_tokens, Sample.num_tokens, Sample.num_supervised,
+               Sample.updated_at)
+        .where(*conds).order_by(Sample.id).limit(limit + 1)).all()
+    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], r[7], r[8], r[9],
+                      r[10], r[11], r[12]) for r in rows[:limit]]
+    return page, (page[-1].id if len(rows) > limit else None)
+
+
+def _url(url: str | None) -> str | None:
+    return safe_url(url) if url else url
+
+
+@dataclass
+class MaskSegment:
+    """A run of tokens that are all supervised or all not."""
+
+    supervised: bool
+    tokens: int
+    #: The run decoded (None when no tokenizer file could be read here).
+    text: str | None
+
+
+@dataclass
+class SampleDetail:
+    id: int
+    job_id: int
+    job_name: str
+    dataset_index: int
+    source_id: str | None
+    state: str
+    attempts: int
+    server: str | None
+    error_class: str | None
+    error_message: str | None
+    prompt: list[dict[str, Any]] | None
+    response_content: str | None
+    reasoning_content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    num_tokens: int | None
+    num_supervised: int | None
+    tokenize_version: int | None
+    created_at: datetime
+    finished_at: datetime | None
+    attempt_log: list[dict[str, Any]] = field(default_factory=list)
+    #: The example's tokens in runs of supervised / not supervised.
+    mask: list[MaskSegment] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> SampleDetail | None:
+    """One sample: prompt, answer, reasoning, every attempt, token counts and mask runs."""
+    smp = session.get(Sample, sample_id)
+    if smp is None:
+        return None
+    job = session.get(Job, smp.job_id)
+    assert job is not None
+    attempts = session.scalars(select(Attempt).where(Attempt.sample_id == sample_id)
+                               .order_by(Attempt.id)).all()
+    detail = SampleDetail(
+        id=smp.id, job_id=smp.job_id, job_name=job.name, dataset_index=smp.dataset_index,
+        source_id=smp.source_id, state=str(smp.state), attempts=smp.attempts,
+        server=_url(smp.server), error_class=smp.error_class, error_message=smp.error_message,
+        prompt=smp.prompt, response_content=smp.response_content,
+        reasoning_content=smp.reasoning_content, finish_reason=smp.finish_reason,
+        prompt_tokens=smp.prompt_tokens, completion_tokens=smp.completion_tokens,
+        num_tokens=smp.num_tokens, num_supervised=smp.num_supervised,
+        tokenize_version=smp.tokenize_version, created_at=smp.created_at,
+        finished_at=smp.finished_at,
+        attempt_log=[{"id": a.id, "server": _url(a.server), "worker": a.worker,
+                      "started_at": a.started_at, "ended_at": a.ended_at, "outcome": a.outcome,
+                      "error_message": a.error_message, "latency_s": a.latency_s,
+                      "ttft_s": a.ttft_s, "completion_tokens": a.completion_tokens}
+                     for a in attempts])
+    if smp.input_ids is not None and smp.loss_mask is not None and smp.num_tokens:
+        detail.mask = mask_segments(smp.input_ids, smp.loss_mask, smp.num_tokens,
+                                    job.tokenizer if decode else None)
+    return detail
+
+
+def mask_segments(input_ids: bytes, loss_mask: bytes, num_tokens: int,
+                  tokenizer: str | None) -> list[MaskSegment]:
+    """Runs of supervised and unsupervised tokens, decoded when the tokenizer file is here.
+
+    Decoding uses the ``tokenizers`` library on the tokenizer's
+    ``tokenizer.json`` (a local directory or the Hugging Face cache), not
+    ``transformers``: the API process must not import torch.
+    """
+    ids = unpack_ids(input_ids)
+    assert ids is not None
+    mask = unpack_mask(loss_mask, num_tokens)
+    tok = _fast_tokenizer(tokenizer) if tokenizer else None
+    segments: list[MaskSegment] = []
+    start = 0
+    for i in range(1, num_tokens + 1):
+        if i == num_tokens or mask[i] != mask[start]:
+            text = (tok.decode(ids[start:i].tolist(), skip_special_tokens=False)
+                    if tok is not None else None)
+            segments.append(MaskSegment(bool(mask[start]), i - start, text))
+            start = i
+    return segments
+
+
+@lru_cache(maxsize=8)
+def _fast_tokenizer(path_or_id: str) -> Any:
+    from tokenizers import Tokenizer
+
+    local = Path(path_or_id).expanduser() / "tokenizer.json"
+    if local.is_file():
+        return Tokenizer.from_file(str(local))
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path_or_id, "tokenizer.json")
+    except Exception:  # noqa: BLE001 - not a repo id: no text, ids only
+        return None
+    return Tokenizer.from_file(cached) if isinstance(cached, str) else None
+
+
+def done_per_minute(session: Session, job_id: int, *, minutes: int = 60,
+                    now: datetime | None = None) -> list[tuple[datetime, int]]:
+    """Samples finished as done in each of the last ``minutes`` minutes, oldest first."""
+    now = now or utcnow()
+    end = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    start = end - timedelta(minutes=minutes)
+    times = session.scalars(select(Sample.finished_at).where(
+        Sample.job_id == job_id, Sample.state == SampleState.DONE,
+        Sample.finished_at >= start)).all()
+    buckets = [0] * minutes
+    for t in times:
+        if t is None:
+            continue
+        index = int((t - start).total_seconds() // 60)
+        if 0 <= index < minutes:
+            buckets[index] += 1
+    return [(start + timedelta(minutes=i), n) for i, n in enumerate(buckets)]
+
+
+#: Histogram buckets (seconds) of call latency and time to first token.
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@dataclass
+class MetricsSnapshot:
+    #: (job name, state) → samples.
+    samples: dict[tuple[str, str], int]
+    #: server → samples queued or running.
+    inflight: dict[str, int]
+    #: server → healthy (1) or not (0), for servers probed.
+    healthy: dict[str, int]
+    #: (server, outcome) → calls.
+    calls: dict[tuple[str, str], int]
+    #: server → (cumulative bucket counts, count, sum) for latency and time to first token.
+    latency: dict[str, tuple[list[int], int, float]]
+    ttft: dict[str, tuple[list[int], int, float]]
+    #: server → completion tokens of successful calls.
+    generated_tokens: dict[str, int]
+    #: worker name → (last heartbeat unix time, capacity, in flight).
+    workers: dict[str, tuple[float, int, int]]
+
+
+def _histograms(session: Session, column: Any, buckets: tuple[float, ...]
+                ) -> dict[str, tuple[list[int], int, float]]:
+    cols = [func.count().filter(column <= b) for b in buckets]
+    rows = session.execute(
+        select(Attempt.server, *cols, func.count(column), func.coalesce(func.sum(column), 0.0))
+        .where(column.is_not(None)).group_by(Attempt.server)).all()
+    return {safe_url(r[0]): ([int(x) for x in r[1:1 + len(buckets)]], int(r[-2]),
+                             float(r[-1])) for r in rows}
+
+
+def metrics_snapshot(session: Session) -> MetricsSnapshot:
+    """What ``/metrics`` reports, read from SQL (so every process's work is counted)."""
+    samples = {(name, str(state)): n for name, state, n in session.execute(
+        select(Job.name, Sample.state, func.count()).join(Sample, Sample.job_id == Job.id)
+        .group_by(Job.name, Sample.state))}
+    inflight = {safe_url(server or ""): n for server, n in session.execute(
+        select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT),
+                                                  Sample.server.is_not(None))
+        .group_by(Sample.server))}
+    healthy = {safe_url(url): int(ok) for url, ok in session.execute(
+        select(Server.url, Server.healthy))}
+    calls = {(safe_url(server), outcome or "running"): n for server, outcome, n in
+             session.execute(select(Attempt.server, Attempt.outcome, func.count())
+                             .group_by(Attempt.server, Attempt.outcome))}
+    tokens = {safe_url(server): int(n or 0) for server, n in session.execute(
+        select(Attempt.server, func.sum(Attempt.completion_tokens))
+        .where(Attempt.outcome == "ok").group_by(Attempt.server))}
+    workers = {w.name: (w.heartbeat_at.timestamp(), w.capacity, w.inflight)
+               for w in session.scalars(select(Worker))}
+    return MetricsSnapshot(samples, inflight, healthy, calls,
+                           _histograms(session, Attempt.latency_s, LATENCY_BUCKETS),
+                           _histograms(session, Attempt.ttft_s, TTFT_BUCKETS), tokens, workers)
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, default=str)

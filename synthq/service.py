@@ -1,0 +1,91 @@
+"""The operations the CLI and the REST API share, beyond what their modules export.
+
+Each function does one thing a person asks for (create a job from a file,
+requeue, pause) with the same validation in both front ends; the writes go
+through :mod:`synthq.states` and :func:`synthq.enqueue.enqueue`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from synthq import states
+from synthq.db import utcnow
+from synthq.enqueue import EnqueueReport, JobSpec, enqueue
+from synthq.enums import JobState
+from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLASSES, UserError
+from synthq.models import Job
+
+__all__ = ["KNOWN_CLASSES", "check_classes", "requeue", "set_job_state", "data_path",
+           "enqueue_file", "bad_rows"]
+
+#: Failure classes a requeue may name.
+KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
+
+
+def check_classes(classes: Sequence[str]) -> None:
+    for c in classes:
+        if c not in KNOWN_CLASSES:
+            raise UserError(f"unknown class {c!r}; known: {', '.join(sorted(KNOWN_CLASSES))}")
+
+
+def requeue(session: Session, job: Job, *, classes: Sequence[str] = (),
+            sample_ids: Sequence[int] = ()) -> int:
+    """Failed samples (of ``classes``, or ``sample_ids``, or all) back to pending."""
+    check_classes(classes)
+    return states.requeue(session, job.id, classes=list(classes), sample_ids=list(sample_ids),
+                          now=utcnow())
+
+
+def set_job_state(session: Session, job: Job, target: JobState) -> str:
+    """Pause, resume or cancel ``job``; the state it had. UserError if it cannot."""
+    before = str(job.state)
+    if not states.set_job_state(session, job.id, target, now=utcnow()):
+        if job.state == JobState.CANCELLED:
+            raise UserError(f"job {job.name} is cancelled; it cannot be resumed or paused")
+        raise UserError(f"job {job.name} is {before}; it cannot become {target}")
+    session.refresh(job)
+    return before
+
+
+def data_path(data_dir: Path, relative: str) -> Path:
+    """``relative`` inside ``data_dir``; UserError for anything that leaves it."""
+    root = data_dir.expanduser().resolve()
+    if not relative.strip() or "\x00" in relative:
+        raise UserError("path is empty")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root) or path == root:
+        raise UserError(f"path must be inside the data directory ({root.name}/)")
+    if not path.exists():
+        raise UserError(f"no such file in the data directory: {relative}")
+    return path
+
+
+def bad_rows(source: str, *, limit: int = 1000, id_field: str | None = None,
+             key_version: int | None = None) -> list[tuple[int, str]]:
+    """The first ``limit`` malformed rows of ``source`` with their reasons."""
+    from synthq.dataset import KEY_VERSION, iter_rows
+
+    found: list[tuple[int, str]] = []
+    for row in iter_rows(source, id_field=id_field, key_version=key_version or KEY_VERSION):
+        if row.skip_reason is not None:
+            found.append((row.index, row.skip_reason))
+            if len(found) >= limit:
+                break
+    return found
+
+
+def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
+                 limit: int = 1000) -> tuple[EnqueueReport, list[tuple[int, str]]]:
+    """Enqueue ``source``; the report and every malformed row (up to ``limit``) with its reason.
+
+    Good rows are inserted whatever the bad ones are (DESIGN invariant 8).
+    """
+    report = enqueue(spec, source, id_field=id_field)
+    if report.skipped <= len(report.skip_examples):
+        return report, list(report.skip_examples)
+    return report, bad_rows(source, limit=limit, id_field=id_field,
+                            key_version=report.key_version)

@@ -1,0 +1,123 @@
+"""Fixtures for the REST API: an in-process client and a real `synthq api` process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import REPO, child_env, free_port
+
+#: The token the tests' API runs with (not the .env.example placeholder).
+TOKEN = "test-token-5f0c2a9b7e41d3c8a6"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _reset_api() -> None:
+    from api.config import api_settings
+
+    api_settings.cache_clear()
+
+
+@pytest.fixture
+def api_env(pg: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("SYNTHQ_API_TOKEN", TOKEN)
+    monkeypatch.delenv("SYNTHQ_API_DEV", raising=False)
+    _reset_api()
+    yield TOKEN
+    _reset_api()
+
+
+@pytest.fixture
+def client(api_env: str) -> Iterator[Any]:
+    """A TestClient of a fresh app, sending the bearer token."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    with TestClient(create_app(), headers=AUTH) as c:
+        yield c
+
+
+class ApiServer:
+    """`synthq api` in a subprocess on a free port, its output in a log file."""
+
+    def __init__(self, log_path: Path, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)], cwd=REPO,
+            env=child_env(SYNTHQ_API_TOKEN=TOKEN, **env), stdout=self._log,
+            stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"synthq api died: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"synthq api did not start: {self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def api_server(pg: str, tmp_path: Path) -> Iterator[Callable[..., ApiServer]]:
+    """``api_server(**env)`` starts `synthq api` against the test database."""
+    started: list[ApiServer] = []
+
+    def start(**env: str) -> ApiServer:
+        server = ApiServer(tmp_path / f"api-{len(started)}.log", **env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def settle(job_id: int, max_rounds: int = 20) -> None:
+    """Dispatch and process in this process (the production path), ignoring backoff waits."""
+    from sqlalchemy import select, update
+
+    from synthq.db import session_scope
+    from synthq.dispatch import Dispatched, dispatch
+    from synthq.models import Sample
+    from synthq.process import process_sample
+
+    for _ in range(max_rounds):
+        batch: list[Dispatched] = []
+        dispatch(batch.extend, job_ids=[job_id])
+        for item in batch:
+            process_sample(item.sample_id, item.token, job_id=item.job_id)
+        with session_scope() as s:
+            open_ = s.scalars(select(Sample.id).where(
+                Sample.job_id == job_id,
+                Sample.state.in_(["pending", "queued", "running"]))).all()
+            if not open_:
+                return
+            s.execute(update(Sample).where(Sample.id.in_(open_))
+                      .values(next_attempt_at=Sample.created_at))
+    raise AssertionError(f"job {job_id} did not settle")

@@ -1,0 +1,180 @@
+"""The REST API against real PostgreSQL: create, upload, inspect, requeue, export, metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import settle
+from support import counts
+
+pytestmark = pytest.mark.integration
+
+
+def spec(sim_url: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "servers": [sim_url], "max_tokens": 32, "backoff_base": 0.1,
+            "backoff_cap": 0.5, **extra}
+
+
+def test_malformed_upload_is_422_with_each_bad_row_and_keeps_the_good_ones(client: Any) -> None:
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]})
+             for i in range(5)]
+    lines.insert(1, "{not json")
+    lines.insert(3, json.dumps({"messages": []}))
+    lines.append(json.dumps({"conversations": [{"from": "gpt", "value": "no question"}]}))
+    body = ("\n".join(lines) + "\n").encode()
+    r = client.post("/api/jobs/upload", files={"file": ("prompts.jsonl", io.BytesIO(body))},
+                    data={"spec": json.dumps(spec("http://127.0.0.1:9/v1", name="up"))})
+    assert r.status_code == 422, r.text
+    result = r.json()
+    # Bad rows are kept too, as skipped samples with their reason.
+    assert result["inserted"] == 8 and result["skipped"] == 3 and result["job_name"] == "up"
+    assert [e["row"] for e in result["bad_rows"]] == [1, 3, 7]
+    assert all(e["reason"] for e in result["bad_rows"])
+    assert counts(result["job_id"])["pending"] == 5
+    # Clean data: 201. Settings are validated like the CLI's.
+    good = client.post("/api/jobs/upload", files={"file": ("ok.jsonl", io.BytesIO(
+        lines[0].encode()))}, data={"spec": json.dumps(spec("http://127.0.0.1:9/v1"))})
+    assert good.status_code == 201 and good.json()["job_name"] == "ok"
+    bad = client.post("/api/jobs/upload", files={"file": ("x.jsonl", io.BytesIO(body))},
+                      data={"spec": json.dumps(spec("ftp://nope", max_tokens=0))})
+    assert bad.status_code == 422 and "--server" in bad.json()["detail"]
+
+
+def test_upload_over_the_size_limit_is_413(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.config import api_settings
+
+    monkeypatch.setenv("SYNTHQ_API_UPLOAD_MAX_BYTES", "100")
+    api_settings.cache_clear()
+    r = client.post("/api/jobs/upload", files={"file": ("big.jsonl", io.BytesIO(b"x" * 500))},
+                    data={"spec": json.dumps(spec("http://127.0.0.1:9/v1"))})
+    assert r.status_code == 413
+
+
+def test_create_from_a_server_side_path_stays_in_the_data_dir(client: Any, tmp_path: Path
+                                                              ) -> None:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "p.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (tmp_path / "secret.jsonl").write_text(json.dumps({"prompt": "outside"}) + "\n")
+    r = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1"), "path": "p.jsonl"})
+    assert r.status_code == 201 and r.json()["inserted"] == 1, r.text
+    for path in ("../secret.jsonl", str(tmp_path / "secret.jsonl"), "nope.jsonl", ".."):
+        r = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1"), "path": path})
+        assert r.status_code == 422, (path, r.text)
+    both = client.post("/api/jobs", json={**spec("x"), "path": "p.jsonl", "hf_dataset": "a/b"})
+    assert both.status_code == 422
+
+
+def test_jobs_samples_pagination_and_steering(client: Any, job_factory: Callable[..., Any],
+                                              sample_factory: Callable[..., int]) -> None:
+    report = job_factory([f"p{i}" for i in range(7)])
+    for _ in range(3):
+        sample_factory("failed", job_id=report.job_id, error_class="timeout",
+                       server="http://127.0.0.1:9/v1")
+    jobs = client.get("/api/jobs").json()
+    assert jobs[0]["counts"]["pending"] == 7 and jobs[0]["counts"]["failed"] == 3
+    detail = client.get(f"/api/jobs/{report.job_name}").json()
+    assert detail["failures"] == {"timeout": 3} and detail["total"] == 10
+    # Keyset pages of 4: 4 + 4 + 2, no sample twice.
+    seen: list[int] = []
+    after = 0
+    while True:
+        page = client.get(f"/api/jobs/{report.job_id}/samples",
+                          params={"limit": 4, "after": after}).json()
+        seen += [s["id"] for s in page["items"]]
+        if page["next_after"] is None:
+            break
+        after = page["next_after"]
+    assert seen == sorted(set(seen)) and len(seen) == 10
+    failed = client.get(f"/api/jobs/{report.job_id}/samples",
+                        params={"state": "failed", "error_class": "timeout",
+                                "server": "http://127.0.0.1:9/v1"}).json()["items"]
+    assert len(failed) == 3
+    assert client.get(f"/api/samples/{failed[0]['id']}").json()["error_class"] == "timeout"
+    assert client.get("/api/samples/999999").status_code == 404
+    assert client.get("/api/jobs/nope").status_code == 404
+    assert client.post(f"/api/jobs/{report.job_id}/pause").json()["state"] == "paused"
+    assert client.post(f"/api/jobs/{report.job_id}/pause").status_code == 200
+    assert client.post(f"/api/jobs/{report.job_id}/resume").json()["state"] == "active"
+    assert client.post(f"/api/jobs/{report.job_id}/cancel").json()["state"] == "cancelled"
+    assert client.post(f"/api/jobs/{report.job_id}/resume").status_code == 422
+    bad = client.post(f"/api/jobs/{report.job_id}/requeue", json={"classes": ["nope"]})
+    assert bad.status_code == 422 and "unknown class" in bad.json()["detail"]
+
+
+def test_requeue_through_the_api_ends_with_the_samples_done(
+        client: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
+    sim = simulator("--latency", "0")
+    # Each prompt's first request is answered 400 context-length: a permanent failure.
+    report = job_factory([f"q{i} [[sim:context_length*1]]" for i in range(4)] + ["fine"],
+                         servers=[sim.url], max_attempts=2)
+    settle(report.job_id)
+    assert counts(report.job_id)["failed"] == 4
+    r = client.post(f"/api/jobs/{report.job_id}/requeue", json={"classes": ["context_length"]})
+    assert r.json() == {"requeued": 4}
+    settle(report.job_id)
+    assert counts(report.job_id)["done"] == 5
+    status = client.get(f"/api/jobs/{report.job_id}").json()
+    assert status["finished"] and status["calls"] == {"ok": 5, "context_length": 4}
+    # By id: nothing failed is left to requeue.
+    assert client.post(f"/api/jobs/{report.job_id}/requeue",
+                       json={"sample_ids": [1]}).json() == {"requeued": 0}
+
+
+def test_export_runs_as_a_task_and_downloads(client: Any, simulator: Callable[..., Any],
+                                             job_factory: Callable[..., Any]) -> None:
+    import time
+
+    sim = simulator("--latency", "0")
+    report = job_factory([f"q{i}" for i in range(3)], servers=[sim.url])
+    settle(report.job_id)
+    r = client.post(f"/api/jobs/{report.job_id}/exports", json={"format": "jsonl"})
+    assert r.status_code == 202
+    run_id = r.json()["id"]
+    for _ in range(100):
+        run = client.get(f"/api/exports/{run_id}").json()
+        if run["state"] != "running":
+            break
+        time.sleep(0.05)
+    assert run["state"] == "done", run
+    assert run["manifest"]["exported"] == 3 and "manifest.json" in run["files"]
+    shard = next(f for f in run["files"] if f.endswith(".jsonl"))
+    rows = client.get(f"/api/exports/{run_id}/files/{shard}").text.splitlines()
+    assert len(rows) == 3 and json.loads(rows[0])["conversations"]
+    assert client.get(f"/api/exports/{run_id}/files/..%2Fx").status_code == 404
+    # Parquet without a tokenizer fails, and says why.
+    r = client.post(f"/api/jobs/{report.job_id}/exports", json={"format": "parquet"})
+    for _ in range(100):
+        run = client.get(f"/api/exports/{r.json()['id']}").json()
+        if run["state"] != "running":
+            break
+        time.sleep(0.05)
+    assert run["state"] == "failed" and "tokenizer" in run["error"]
+
+
+def test_metrics_follow_prometheus_conventions(client: Any, simulator: Callable[..., Any],
+                                               job_factory: Callable[..., Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sim = simulator("--latency", "0")
+    report = job_factory(["a", "b", "c [[sim:empty]]"], servers=[sim.url])
+    settle(report.job_id)
+    text = client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {"synthq_samples", "synthq_requests_in_flight", "synthq_requests",
+            "synthq_request_failures", "synthq_request_duration_seconds",
+            "synthq_time_to_first_token_seconds", "synthq_generated_tokens",
+            "synthq_worker_last_heartbeat_timestamp_seconds"} <= set(families)
+    samples = {(s.labels["job"], s.labels["state"]): s.value
+               for s in families["synthq_samples"].samples}
+    assert samples[(report.job_name, "done")] == 2 and samples[(report.job_name, "failed")] == 1
+    assert 'synthq_request_failures_total{class="empty_response"' in text
+    assert "synthq_request_duration_seconds_bucket" in text and "synthq_requests_total" in text
+    count = next(s.value for s in families["synthq_request_duration_seconds"].samples
+                 if s.name.endswith("_count"))
+    assert count == 3
