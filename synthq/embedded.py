@@ -21,6 +21,7 @@ from pathlib import Path
 from synthq.config import get_settings
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
+from synthq.enums import INFLIGHT, JobState
 from synthq.errors import UserError
 from synthq.executor import Executor
 from synthq.health import probe_due
@@ -86,7 +87,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 on_tick(status)
             if status.finished or (stop.is_set() and not _inflight(status)):
                 return status
-            if str(status.state) != "active" and not _inflight(status):
+            if status.state != JobState.ACTIVE and not _inflight(status):
                 return status
             wake.wait(timeout=settings.dispatch_interval)
             wake.clear()
@@ -96,4 +97,4 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
 
 
 def _inflight(status: JobStatus) -> int:
-    return status.counts.get("queued", 0) + status.counts.get("running", 0)
+    return sum(status.counts.get(s, 0) for s in INFLIGHT)

@@ -99,7 +99,7 @@ def job_status(session: Session, job: Job) -> JobStatus:
             Sample.job_id == job.id, Sample.state == SampleState.DONE,
             Sample.finished_at >= now - RATE_WINDOW)
     ).one()
-    is_open = any(counts[s] for s in ("pending", "queued", "running"))
+    is_open = any(counts[s] for s in (SampleState.PENDING, *INFLIGHT))
     end = now if is_open or last is None else last
     span = (end - first).total_seconds() if first is not None else 0.0
     rate = recent / max(span, 1.0) if recent else 0.0

@@ -13,20 +13,12 @@ from __future__ import annotations
 
 from celery import Celery
 
+from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
 from synthq.config import get_settings
 
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
 
 settings = get_settings()
-
-# Messages go through Redis' default exchange straight to the named list, so
-# publishing does not depend on kombu's binding keys: after a `FLUSHALL` (or a
-# Redis restart without persistence) the dispatcher's messages still arrive.
-GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
-CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
-TOKENIZE_ROUTE = {"queue": "tokenize", "exchange": "", "routing_key": "tokenize"}
-# Drafter training (synthq.training): its own worker, one run at a time (-P solo, GPU).
-TRAIN_ROUTE = {"queue": "train", "exchange": "", "routing_key": "train"}
 
 app = Celery("synthq", broker=settings.broker_url or "redis://127.0.0.1:6379/0",
              include=["worker.tasks"])

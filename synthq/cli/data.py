@@ -149,7 +149,7 @@ def retokenize(
             console.print(f"{result.done:,} done, {result.failed:,} failed, "
                           f"{result.skipped:,} skipped")
             return
-        from worker.tasks import publish_retokenize
+        from synthq.broker import TOKENIZE_ROUTE, send
 
         sent = False
         last_stale, moved_at = -1, time.monotonic()
@@ -163,8 +163,9 @@ def retokenize(
                 # a lost message, or samples a worker finished at the old version.
                 if stale and (not sent or time.monotonic() - moved_at > 30):
                     ids = rt.stale_ids(s, job_id, version, limit=10**9)
-                    publish_retokenize(job_id, [ids[i:i + batch_size]
-                                                for i in range(0, len(ids), batch_size)])
+                    send("synthq.retokenize", [(job_id, ids[i:i + batch_size])
+                                               for i in range(0, len(ids), batch_size)],
+                         TOKENIZE_ROUTE)
                     sent, moved_at = True, time.monotonic()
             if not stale or not wait:
                 break

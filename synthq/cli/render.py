@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from synthq.cli import console
+from synthq.enums import FINISHED, SampleState
 
 if TYPE_CHECKING:
     from synthq.status import JobStatus
@@ -32,7 +33,7 @@ def job_progress(description: str) -> Iterator[Any]:
             c = status.counts
             eta = f" ETA {status.eta_s:,.0f}s" if status.eta_s else ""
             progress.update(bar, total=status.total,
-                            completed=c["done"] + c["failed"] + c["skipped"],
+                            completed=sum(c[s] for s in FINISHED),
                             detail=f"done {c['done']:,} failed {c['failed']:,} running "
                             f"{c['running']:,} {status.done_per_s:.1f}/s{eta}")
 
@@ -45,10 +46,9 @@ def print_status(status: JobStatus) -> None:
     c = status.counts
     table = Table(title=f"job {status.name} (id {status.id}) — {status.state}, model "
                   f"{status.model}", show_header=True)
-    for state in ("pending", "queued", "running", "done", "failed", "skipped"):
-        table.add_column(state, justify="right")
-    table.add_row(*(f"{c[s]:,}" for s in ("pending", "queued", "running", "done", "failed",
-                                          "skipped")))
+    for state in SampleState:
+        table.add_column(state.value, justify="right")
+    table.add_row(*(f"{c[s]:,}" for s in SampleState))
     console.print(table)
     eta = f", ETA {status.eta_s:,.0f} s" if status.eta_s else ""
     console.print(f"{status.done_per_s:.2f} done/s over the last minutes{eta}")

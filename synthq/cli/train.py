@@ -125,9 +125,9 @@ def train(
     from synthq.config import get_settings
 
     if not get_settings().embedded:
-        from worker.tasks import publish_train
+        from synthq.broker import TRAIN_ROUTE, send
 
-        publish_train([run_id])
+        send("synthq.train", [(run_id,)], TRAIN_ROUTE)
         if as_json:
             print(json.dumps({**info, "queued": True}))
         else:
