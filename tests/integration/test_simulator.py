@@ -104,7 +104,7 @@ def test_prompt_tokens_count_all_messages(sim: Simulator) -> None:
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
     ]
-    answer = sim.client.chat.completions.create(model="m", messages=messages)
+    answer = sim.client.chat.completions.create(model="sim-model", messages=messages)
     assert answer.usage.prompt_tokens == 6
     assert answer.choices[0].message.content.split()[:3] == ["one", "two", "three"]
 
@@ -240,7 +240,8 @@ def test_reset_directive_breaks_the_stream(sim: Simulator) -> None:
     received: list[Any] = []
     with pytest.raises(openai.APIConnectionError):  # the SDK wraps the broken chunked read
         for chunk in sim.client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": _prompt("[[sim:reset]]")}], stream=True
+            model="sim-model", messages=[{"role": "user", "content": _prompt("[[sim:reset]]")}],
+            stream=True,
         ):
             received.append(chunk)
     assert received  # some chunks arrived before the connection dropped
