@@ -42,7 +42,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -133,7 +133,7 @@ class Row:
     skip_reason: str | None = None
     raw: str | None = None
     source_id: str | None = None
-    where: str = ""
+    where: str = field(default="", compare=False)
 
     @property
     def skipped(self) -> bool:
@@ -387,14 +387,13 @@ def _check_content(path: Path) -> None:
         if head[:4] != b"PAR1":
             raise DatasetError(f"{path} is not a JSONL/JSON/Parquet file (no Parquet header)")
         return
-    try:
-        # Not final: a character cut at the 4 KiB mark is fine.
-        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
-    except UnicodeDecodeError:
-        text = None
-    if text is None or any(c in _BINARY_CHARS for c in text):
+    # Not final: a character cut at the 4 KiB mark is fine. A stray bad line is a
+    # skipped row; a NUL byte, or a tenth of the text undecodable, is not a text file.
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
+    bad = sum(1 for c in text if c == "\ufffd" or c in _BINARY_CHARS)
+    if "\0" in text or bad > len(text) / 10:
         raise DatasetError(f"{path} is not a JSONL/JSON/Parquet file (its first "
-                           f"{SNIFF_BYTES // 1024} KiB are not UTF-8 text)")
+                           f"{SNIFF_BYTES // 1024} KiB are not text)")
 
 
 #: Control characters that never occur in a JSON text file.
