@@ -34,6 +34,7 @@ generated data can be joined back to its source.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import gzip
 import hashlib
 import importlib.util
@@ -42,7 +43,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -133,7 +134,7 @@ class Row:
     skip_reason: str | None = None
     raw: str | None = None
     source_id: str | None = None
-    where: str = field(default="", compare=False)
+    where: str = dataclasses.field(default="", compare=False)
 
     @property
     def skipped(self) -> bool:

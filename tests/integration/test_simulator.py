@@ -125,7 +125,8 @@ def test_streamed_answer_with_usage(sim: Simulator) -> None:
 
 
 def test_raw_sse_framing(sim: Simulator) -> None:
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": _prompt()}], "stream": True}
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": _prompt()}],
+            "stream": True}
     response = sim.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -245,7 +246,8 @@ def test_reset_directive_breaks_the_stream(sim: Simulator) -> None:
         ):
             received.append(chunk)
     assert received  # some chunks arrived before the connection dropped
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": _prompt("[[sim:reset]]")}]}
+    body = {"model": "sim-model",
+            "messages": [{"role": "user", "content": _prompt("[[sim:reset]]")}]}
     with pytest.raises(httpx.RemoteProtocolError):
         sim.http.post("/v1/chat/completions", json=body)
     with pytest.raises(openai.APIConnectionError):
@@ -256,7 +258,8 @@ def test_stall_and_hang_time_out_and_release(sim: Simulator) -> None:
     sim.reset()
     timeout = httpx.Timeout(5.0, read=0.5)
     with httpx.Client(base_url=sim.base_url, timeout=timeout) as client:
-        body = {"model": "sim-model", "messages": [{"role": "user", "content": _prompt("[[sim:hang]]")}]}
+        body = {"model": "sim-model",
+                "messages": [{"role": "user", "content": _prompt("[[sim:hang]]")}]}
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/chat/completions", json=body)
         body = {
