@@ -15,7 +15,7 @@ from typing import Any
 
 from synthq.db import safe_url
 
-__all__ = ["RedactFilter", "QuietTickFilter", "setup"]
+__all__ = ["RedactFilter", "QuietHttpxFilter", "QuietTickFilter", "setup"]
 
 #: The task whose routine runs are DEBUG.
 TICK = "synthq.dispatch"
@@ -33,6 +33,15 @@ class RedactFilter(logging.Filter):
         if masked != message:
             record.msg, record.args = masked, None
         return True
+
+
+class QuietHttpxFilter(logging.Filter):
+    """Drops httpx/httpcore lines below WARNING (one per request), whatever their
+    logger's level was set to later."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(("httpx",
+                                                                                "httpcore"))
 
 
 class QuietTickFilter(logging.Filter):
@@ -63,6 +72,7 @@ def setup(root: logging.Logger | None = None) -> None:
     root = root or logging.getLogger()
     for handler in root.handlers:
         if not any(isinstance(f, RedactFilter) for f in handler.filters):
+            handler.addFilter(QuietHttpxFilter())
             handler.addFilter(RedactFilter())
     for name in ("celery.app.trace", "celery.worker.strategy", "celery.beat"):
         logger = logging.getLogger(name)

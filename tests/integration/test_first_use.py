@@ -357,6 +357,10 @@ def test_10_the_idle_dispatch_tick_is_quiet() -> None:
 
     setup()
     assert logging.getLogger("httpx").getEffectiveLevel() >= logging.WARNING
+    from worker.logs import QuietHttpxFilter
+
+    line = logging.LogRecord("httpx", logging.INFO, __file__, 1, "HTTP Request: POST", (), None)
+    assert not QuietHttpxFilter().filter(line)
 
 
 # 11 ------------------------------------------------------------------------------------
