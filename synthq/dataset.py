@@ -33,6 +33,8 @@ generated data can be joined back to its source.
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import gzip
 import hashlib
 import importlib.util
@@ -122,7 +124,9 @@ class Row:
     do not count).  Exactly one of ``messages`` and ``skip_reason`` is set;
     ``raw`` holds the start of a skipped row's text so a user can inspect it.
     ``source_id`` is the row's own id as text (see :data:`ID_FIELDS`), skipped
-    rows included; None when the row has none.
+    rows included; None when the row has none. ``where`` says where a person
+    finds the row: ``line 7`` (1-based) in a text file, ``row 7`` in Parquet
+    or a Hugging Face dataset, prefixed by the file's name in a directory.
     """
 
     index: int
@@ -130,6 +134,7 @@ class Row:
     skip_reason: str | None = None
     raw: str | None = None
     source_id: str | None = None
+    where: str = dataclasses.field(default="", compare=False)
 
     @property
     def skipped(self) -> bool:
@@ -344,9 +349,13 @@ def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS, id_field: str | No
     fields = (id_field,) if id_field is not None else ID_FIELDS
     path = Path(os.path.expanduser(source))
     if path.is_dir():
-        records = _iter_directory(path, _list_data_files(path))
+        files = _list_data_files(path)
+        for file in files:
+            _check_content(file)
+        records = _iter_directory(path, files)
     elif path.exists():
         _check_supported(path)
+        _check_content(path)
         records = _iter_file(path)
     elif _looks_like_path(source):
         raise DatasetError(f"no such file: {source}")
@@ -357,7 +366,44 @@ def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS, id_field: str | No
 
 # A parsed record: either an object to normalise or an early skip reason,
 # together with the raw text to show if the row is skipped.
-_Record = tuple[Any, str | None, str | None]
+# The last element says where the row is (``line 3``, ``row 3``).
+_Record = tuple[Any, str | None, str | None, str]
+
+#: Bytes read from the start of a file to tell a dataset from something else.
+SNIFF_BYTES = 4096
+
+
+def _check_content(path: Path) -> None:
+    """Refuse a file whose first bytes are not what its suffix promises.
+
+    A binary file named ``.jsonl`` would otherwise become a job of hundreds of
+    skipped rows.
+    """
+    try:
+        with _open_binary(path) as handle:
+            head = handle.read(SNIFF_BYTES)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DatasetError(f"cannot read {path}: {_os_reason(exc)}") from exc
+    if _suffix(path) in _PARQUET_SUFFIXES:
+        if head[:4] != b"PAR1":
+            raise DatasetError(f"{path} is not a JSONL/JSON/Parquet file (no Parquet header)")
+        return
+    # Not final: a character cut at the 4 KiB mark is fine. A stray bad line is a
+    # skipped row; a NUL byte, or a tenth of the text undecodable, is not a text file.
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
+    bad = sum(1 for c in text if c == "\ufffd" or c in _BINARY_CHARS)
+    if "\0" in text or bad > len(text) / 10:
+        raise DatasetError(f"{path} is not a JSONL/JSON/Parquet file (its first "
+                           f"{SNIFF_BYTES // 1024} KiB are not text)")
+
+
+#: Control characters that never occur in a JSON text file.
+_BINARY_CHARS = frozenset(chr(c) for c in range(32) if chr(c) not in "\t\n\r\f")
+
+
+def _os_reason(exc: BaseException) -> str:
+    """``Permission denied`` rather than ``[Errno 13] Permission denied: '/x'``."""
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 def source_id(obj: Any, fields: tuple[str, ...] = ID_FIELDS) -> str | None:
@@ -388,7 +434,7 @@ def _rows_from_objects(records: Iterable[_Record], max_chars: int,
                        fields: tuple[str, ...] = ID_FIELDS,
                        key_version: int = KEY_VERSION) -> Iterator[Row]:
     """Number records and normalise them into :class:`Row` objects."""
-    for index, (obj, skip_reason, raw) in enumerate(records):
+    for index, (obj, skip_reason, raw, where) in enumerate(records):
         sid = source_id(obj, fields) if skip_reason is None else None
         if skip_reason is None:
             try:
@@ -397,12 +443,12 @@ def _rows_from_objects(records: Iterable[_Record], max_chars: int,
                 skip_reason = exc.reason
             else:
                 yield Row(index=index, messages=messages, skip_reason=None, raw=None,
-                          source_id=sid)
+                          source_id=sid, where=where)
                 continue
         if raw is None:
             raw = _preview(obj)
         yield Row(index=index, messages=None, skip_reason=skip_reason,
-                  raw=raw[:RAW_PREVIEW_CHARS], source_id=sid)
+                  raw=raw[:RAW_PREVIEW_CHARS], source_id=sid, where=where)
 
 
 def _preview(obj: Any) -> str:
@@ -465,7 +511,9 @@ def _list_data_files(directory: Path) -> list[Path]:
 def _iter_directory(directory: Path, files: list[Path]) -> Iterator[_Record]:
     """Records of every file in ``files``, one file after another."""
     for path in files:
-        yield from _iter_file(path)
+        name = path.relative_to(directory).as_posix()
+        for obj, skip_reason, raw, where in _iter_file(path):
+            yield obj, skip_reason, raw, f"{name} {where}"
 
 
 def _iter_file(path: Path) -> Iterator[_Record]:
@@ -494,14 +542,12 @@ def _iter_jsonl(path: Path) -> Iterator[_Record]:
             if _suffix(path) in (".json", ".json.gz") and _starts_with_array(handle):
                 yield from _iter_json_array(handle)
                 return
-            first = True
-            for raw_line in handle:
-                if first:
+            for number, raw_line in enumerate(handle, 1):
+                if number == 1:
                     raw_line = raw_line.removeprefix(b"\xef\xbb\xbf")
-                    first = False
                 if not raw_line.strip():
                     continue
-                yield _parse_line(raw_line)
+                yield (*_parse_line(raw_line), f"line {number}")
     except (OSError, EOFError, zlib.error) as exc:
         raise DatasetError(f"cannot read {path}: {exc}") from exc
 
@@ -520,14 +566,14 @@ def _iter_json_array(handle: BinaryIO) -> Iterator[_Record]:
         items = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise DatasetError(f"not valid JSON: {exc}") from exc
-    for item in items:
+    for number, item in enumerate(items, 1):
         if isinstance(item, dict):
-            yield item, None, None
+            yield item, None, None, f"item {number}"
         else:
-            yield None, "row is not a JSON object", _preview(item)
+            yield None, "row is not a JSON object", _preview(item), f"item {number}"
 
 
-def _parse_line(raw_line: bytes) -> _Record:
+def _parse_line(raw_line: bytes) -> tuple[Any, str | None, str | None]:
     """Decode and parse one non-blank JSONL line into a record."""
     try:
         line = raw_line.decode("utf-8").strip()
@@ -551,9 +597,11 @@ def _iter_parquet(path: Path) -> Iterator[_Record]:
 
     try:
         parquet = pq.ParquetFile(path)
+        number = 0
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE):
             for obj in batch.to_pylist():
-                yield obj, None, None
+                number += 1
+                yield obj, None, None, f"row {number}"
     except (OSError, pa.ArrowException) as exc:
         raise DatasetError(f"cannot read {path}: {exc}") from exc
 
@@ -583,4 +631,4 @@ def _iter_hf(source: str) -> Iterator[_Record]:
         raise DatasetError(
             f"cannot load Hugging Face dataset {name!r} (split {split!r}): {exc}"
         ) from exc
-    return ((dict(obj), None, None) for obj in dataset)
+    return ((dict(obj), None, None, f"row {n}") for n, obj in enumerate(dataset, 1))

@@ -16,10 +16,12 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+from synthq import states
 from synthq.config import get_settings
-from synthq.db import session_scope
+from synthq.db import session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.enums import INFLIGHT, JobState
 from synthq.errors import UserError
@@ -83,6 +85,11 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 dispatch(publish, job_ids=[job_id])
             with session_scope() as s:
                 status = job_status(s, s.get_one(Job, job_id))
+            if status.finished:
+                # Every sample is terminal: the job holds no server's limit any more.
+                with session_scope() as s:
+                    if states.finish_jobs(s, now=utcnow(), job_ids=[job_id]):
+                        status = replace(status, state=str(JobState.FINISHED))
             if on_tick:
                 on_tick(status)
             if status.finished or (stop.is_set() and not _inflight(status)):

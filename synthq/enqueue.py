@@ -14,8 +14,9 @@ as ``source_id``; ids that several samples of the job share are reported.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -25,6 +26,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from synthq import states
 from synthq.dataset import (
     KEY_VERSION,
     MAX_ROW_CHARS,
@@ -36,7 +38,7 @@ from synthq.dataset import (
 from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
-from synthq.states import JobState, SampleState
+from synthq.states import SampleState
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
            "find_job"]
@@ -79,6 +81,9 @@ class JobSpec:
         """Raise :class:`UserError` naming the first bad setting."""
         if not self.name.strip() or len(self.name) > 200:
             raise UserError("job name must be 1 to 200 characters")
+        if self.name.strip().isdigit():
+            raise UserError(f"job name {self.name!r} is all digits, which `synthq status` "
+                            "would read as a job id; pick a name with a letter in it")
         if not self.model.strip():
             raise UserError("--model must name the served model")
         if not self.servers:
@@ -133,8 +138,8 @@ class EnqueueReport:
     skipped: int = 0
     duplicates: int = 0
     updated_settings: list[str] = field(default_factory=list)
-    #: A few skip reasons with their dataset index, for the summary.
-    skip_examples: list[tuple[int, str]] = field(default_factory=list)
+    #: A few skip reasons with where the row is (``line 3``, ``row 3``), for the summary.
+    skip_examples: list[tuple[str, str]] = field(default_factory=list)
     #: The job's prompt rule (synthq.dataset.KEY_VERSION for jobs made now).
     key_version: int = KEY_VERSION
     #: Rows read that carry their own id (kept as the sample's source_id).
@@ -179,16 +184,16 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     job = session.scalar(select(Job).where(Job.name == spec.name))
     now = utcnow()
     if job is None:
-        values = asdict(spec)
-        job = Job(**values, state=JobState.ACTIVE, key_version=KEY_VERSION, created_at=now,
-                  updated_at=now)
-        session.add(job)
-        session.flush()
-        return job, True, []
+        return states.create_job(session, asdict(spec), key_version=KEY_VERSION, now=now), \
+            True, []
     if job.generation_settings() != spec.generation_settings():
+        hint = (f"; to send its remaining work to model {spec.model!r}: `synthq requeue "
+                f"{spec.name} --failed --model {spec.model}`"
+                if {**job.generation_settings(), "model": spec.model}
+                == spec.generation_settings() else "")
         raise UserError(
             f"job {spec.name!r} exists with other generation settings "
-            f"({json.dumps(job.generation_settings())}); pick another --job name")
+            f"({json.dumps(job.generation_settings())}); pick another --job name{hint}")
     from synthq.tokenize import TokenizeSettings
 
     theirs, ours = TokenizeSettings.from_job(job), spec.tokenize_settings()
@@ -201,10 +206,7 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
             f"job {spec.name!r} was created by a newer synthq (key version {job.key_version}; "
             f"this one knows up to {KEY_VERSION}): upgrade synthq to add rows to it")
     changed = [k for k in _OPERATIONAL if getattr(job, k) != getattr(spec, k)]
-    for key in changed:
-        setattr(job, key, getattr(spec, key))
-    if changed:
-        job.updated_at = now
+    states.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
     return job, False, changed
 
 
@@ -273,6 +275,8 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
             else:
                 # RETURNING yields only the rows that were new: the rest already existed.
                 added = len(conn.execute(stmt.returning(Sample.id), batch).all())
+            if added:  # a finished job has work again
+                states.reactivate(conn, job_id, now=utcnow())
         report.inserted += added
         report.duplicates += len(batch) - added
         batch.clear()
@@ -290,13 +294,15 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
         if row.messages is None:
             reason = row.skip_reason or "malformed row"
             report.skipped += 1
+            where = row.where or f"row {row.index + 1}"
             if len(report.skip_examples) < 10:
-                report.skip_examples.append((row.index, reason))
+                report.skip_examples.append((where, reason))
             values.update(
                 content_key=raw_key(f"{row.index}:{row.raw or reason}"), prompt=None,
                 state=SampleState.SKIPPED, next_attempt_at=None, finished_at=now,
                 error_class="invalid_input",
-                error_message=reason if not row.raw else f"{reason}; row: {row.raw[:500]}")
+                error_message=f"{where}: {reason}" + (f"; row: {row.raw[:500]}" if row.raw
+                                                      else ""))
         else:
             values.update(
                 content_key=content_key(row.messages, settings, key_version),
@@ -363,23 +369,64 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
             f"--timeout {spec.total_timeout:g} s is not below the broker's visibility timeout "
             f"({visibility:g} s, SYNTHQ_VISIBILITY_TIMEOUT): Redis would hand the message to a "
             "second worker while the first still runs")
+    spec.check()
+    from synthq.dataset import DatasetError
+
+    # The rows are read under the job's prompt rule: an existing job's own.
+    with session_scope() as s:
+        known = s.scalar(select(Job.key_version).where(Job.name == spec.name))
+    try:
+        rows = iter_rows(source, max_chars=max_chars, id_field=id_field,
+                         key_version=known or KEY_VERSION)
+        # Read up to the first valid row before making the job: a source that
+        # is unreadable or holds no valid row leaves nothing behind.
+        head = _read_to_first_valid(rows)
+    except DatasetError as exc:
+        raise UserError(str(exc)) from exc
+    if not any(not r.skipped for r in head) and len(head) < PEEK_ROWS:
+        raise UserError(_no_valid_row(source, head))
     with session_scope() as s:
         job, created, changed = get_or_create_job(s, spec)
-        job_id, settings, key_version = job.id, job.generation_settings(), job.key_version
+        job_id, settings, key_version = job.id, job.key_generation_settings(), job.key_version
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created,
                            updated_settings=changed, key_version=key_version)
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
-    from synthq.dataset import DatasetError
-
     try:
-        rows = iter_rows(source, max_chars=max_chars, id_field=id_field,
-                         key_version=key_version)
-        insert_rows(job_id, settings, rows, report, progress, key_version=key_version)
+        insert_rows(job_id, settings, itertools.chain(head, rows), report, progress,
+                    key_version=key_version)
     except DatasetError as exc:
         raise UserError(str(exc)) from exc
+    if report.rows == report.skipped:
+        raise UserError(_no_valid_row(source, [], report.skip_examples) +
+                        f" (its {report.skipped:,} rows are in job {spec.name!r} as skipped)")
     _check_source_ids(report, id_field)
     return report
+
+
+#: Rows read before the job is made, looking for a valid one.
+PEEK_ROWS = 10_000
+
+
+def _read_to_first_valid(rows: Iterator[Row]) -> list[Row]:
+    """The rows up to and including the first valid one (or PEEK_ROWS of them)."""
+    head: list[Row] = []
+    for row in rows:
+        head.append(row)
+        if not row.skipped or len(head) >= PEEK_ROWS:
+            break
+    return head
+
+
+def _no_valid_row(source: str, head: list[Row],
+                  examples: list[tuple[str, str]] | None = None) -> str:
+    if examples is None:
+        examples = [(r.where or f"row {r.index + 1}", r.skip_reason or "malformed row")
+                    for r in head]
+    if not examples:
+        return f"{source} has no rows"
+    reasons = "; ".join(f"{where}: {reason}" for where, reason in examples[:3])
+    return f"{source} has no valid row ({reasons})"
 
 
 def _check_source_ids(report: EnqueueReport, id_field: str | None) -> None:

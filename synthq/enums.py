@@ -29,6 +29,9 @@ class JobState(enum.StrEnum):
     PAUSED = "paused"
     #: Like paused, for good (``resume`` refuses).
     CANCELLED = "cancelled"
+    #: Every sample is terminal (done, failed or skipped): it holds no server's
+    #: limit. Active again when samples are added or requeued.
+    FINISHED = "finished"
 
 
 class RunState(enum.StrEnum):

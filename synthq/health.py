@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 from synthq.db import session_scope, utcnow
 from synthq.models import Server
 
-__all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy"]
+__all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy", "served_models",
+           "check_model"]
 
 #: Seconds between probes of one server.
 PROBE_EVERY = 5.0
@@ -52,6 +53,49 @@ def probe(base_url: str, client: httpx.Client) -> str | None:
     if response.status_code >= 500:
         return f"GET /health answered HTTP {response.status_code}"
     return None
+
+
+def served_models(base_url: str, client: httpx.Client) -> list[str] | None:
+    """The model ids ``GET {base_url}/models`` lists; None when the server has no such list.
+
+    Raises :class:`httpx.HTTPError` when the server cannot be reached.
+    """
+    response = client.get(f"{base_url.rstrip('/')}/models", timeout=PROBE_TIMEOUT)
+    if response.status_code != 200:
+        return None
+    try:
+        data = response.json().get("data")
+        return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def check_model(servers: Iterable[str], model: str, *,
+                client: httpx.Client | None = None) -> list[str]:
+    """Ask each server which models it serves (at enqueue, before any sample is sent).
+
+    A server that lists its models but not ``model`` is a :class:`UserError`
+    naming the ones it serves. A server that cannot be reached may come up
+    later: that is a warning, returned as a line to print.
+    """
+    import httpx
+
+    from synthq.errors import UserError
+
+    client = client or _shared_client()
+    warnings = []
+    for url in servers:
+        try:
+            models = served_models(url, client)
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            warnings.append(f"server {url} cannot be reached ({reason}); its samples wait "
+                            "until it answers")
+            continue
+        if models is not None and model not in models:
+            served = ", ".join(repr(m) for m in models) or "none"
+            raise UserError(f"server {url} does not serve model {model!r}; it serves: {served}")
+    return warnings
 
 
 _client: httpx.Client | None = None
@@ -99,7 +143,13 @@ def _record(session: Session, url: str, error: str | None) -> None:
 
 
 def unhealthy(session: Session, urls: Iterable[str]) -> dict[str, str | None]:
-    """Servers among ``urls`` whose last probe failed, with its error."""
-    rows = session.execute(select(Server.url, Server.last_error)
+    """Servers among ``urls`` whose last probe failed: since when (local time), and why."""
+    rows = session.execute(select(Server.url, Server.last_error, Server.checked_at,
+                                  Server.failures)
                            .where(Server.url.in_(list(urls)), Server.healthy.is_(False)))
-    return {url: error for url, error in rows}
+    result: dict[str, str | None] = {}
+    for url, error, checked_at, failures in rows:
+        # Probes run every PROBE_EVERY seconds: the first failure was that long per failure ago.
+        since = checked_at - timedelta(seconds=PROBE_EVERY * max(0, (failures or 1) - 1))
+        result[url] = f"failing since {since.astimezone():%H:%M:%S}: {error or 'no answer'}"
+    return result

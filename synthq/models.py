@@ -140,6 +140,13 @@ class Job(Base):
     train_target: Mapped[str | None] = mapped_column(String(1000))
     #: Hyperparameters for runs the readiness check starts (TrainConfig fields).
     train_settings: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    #: The generation settings the samples' content keys were made under, once
+    #: ``synthq requeue --model`` moved the job to another model (None before):
+    #: the same dataset enqueued again still matches its samples.
+    key_settings: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    #: Every move of the job's remaining work (``synthq requeue --model/--server``):
+    #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
+    moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
@@ -149,6 +156,11 @@ class Job(Base):
         """What makes two generations of one prompt the same work (part of the content key)."""
         return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
                 "extra_body": self.extra_body}
+
+    def key_generation_settings(self) -> dict[str, Any]:
+        """The settings new rows' content keys are computed under (those of the job's
+        first model, if it moved), so that a dataset enqueued again adds nothing."""
+        return self.key_settings or self.generation_settings()
 
 
 class Sample(Base):

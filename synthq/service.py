@@ -85,7 +85,7 @@ def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
     Good rows are inserted whatever the bad ones are (DESIGN invariant 8).
     """
     report = enqueue(spec, source, id_field=id_field)
-    if report.skipped <= len(report.skip_examples):
-        return report, list(report.skip_examples)
+    if not report.skipped:
+        return report, []
     return report, bad_rows(source, limit=limit, id_field=id_field,
                             key_version=report.key_version)

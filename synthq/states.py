@@ -18,7 +18,9 @@ outcome, in the same transaction.
        └──────────────────────requeue───────────────────┘
     (malformed rows are inserted as skipped by enqueue)
 
-    job: active ⇄ paused (pause / resume);  active, paused ──cancel──▶ cancelled
+    job: active ⇄ paused (pause / resume);  active, paused, finished ──cancel──▶ cancelled
+         active ──finish (every sample terminal)──▶ finished
+         finished ──reactivate (samples added or requeued)──▶ active
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ __all__ = [
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
     "complete", "store_response", "skip", "retry", "fail", "lose",
     "requeue", "expire", "retokenized", "set_job_state",
+    "create_job", "update_job", "finish_jobs", "reactivate", "move_job",
 ]
+
+#: Sample states that keep a job from being finished.
+OPEN = (SampleState.PENDING, SampleState.QUEUED, SampleState.RUNNING)
 
 #: One sample of a message: its id and the token its dispatch gave it.
 Item = tuple[int, str]
@@ -259,7 +265,10 @@ def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
 
 def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
             sample_ids: Sequence[int] = (), now: datetime) -> int:
-    """failed → pending with a fresh attempt budget. Returns how many moved."""
+    """failed → pending with a fresh attempt budget. Returns how many moved.
+
+    A finished job becomes active again in the same transaction.
+    """
     conds = [Sample.job_id == job_id, Sample.state == SampleState.FAILED]
     if classes:
         conds.append(Sample.error_class.in_(classes))
@@ -270,7 +279,10 @@ def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
         .values(state=SampleState.PENDING, attempts=0, next_attempt_at=now, claim=None,
                 server=None, finished_at=None, updated_at=now)
         .execution_options(synchronize_session=False))
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    moved = int(result.rowcount)  # type: ignore[attr-defined]
+    if moved:
+        reactivate(session, job_id, now=now)
+    return moved
 
 
 def retokenized(session: Session, sample_id: int, *, still_stale: Any, state: SampleState,
@@ -285,12 +297,104 @@ def retokenized(session: Session, sample_id: int, *, still_stale: Any, state: Sa
                 extra=[still_stale])
 
 
-#: Allowed sources of each job transition.
+# -- jobs -------------------------------------------------------------------------------
+
+#: Allowed sources of each job transition a user asks for (pause, resume, cancel).
 JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
     JobState.PAUSED: (JobState.ACTIVE, JobState.PAUSED),
     JobState.ACTIVE: (JobState.PAUSED, JobState.ACTIVE),
-    JobState.CANCELLED: (JobState.ACTIVE, JobState.PAUSED, JobState.CANCELLED),
+    JobState.CANCELLED: (JobState.ACTIVE, JobState.PAUSED, JobState.FINISHED,
+                         JobState.CANCELLED),
 }
+
+
+def create_job(session: Session, values: dict[str, Any], *, key_version: int,
+               now: datetime) -> Job:
+    """A new, active job with ``values`` (a JobSpec's fields)."""
+    job = Job(**values, state=JobState.ACTIVE, key_version=key_version, moves=[],
+              created_at=now, updated_at=now)
+    session.add(job)
+    session.flush()
+    return job
+
+
+def update_job(session: Session, job: Job, changes: dict[str, Any], *, now: datetime) -> None:
+    """Change a job's operational settings (servers, timeouts, limits); not its state."""
+    if "state" in changes:
+        raise ValueError("a job's state changes only through its transitions")
+    for key, value in changes.items():
+        setattr(job, key, value)
+    if changes:
+        job.updated_at = now
+
+
+def _no_open_sample() -> Any:
+    return ~exists().where(Sample.job_id == Job.id, Sample.state.in_(OPEN))
+
+
+def finish_jobs(session: Session, *, now: datetime,
+                job_ids: Sequence[int] | None = None) -> list[int]:
+    """active → finished for every job (of ``job_ids``) whose samples are all terminal.
+
+    The job rows are locked first (``SKIP LOCKED``: an enqueue or requeue
+    holding one is adding work), and the check runs again in a later
+    statement, which sees whatever such a transaction committed. Returns the
+    ids finished.
+    """
+    scope = [Job.id.in_(job_ids)] if job_ids is not None else []
+    candidates = list(session.scalars(
+        select(Job.id).where(Job.state == JobState.ACTIVE, _no_open_sample(), *scope)))
+    if not candidates:
+        return []
+    locked = list(session.scalars(
+        select(Job.id).where(Job.id.in_(candidates), Job.state == JobState.ACTIVE)
+        .with_for_update(skip_locked=True)))
+    if not locked:
+        return []
+    rows = _exec(session,
+        update(Job).where(Job.id.in_(locked), Job.state == JobState.ACTIVE, _no_open_sample())
+        .values(state=JobState.FINISHED, updated_at=now).returning(Job.id)).all()
+    return [r[0] for r in rows]
+
+
+def reactivate(session: Any, job_id: int, *, now: datetime) -> bool:
+    """finished → active, in the transaction that added or requeued samples.
+
+    ``session`` is a Session or a Connection. The job row is locked even when
+    the job is not finished, so that :func:`finish_jobs` waits for this
+    transaction's samples instead of finishing the job under them.
+    """
+    result = session.execute(
+        update(Job).where(Job.id == job_id)
+        .values(state=case((Job.state == JobState.FINISHED, JobState.ACTIVE.value),
+                           else_=Job.state),
+                updated_at=case((Job.state == JobState.FINISHED, now), else_=Job.updated_at))
+        .returning(Job.state).execution_options(synchronize_session=False))
+    state = result.scalar()
+    return state is not None and str(state) == JobState.ACTIVE
+
+
+def move_job(session: Session, job: Job, *, model: str | None, servers: list[str] | None,
+             requeued: int, now: datetime) -> dict[str, Any]:
+    """Point a job's remaining work at another model and/or servers; records the move.
+
+    The first model change keeps the settings the content keys were made
+    under in ``key_settings``. Returns the recorded move.
+    """
+    move: dict[str, Any] = {"at": now.isoformat(), "requeued": requeued}
+    changes: dict[str, Any] = {}
+    if model is not None and model != job.model:
+        if job.key_settings is None:
+            changes["key_settings"] = job.generation_settings()
+        move["model"] = [job.model, model]
+        changes["model"] = model
+    if servers is not None and servers != list(job.servers):
+        move["servers"] = [list(job.servers), servers]
+        changes["servers"] = servers
+    changes["moves"] = [*(job.moves or []), move]
+    update_job(session, job, changes, now=now)
+    session.flush()
+    return move
 
 
 def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime) -> bool:

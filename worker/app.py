@@ -11,7 +11,9 @@ Start the generation worker with::
 
 from __future__ import annotations
 
-from celery import Celery
+from typing import Any
+
+from celery import Celery, signals
 
 from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
 from synthq.config import get_settings
@@ -51,3 +53,18 @@ app.conf.update(
     },
     worker_hijack_root_logger=False,
 )
+
+
+@signals.after_setup_logger.connect
+def _setup_logs(logger: Any = None, **_: Any) -> None:
+    """Passwords masked in every line; the idle dispatch tick and httpx quiet."""
+    from worker.logs import setup
+
+    setup(logger)
+
+
+@signals.beat_init.connect
+def _quiet_beat(**_: Any) -> None:
+    """Beat sends only the dispatch tick: no task-sent event for it (Flower's list is
+    for generation and tokenization)."""
+    app.conf.task_send_sent_event = False

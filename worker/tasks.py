@@ -12,8 +12,9 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
+from synthq import states
 from synthq.config import get_settings
-from synthq.db import safe_url
+from synthq.db import safe_url, session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, database_trouble, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
@@ -131,9 +132,10 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
             **Counter(str(o) for o in outcomes.values()), "ids": ids}
 
 
-@app.task(name="synthq.dispatch")
+@app.task(name="synthq.dispatch", send_events=False)
 def dispatch_tick() -> int:
-    """Beat: probe servers' health, return expired leases, then queue what is due."""
+    """Beat: probe servers' health, return expired leases, queue what is due, and mark
+    jobs whose samples are all terminal finished. Logs only what it did."""
     try:
         return _tick()
     except DBAPIError:
@@ -150,7 +152,12 @@ def _tick() -> int:
     if swept:
         log.info("sweep returned %d samples to pending", swept)
     _train_tick()
-    return dispatch(publish)
+    queued = dispatch(publish)
+    with session_scope() as s:
+        finished = states.finish_jobs(s, now=utcnow())
+    if finished:
+        log.info("jobs finished (every sample done, failed or skipped): %s", finished)
+    return queued
 
 
 def publish_retokenize(job_id: int, batches: Sequence[Sequence[int]]) -> None:

@@ -32,9 +32,38 @@ err = Console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` as one unwrapped line (no markup read in it); the exit to raise."""
-    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    """Print ``message`` as one unwrapped line (no markup read in it, passwords in URLs
+    masked); the exit to raise."""
+    from synthq.db import safe_url
+
+    err.print(f"[bold red]error:[/] {escape(safe_url(message))}", soft_wrap=True)
     return typer.Exit(code)
+
+
+def warn(message: str) -> None:
+    """Print ``message`` as one warning line on stderr (no markup read in it)."""
+    from synthq.db import safe_url
+
+    err.print(f"[yellow]warning:[/] {escape(safe_url(message))}", soft_wrap=True,
+              highlight=False)
+
+
+@app.callback()
+def _check_settings(ctx: typer.Context) -> None:
+    """Every command but the simulator needs valid settings: a bad one is one line, exit 2."""
+    if ctx.invoked_subcommand == "simulate":
+        return
+    from pydantic import ValidationError
+
+    from synthq.config import get_settings
+
+    try:
+        get_settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = "SYNTHQ_" + "_".join(str(p) for p in first["loc"]).upper()
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        raise fail(f"invalid setting {name}: {reason}") from None
 
 
 def ensure_db() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from synthq.cli import (
     JobArg,
@@ -73,12 +74,15 @@ def export(
                                       progress.update(bar, completed=n, total=total), **kwargs)
     except UserError as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
     if as_json:
         print(manifest.to_json())
         return
     tokens = (f", {manifest.num_tokens:,} tokens ({manifest.num_supervised:,} supervised)"
               if manifest.num_tokens is not None else "")
-    console.print(f"exported {manifest.exported:,} samples to {out} in "
+    console.print(f"exported {manifest.exported:,} samples to {escape(out)} in "
                   f"{len(manifest.shards)} {fmt} shard(s){tokens}")
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
@@ -133,7 +137,7 @@ def retokenize(
         job_id, version = with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
     except UserError as exc:
         raise fail(str(exc)) from None
-    console.print(f"job {job}: tokenize_version {version}"
+    console.print(f"job {escape(job)}: tokenize_version {version}"
                   + (f" ({', '.join(changes)} changed)" if changes else ""))
     settings = get_settings()
     with Progress(TextColumn("[bold]retokenizing"), BarColumn(), TaskProgressColumn(),
@@ -171,6 +175,6 @@ def retokenize(
                 break
             time.sleep(1.0)
     if wait:
-        console.print(f"every example of job {job} is at tokenize_version {version}")
+        console.print(f"every example of job {escape(job)} is at tokenize_version {version}")
     else:
         console.print("batches sent; `synthq status` shows the progress")

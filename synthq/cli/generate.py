@@ -17,6 +17,7 @@ from synthq.cli import (
     ensure_db,
     err,
     fail,
+    warn,
 )
 from synthq.cli.options import (
     AttemptsOpt,
@@ -52,8 +53,13 @@ from synthq.errors import UserError
 
 def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ignore[no-untyped-def]
     from synthq.enqueue import enqueue
+    from synthq.health import check_model
 
+    spec.check()
     ensure_db()
+    # A model the servers do not serve is refused here, not failed sample by sample.
+    for line in check_model(spec.servers, spec.model):
+        warn(line)
     if quiet:
         return enqueue(spec, dataset, id_field=id_field)
     with console.status("reading the dataset…") as st:
@@ -61,19 +67,38 @@ def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ig
             f"read {r.rows:,} rows, {r.inserted:,} new"))
 
 
+def _check_broker() -> None:
+    """Warn when the broker cannot be reached: the samples are stored all the same."""
+    import redis
+
+    from synthq.config import get_settings
+
+    url = get_settings().broker_url
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        warn(f"cannot reach the broker {url} ({exc}): the samples are stored and will run "
+             "once workers and beat can reach it")
+
+
 def _print_report(report) -> None:  # type: ignore[no-untyped-def]
     verb = "created" if report.created else "found"
-    console.print(f"job [bold]{report.job_name}[/] (id {report.job_id}) {verb}: "
+    console.print(f"job [bold]{escape(report.job_name)}[/] (id {report.job_id}) {verb}: "
                   f"{report.rows:,} rows read, {report.inserted:,} new samples, "
                   f"{report.duplicates:,} already there, {report.skipped:,} skipped")
     if report.rows and not report.inserted:
         console.print("nothing new to add: this data is already in the job")
     if report.updated_settings:
         console.print(f"updated settings: {', '.join(report.updated_settings)}")
-    for index, reason in report.skip_examples[:5]:
-        console.print(f"  [yellow]skipped row {index}:[/] {reason}")
+    for where, reason in report.skip_examples[:5]:
+        console.print(f"  [yellow]skipped {escape(where)}:[/] {escape(reason)}",
+                      highlight=False)
     for line in report.warnings:
-        err.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
+        warn(line)
 
 
 @app.command()
@@ -105,6 +130,10 @@ def enqueue(
         print(report.to_json())
     else:
         _print_report(report)
+    from synthq.config import get_settings
+
+    if not get_settings().embedded:
+        _check_broker()
 
 
 @app.command()

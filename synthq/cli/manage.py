@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from synthq.cli import (
     JobArg,
     app,
     console,
     fail,
+    warn,
     with_job,
 )
 from synthq.errors import UserError
@@ -27,25 +29,63 @@ def requeue(
                            "truncated, ...). Repeatable.")] = None,
     sample: Annotated[list[int] | None, typer.Option("--sample", help="Only this sample id. "
                       "Repeatable.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Send the job's "
+                     "remaining work (pending and requeued samples) to this model from now "
+                     "on; done samples keep their answers.")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Send the job's "
+                      "remaining work to these servers from now on. Repeatable.")] = None,
 ) -> None:
     """Move failed samples back to pending with a fresh attempt budget.
 
+    With `--model` or `--server`, the job's remaining work moves to a corrected
+    model or server first (recorded on the job; see `synthq status`).
+
     Example: `synthq requeue my-job --failed --class timeout --class stalled`
     """
+    from sqlalchemy import func, select
+
     from synthq import states
     from synthq.db import utcnow
+    from synthq.enqueue import JobSpec
     from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES
+    from synthq.health import check_model
+    from synthq.models import Sample
 
     known = RETRYABLE_CLASSES | PERMANENT_CLASSES
     for c in error_class or []:
         if c not in known:
             raise fail(f"unknown class {c!r}; known: {', '.join(sorted(known))}")
+    servers = [u.rstrip("/") for u in server] if server else None
+    if model is not None or servers is not None:
+        current_model, current_servers = with_job(job, lambda s, j: (j.model, list(j.servers)))
+        try:
+            JobSpec(name="x", model=model or current_model,
+                    servers=servers or current_servers).check()
+            for line in check_model(servers or current_servers, model or current_model):
+                warn(line)
+        except UserError as exc:
+            raise fail(str(exc)) from None
 
-    def go(s, j) -> int:  # type: ignore[no-untyped-def]
-        return states.requeue(s, j.id, classes=error_class or [], sample_ids=sample or [],
-                              now=utcnow())
+    def go(s, j):  # type: ignore[no-untyped-def]
+        now = utcnow()
+        old_model = j.model
+        n = states.requeue(s, j.id, classes=error_class or [], sample_ids=sample or [],
+                           now=now)
+        if model is not None or servers is not None:
+            states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
+        done = 0
+        if model is not None and model != old_model:
+            done = s.scalar(select(func.count()).select_from(Sample).where(
+                Sample.job_id == j.id, Sample.state == states.SampleState.DONE)) or 0
+        return n, old_model, done
 
-    n = with_job(job, go)
+    n, old_model, done = with_job(job, go)
+    if model is not None and model != old_model:
+        console.print(f"job {escape(job)}: model {escape(old_model)} → {escape(model)} for its "
+                      f"remaining work; {done:,} done samples keep their answers from "
+                      f"{escape(old_model)}")
+    if servers is not None:
+        console.print(f"job {escape(job)}: servers now {escape(', '.join(servers))}")
     console.print(f"requeued {n:,} failed samples" + ("" if n else
                   " (nothing matched: see `synthq status`)"))
 
@@ -64,7 +104,7 @@ def _set_job_state(ref: str, target: str) -> None:
         return before
 
     before = with_job(ref, go)
-    console.print(f"job {ref}: {before} → {target}")
+    console.print(f"job {escape(ref)}: {before} → {target}")
 
 
 @app.command()

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
 from synthq.cli import console
 from synthq.enums import FINISHED, SampleState
 
@@ -27,9 +29,19 @@ def job_progress(description: str) -> Iterator[Any]:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                   console=console) as progress:
-        bar = progress.add_task(description, total=None, detail="")
+        bar = progress.add_task(escape(description), total=None, detail="")
+        failing: dict[str, str | None] = {}
 
         def update(status: JobStatus) -> None:
+            # A server failing its probe gets a line above the bar, and one when it is back.
+            for url, error in status.unhealthy.items():
+                if url not in failing:
+                    progress.console.print(f"[red]server {escape(url)}:[/] health probe "
+                                           f"{escape(error or 'failing')}", highlight=False)
+            for url in set(failing) - set(status.unhealthy):
+                progress.console.print(f"[green]server {escape(url)}:[/] answers again")
+            failing.clear()
+            failing.update(status.unhealthy)
             c = status.counts
             eta = f" ETA {status.eta_s:,.0f}s" if status.eta_s else ""
             progress.update(bar, total=status.total,
@@ -44,8 +56,8 @@ def print_status(status: JobStatus) -> None:
     from rich.table import Table
 
     c = status.counts
-    table = Table(title=f"job {status.name} (id {status.id}) — {status.state}, model "
-                  f"{status.model}", show_header=True)
+    table = Table(title=f"job {escape(status.name)} (id {status.id}) — {status.state}, model "
+                  f"{escape(status.model)}", show_header=True)
     for state in SampleState:
         table.add_column(state.value, justify="right")
     table.add_row(*(f"{c[s]:,}" for s in SampleState))
@@ -67,15 +79,17 @@ def print_status(status: JobStatus) -> None:
         mismatch = (f", {status.token_mismatches:,} differ from the server's token ids"
                     if status.token_mismatches else "")
         console.print(f"examples: {status.num_tokens:,} tokens, {status.num_supervised:,} "
-                      f"supervised (tokenizer {status.tokenizer}, version "
+                      f"supervised (tokenizer {escape(status.tokenizer)}, version "
                       f"{status.tokenize_version}){stale}{mismatch}")
     for url, error in status.unhealthy.items():
-        console.print(f"[red]server {url} fails its health probe[/] ({error}): nothing is sent")
+        console.print(f"[red]server {escape(url)} fails its health probe[/] "
+                      f"({escape(error or '')}): nothing is sent")
     if status.inflight:
-        console.print("in flight: " + ", ".join(f"{k} {v}" for k, v in status.inflight.items()))
+        console.print("in flight: " + ", ".join(f"{escape(k)} {v}"
+                                                for k, v in status.inflight.items()))
     if status.workers:
         console.print("workers: " + ", ".join(
-            f"{w['name']} {w['inflight']}/{w['capacity']}" for w in status.workers))
+            f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))
     elif status.open and not status.finished:
         console.print("[yellow]no live worker[/]: start `synthq worker` (or use `synthq run`)")
     if status.finished:

@@ -18,11 +18,22 @@ from synthq.cli import (
 
 
 def _celery(args: list[str]) -> None:
+    from synthq.cli import ensure_db
     from synthq.config import get_settings
+    from synthq.db import safe_url
+    from synthq.errors import UserError
+
     settings = get_settings()
     if settings.embedded:
         raise fail("SYNTHQ_BROKER_URL is not set: workers need a Redis broker "
                     "(or use `synthq run`, the embedded mode)")
+    # A database that is down or behind is one line here, not a crash loop later.
+    try:
+        ensure_db()
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    err.print(f"synthq {args[0]}: database {safe_url(settings.database_url)}, broker "
+              f"{safe_url(settings.broker_url)}", markup=False, highlight=False)
     cmd = [sys.executable, "-m", "celery", "-A", "worker.app", *args]
     os.execv(sys.executable, cmd)
 

@@ -26,6 +26,7 @@ def jobs(as_json: JsonOpt = False) -> None:
 
     Example: `synthq jobs --json`
     """
+    from rich.markup import escape
     from rich.table import Table
     from sqlalchemy import select
 
@@ -51,7 +52,8 @@ def jobs(as_json: JsonOpt = False) -> None:
         return
     table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
     for r in rows:
-        table.add_row(str(r["id"]), r["name"], r["state"], r["model"], f"{r['done']:,}",
+        table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),
+                      f"{r['done']:,}",
                       f"{r['failed']:,}", f"{r['skipped']:,}",
                       f"{r['pending'] + r['queued'] + r['running']:,}")
     console.print(table)
@@ -144,17 +146,17 @@ def show_sample(
     from rich.markup import escape
 
     source = f" (id {escape(data['source_id'])})" if data["source_id"] is not None else ""
-    console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row {data['dataset_index']}"
-                  f"{source} — {data['state']}, {data['attempts']} attempts, server "
-                  f"{data['server']}")
+    console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row "
+                  f"{data['dataset_index'] + 1}{source} — {data['state']}, {data['attempts']} "
+                  f"attempts, server {escape(str(data['server']))}")
     if data["error_class"]:
-        console.print(f"[red]{data['error_class']}[/]: {data['error_message']}")
+        console.print(f"[red]{data['error_class']}[/]: {escape(str(data['error_message']))}")
     for m in data["prompt"] or []:
-        console.print(f"[cyan]{m['role']}:[/] {m['content']}")
+        console.print(f"[cyan]{escape(str(m['role']))}:[/] {escape(str(m['content']))}")
     if data["reasoning_content"]:
-        console.print(f"[magenta]reasoning:[/] {data['reasoning_content']}")
+        console.print(f"[magenta]reasoning:[/] {escape(data['reasoning_content'])}")
     if data["response_content"] is not None:
-        console.print(f"[green]assistant:[/] {data['response_content']}")
+        console.print(f"[green]assistant:[/] {escape(data['response_content'])}")
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
     if data["num_tokens"] is not None:
@@ -162,8 +164,9 @@ def show_sample(
                       f"supervised (tokenize_version {data['tokenize_version']})")
     table = Table("#", "server", "started", "outcome", "latency s", "ttft s", "tokens", "message")
     for i, a in enumerate(data["attempt_log"], 1):
-        table.add_row(str(i), a["server"], str(a["started_at"])[:19], a["outcome"] or "running",
+        table.add_row(str(i), escape(str(a["server"])), str(a["started_at"])[:19],
+                      a["outcome"] or "running",
                       f"{a['latency_s']:.2f}" if a["latency_s"] is not None else "",
                       f"{a['ttft_s']:.2f}" if a["ttft_s"] is not None else "",
-                      str(a["completion_tokens"] or ""), (a["error_message"] or "")[:80])
+                      str(a["completion_tokens"] or ""), escape((a["error_message"] or "")[:80]))
     console.print(table)

@@ -153,7 +153,8 @@ class SimConfig:
     retry_after: float = 1.0
     """Seconds sent in the Retry-After header of 429 responses."""
     model: str = "sim-model"
-    """Model id reported by /v1/models and in every response."""
+    """Model id reported by /v1/models and in every response; a request naming another
+    model gets vLLM's 404 ("The model `X` does not exist.")."""
 
     def __post_init__(self) -> None:
         """Reject settings the simulator cannot honour."""
@@ -266,6 +267,8 @@ class _ChatRequest:
     include_usage: bool
     #: vLLM's ``return_token_ids``: stream fake token ids with each chunk.
     return_token_ids: bool = False
+    #: The ``model`` the request names (None when absent).
+    model: str | None = None
 
 
 @dataclass
@@ -337,6 +340,7 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
         stream=bool(body.get("stream", False)),
         include_usage=include_usage,
         return_token_ids=bool(body.get("return_token_ids", False)),
+        model=body.get("model") if isinstance(body.get("model"), str) else None,
     )
 
 
@@ -618,6 +622,12 @@ class _ChatCompletions:
         except _BadRequest as exc:
             stats.rejected += 1
             await _send_error(send, 400, str(exc), "BadRequestError")
+            return
+        if request.model is not None and request.model != sim.config.model:
+            # vLLM's answer to a model it does not serve.
+            stats.rejected += 1
+            await _send_error(send, 404, f"The model `{request.model}` does not exist.",
+                              "NotFoundError")
             return
         if fault is not None:
             stats.faults[fault] = stats.faults.get(fault, 0) + 1

@@ -104,7 +104,7 @@ def test_prompt_tokens_count_all_messages(sim: Simulator) -> None:
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
     ]
-    answer = sim.client.chat.completions.create(model="m", messages=messages)
+    answer = sim.client.chat.completions.create(model="sim-model", messages=messages)
     assert answer.usage.prompt_tokens == 6
     assert answer.choices[0].message.content.split()[:3] == ["one", "two", "three"]
 
@@ -125,7 +125,8 @@ def test_streamed_answer_with_usage(sim: Simulator) -> None:
 
 
 def test_raw_sse_framing(sim: Simulator) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": _prompt()}], "stream": True}
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": _prompt()}],
+            "stream": True}
     response = sim.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -159,11 +160,11 @@ def test_unknown_fields_are_ignored(sim: Simulator) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        {"model": "m"},
-        {"model": "m", "messages": []},
-        {"model": "m", "messages": "hello"},
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
-        {"model": "m", "messages": [{"role": "user", "content": "x [[sim:typo]]"}]},
+        {"model": "sim-model"},
+        {"model": "sim-model", "messages": []},
+        {"model": "sim-model", "messages": "hello"},
+        {"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        {"model": "sim-model", "messages": [{"role": "user", "content": "x [[sim:typo]]"}]},
     ],
 )
 def test_invalid_requests_get_openai_400(sim: Simulator, body: dict[str, Any]) -> None:
@@ -240,11 +241,13 @@ def test_reset_directive_breaks_the_stream(sim: Simulator) -> None:
     received: list[Any] = []
     with pytest.raises(openai.APIConnectionError):  # the SDK wraps the broken chunked read
         for chunk in sim.client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": _prompt("[[sim:reset]]")}], stream=True
+            model="sim-model", messages=[{"role": "user", "content": _prompt("[[sim:reset]]")}],
+            stream=True,
         ):
             received.append(chunk)
     assert received  # some chunks arrived before the connection dropped
-    body = {"model": "m", "messages": [{"role": "user", "content": _prompt("[[sim:reset]]")}]}
+    body = {"model": "sim-model",
+            "messages": [{"role": "user", "content": _prompt("[[sim:reset]]")}]}
     with pytest.raises(httpx.RemoteProtocolError):
         sim.http.post("/v1/chat/completions", json=body)
     with pytest.raises(openai.APIConnectionError):
@@ -255,11 +258,12 @@ def test_stall_and_hang_time_out_and_release(sim: Simulator) -> None:
     sim.reset()
     timeout = httpx.Timeout(5.0, read=0.5)
     with httpx.Client(base_url=sim.base_url, timeout=timeout) as client:
-        body = {"model": "m", "messages": [{"role": "user", "content": _prompt("[[sim:hang]]")}]}
+        body = {"model": "sim-model",
+                "messages": [{"role": "user", "content": _prompt("[[sim:hang]]")}]}
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/chat/completions", json=body)
         body = {
-            "model": "m",
+            "model": "sim-model",
             "messages": [{"role": "user", "content": _prompt("[[sim:stall]]")}],
             "stream": True,
         }

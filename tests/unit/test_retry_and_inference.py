@@ -73,11 +73,13 @@ def test_connection_refused_is_connection_class() -> None:
         _call(_client(refuse))
 
 
-def test_stream_without_end_is_a_connection_failure() -> None:
+def test_stream_without_end_is_a_server_error() -> None:
+    """A body that ends cleanly without [DONE] or a finish reason: the server misbehaved
+    (retried as server_error); it is not unreachable (which would mark it down)."""
     chunk = b'data: {"choices":[{"index":0,"delta":{"content":"half"}}]}\n\n'
     client = _client(lambda req: httpx2.Response(
         200, content=chunk, headers={"content-type": "text/event-stream"}))
-    with pytest.raises(errors.ConnectionFailed, match="ended before"):
+    with pytest.raises(errors.ServerError, match="without \\[DONE\\]"):
         _call(client)
 
 
