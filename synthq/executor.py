@@ -194,14 +194,27 @@ class Executor:
         try:
             outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
                                         worker=self.name, tokenize_pool=self._tokenize_pool)
-        except Exception:  # a bug: the lease returns the sample; never kill the batch
+        except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
             log.exception("sample %s: unexpected error", c.sample_id)
-            outcome = Outcome.LOST
+            outcome = await self._give_back(c, f"{type(exc).__name__}: {exc}")
         finally:
             del self._calls[c.sample_id]
         if self.on_finished is not None:
             self.on_finished()
         return outcome
+
+    async def _give_back(self, c: states.Claimed, why: str) -> Outcome:
+        """running → pending (due now, class ``worker_error``) after an unexpected error, so
+        the sample does not wait out its lease; LOST if even that cannot be written."""
+        message = f"unexpected error in the worker: {why}"[:2000]
+        try:
+            won = await self.writer.write(lambda s, now: states.retry(
+                s, c.sample_id, c.token, now=now, next_attempt_at=now,
+                error_class="worker_error", error_message=message))
+        except Exception:  # noqa: BLE001 - the lease is the last line of defence
+            log.exception("sample %s: could not hand it back", c.sample_id)
+            return Outcome.LOST
+        return Outcome.RETRY if won else Outcome.LOST
 
     def _heartbeat_now(self) -> None:
         def beat() -> None:

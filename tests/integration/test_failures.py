@@ -238,3 +238,24 @@ def test_a_retry_prefers_another_server(simulator: Callable[..., Any],
                                  .order_by(Attempt.id)))
     # Each simulator fails the prompt's first request to it: A fails, B fails, A answers.
     assert smp.state == "done" and servers[0] != servers[1] and servers[1] != servers[2], servers
+
+
+def test_a_bug_in_the_worker_hands_the_sample_back(simulator: Callable[..., Any],
+                                                   job_factory: Callable[..., Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception while running a sample: back to pending at once (class
+    worker_error), not stranded as running until its lease expires."""
+    import synthq.executor
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    sim = simulator("--latency", "0")
+    report = job_factory(["boom"], servers=[sim.url])
+    monkeypatch.setattr(synthq.executor, "run_claimed", broken)
+    batch: list[Dispatched] = []
+    dispatch(batch.extend, job_ids=[report.job_id])
+    assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY
+    smp = only_sample(report.job_id)
+    assert (smp.state, smp.error_class) == ("pending", "worker_error"), smp.error_message
+    assert "a bug" in (smp.error_message or "")
