@@ -184,8 +184,12 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     job = session.scalar(select(Job).where(Job.name == spec.name))
     now = utcnow()
     if job is None:
-        return states.create_job(session, asdict(spec), key_version=KEY_VERSION, now=now), \
-            True, []
+        job = states.create_job(session, asdict(spec), key_version=KEY_VERSION, now=now)
+        if job is not None:
+            return job, True, []
+        # Another enqueue created it a moment ago: treat it as found.
+        job = session.scalars(select(Job).where(Job.name == spec.name)
+                              .execution_options(populate_existing=True)).one()
     if job.generation_settings() != spec.generation_settings():
         hint = (f"; to send its remaining work to model {spec.model!r}: `synthq requeue "
                 f"{spec.name} --failed --model {spec.model}`"
@@ -206,8 +210,9 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
             f"job {spec.name!r} was created by a newer synthq (key version {job.key_version}; "
             f"this one knows up to {KEY_VERSION}): upgrade synthq to add rows to it")
     changed = [k for k in _OPERATIONAL if getattr(job, k) != getattr(spec, k)]
+    described = [f"{k} {getattr(job, k)!r} -> {getattr(spec, k)!r}" for k in changed]
     states.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
-    return job, False, changed
+    return job, False, described
 
 
 def _insert_stmt(dialect: str):  # type: ignore[no-untyped-def]
@@ -392,6 +397,9 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                            updated_settings=changed, key_version=key_version)
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
+    if changed:
+        report.warnings.append(f"job {spec.name}: its live settings changed: "
+                               f"{', '.join(changed)}")
     try:
         insert_rows(job_id, settings, itertools.chain(head, rows), report, progress,
                     key_version=key_version)

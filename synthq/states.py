@@ -31,6 +31,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, case, event, exists, insert, select, tuple_, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from synthq.enums import FINISHED, INFLIGHT, JobState, SampleState
@@ -309,13 +311,17 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
 
 
 def create_job(session: Session, values: dict[str, Any], *, key_version: int,
-               now: datetime) -> Job:
-    """A new, active job with ``values`` (a JobSpec's fields)."""
-    job = Job(**values, state=JobState.ACTIVE, key_version=key_version, moves=[],
-              created_at=now, updated_at=now)
-    session.add(job)
-    session.flush()
-    return job
+               now: datetime) -> Job | None:
+    """A new, active job with ``values`` (a JobSpec's fields), or None when a job of that
+    name exists (``INSERT ... ON CONFLICT DO NOTHING``: two first enqueues of one job
+    racing both succeed, one of them finding the other's job)."""
+    dialect = session.get_bind().dialect.name
+    ins = pg_insert if dialect == "postgresql" else sqlite_insert
+    job_id = session.execute(
+        ins(Job).values(**values, state=JobState.ACTIVE, key_version=key_version, moves=[],
+                        created_at=now, updated_at=now)
+        .on_conflict_do_nothing(index_elements=["name"]).returning(Job.id)).scalar()
+    return None if job_id is None else session.get_one(Job, job_id)
 
 
 def update_job(session: Session, job: Job, changes: dict[str, Any], *, now: datetime) -> None:

@@ -92,8 +92,6 @@ def _print_report(report) -> None:  # type: ignore[no-untyped-def]
                   f"{report.duplicates:,} already there, {report.skipped:,} skipped")
     if report.rows and not report.inserted:
         console.print("nothing new to add: this data is already in the job")
-    if report.updated_settings:
-        console.print(f"updated settings: {', '.join(report.updated_settings)}")
     for where, reason in report.skip_examples[:5]:
         console.print(f"  [yellow]skipped {escape(where)}:[/] {escape(reason)}",
                       highlight=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import update
-from support import REPO, run_cli
+from support import REPO, child_env, run_cli
 
 from synthq.db import session_scope
 from synthq.models import Sample
@@ -114,3 +114,26 @@ def test_status_watch_ends_when_the_job_finishes(pg: str, dataset: Path) -> None
         s.execute(update(Sample).where(Sample.state == "pending").values(state="done"))
     out = synthq("status", "cli-job", "--watch", "--interval", "0.2")
     assert "100%" in out.stdout and "finished: 22 done" in " ".join(out.stdout.split())
+
+
+def test_concurrent_first_enqueues_both_succeed(pg: str, dataset: Path) -> None:
+    """Two first enqueues of one job at once: both exit 0 (get-or-create with ON
+    CONFLICT), and the samples are there once."""
+    for round_ in range(4):
+        args = ["enqueue", "-d", str(dataset), "-s", "http://127.0.0.1:9/v1", "-m", "m",
+                "--job", f"race-{round_}", "--json"]
+        procs = [subprocess.Popen([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        reports = [json.loads(o[0]) for o in outs]
+        assert sorted(r["created"] for r in reports) == [False, True]
+        assert sum(r["inserted"] for r in reports) == reports[0]["rows"]  # each row once
+
+
+def test_reenqueue_says_which_live_settings_changed(pg: str, dataset: Path) -> None:
+    synthq(*enqueue_args(dataset, "--inflight", "4"))
+    again = json.loads(synthq(*enqueue_args(dataset, "--inflight", "8")).stdout)
+    assert again["updated_settings"] == ["inflight_limit 4 -> 8"]
+    assert any("inflight_limit 4 -> 8" in w for w in again["warnings"])
