@@ -11,13 +11,45 @@ Start the generation worker with::
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 
 from synthq.config import get_settings
 
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
 
 settings = get_settings()
+
+
+def _survive_broker_loss() -> None:
+    """Keep the worker alive when Redis goes away while it holds unacknowledged messages.
+
+    With ``acks_late`` a busy worker always holds some. On a lost connection
+    Celery's consumer first collects the connection (kombu clears the
+    transport's client when the channel's close fails on the dead socket) and
+    then closes it again; that second close restores the unacknowledged
+    messages through a client it can no longer build, raises AttributeError,
+    which Celery does not catch: "Unrecoverable error", and the worker exited
+    on every Redis restart. Without a transport there is nothing to restore
+    through: the messages stay in Redis' unacked hash (redelivered after the
+    visibility timeout if Redis kept them), and SQL is the truth anyway (the
+    queued deadline resends their samples).
+    """
+    restore = kombu_redis.QoS.restore_unacked
+
+    def restore_unacked(self: Any, client: Any = None) -> Any:
+        transport = getattr(self.channel, "connection", None)
+        if client is None and getattr(transport, "client", None) is None:
+            self._delivered.clear()
+            return None
+        return restore(self, client)
+
+    kombu_redis.QoS.restore_unacked = restore_unacked
+
+
+_survive_broker_loss()
 
 # Messages go through Redis' default exchange straight to the named list, so
 # publishing does not depend on kombu's binding keys: after a `FLUSHALL` (or a
