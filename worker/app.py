@@ -26,27 +26,26 @@ settings = get_settings()
 def _survive_broker_loss() -> None:
     """Keep the worker alive when Redis goes away while it holds unacknowledged messages.
 
-    With ``acks_late`` a busy worker always holds some. On a lost connection
-    Celery's consumer first collects the connection (kombu clears the
-    transport's client when the channel's close fails on the dead socket) and
-    then closes it again; that second close restores the unacknowledged
-    messages through a client it can no longer build, raises AttributeError,
-    which Celery does not catch: "Unrecoverable error", and the worker exited
-    on every Redis restart. Without a transport there is nothing to restore
-    through: the messages stay in Redis' unacked hash (redelivered after the
-    visibility timeout if Redis kept them), and SQL is the truth anyway (the
-    queued deadline resends their samples).
+    With ``acks_late`` a busy worker always holds some. After a lost
+    connection kombu 5.7 still restores (on close) or acknowledges (when a
+    batch ends after the reconnect) those messages through their old channel,
+    whose transport is gone: the client it builds for that raises
+    AttributeError, which neither kombu nor Celery catch ("Unrecoverable
+    error"): the worker exited on every Redis restart. Raising the broker's
+    connection error instead lets both treat it as the lost connection it is.
+    The message stays in Redis' unacked hash (if Redis kept it) and is
+    redelivered after the visibility timeout, harmlessly (the claim token is
+    stale); SQL is the truth, and the queued deadline resends what is due.
     """
-    restore = kombu_redis.QoS.restore_unacked
+    create = kombu_redis.Channel._create_client
 
-    def restore_unacked(self: Any, client: Any = None) -> Any:
-        transport = getattr(self.channel, "connection", None)
-        if client is None and getattr(transport, "client", None) is None:
-            self._delivered.clear()
-            return None
-        return restore(self, client)
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if getattr(self.connection, "client", None) is None:
+            raise kombu_redis.redis.exceptions.ConnectionError(
+                "the broker connection of this channel is closed")
+        return create(self, asynchronous=asynchronous)
 
-    kombu_redis.QoS.restore_unacked = restore_unacked
+    kombu_redis.Channel._create_client = _create_client
 
 
 _survive_broker_loss()

@@ -695,8 +695,8 @@ def broker_wipe(cluster: Cluster, *, n: int = 300, limit: int = 32, down: float 
     cluster.setenv(SYNTHQ_QUEUED_TIMEOUT="30")
     sim = cluster.simulator("--latency", "0.5", "--capacity", "64")
     job_id = create_job(prompts(n, "wipe"), [sim.url], inflight_limit=limit)
-    cluster.worker(concurrency=limit)
-    cluster.beat()
+    worker = cluster.worker(concurrency=limit)
+    beat = cluster.beat()
     wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
     cluster.redis.kill()
     time.sleep(down)
@@ -730,7 +730,8 @@ def broker_wipe(cluster: Cluster, *, n: int = 300, limit: int = 32, down: float 
                    "Redis back empty -> every sample queued before it moving again",
                    stranded_queued=len(stranded), first_done_s=marks.get("first_done", 0.0),
                    oldest_queued_after_restart_s=oldest,
-                   finished_after_restart_s=time.monotonic() - restarted)
+                   finished_after_restart_s=time.monotonic() - restarted,
+                   worker_alive=worker.proc.poll() is None, beat_alive=beat.proc.poll() is None)
 
 
 def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
