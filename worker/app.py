@@ -45,7 +45,7 @@ def _survive_broker_loss() -> None:
                 "the broker connection of this channel is closed")
         return create(self, asynchronous=asynchronous)
 
-    kombu_redis.Channel._create_client = _create_client
+    kombu_redis.Channel._create_client = _create_client  # type: ignore[method-assign]
 
 
 _survive_broker_loss()

@@ -797,7 +797,7 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
                    started, took, "job duration", repaired=repaired, retry_paths=retry_paths,
                    server_down_seen=down_seen,
                    connection_outcomes=sum(1 for _, o in attempts if o == "connection"),
-                   too_large=(big.state, big.error_class, big_calls))
+                   too_large=(str(big.state), big.error_class, big_calls))
 
 
 #: Name -> scenario, in the order the bench runs them.
