@@ -222,8 +222,16 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
                 rooms[entry.url] -= len(taken)
                 free -= len(taken)
         batches = [b for b in taken_by.values() if b]
-    for batch in batches:
-        publish(batch)
+    for i, batch in enumerate(batches):
+        try:
+            publish(batch)
+        except Exception:
+            # The broker is unreachable: hand back what was not sent, so these
+            # samples do not sit queued until their deadline.
+            unsent = [(d.sample_id, d.token) for b in batches[i:] for d in b]
+            with session_scope() as s:
+                states.release(s, unsent, now=utcnow())
+            raise
     return sum(len(b) for b in batches)
 
 

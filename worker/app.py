@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, signals
+from kombu.transport import redis as kombu_redis
 
 from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
 from synthq.config import get_settings
@@ -21,6 +22,34 @@ from synthq.config import get_settings
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
 
 settings = get_settings()
+
+
+def _survive_broker_loss() -> None:
+    """Keep the worker alive when Redis goes away while it holds unacknowledged messages.
+
+    With ``acks_late`` a busy worker always holds some. After a lost
+    connection kombu 5.7 still restores (on close) or acknowledges (when a
+    batch ends after the reconnect) those messages through their old channel,
+    whose transport is gone: the client it builds for that raises
+    AttributeError, which neither kombu nor Celery catch ("Unrecoverable
+    error"): the worker exited on every Redis restart. Raising the broker's
+    connection error instead lets both treat it as the lost connection it is.
+    The message stays in Redis' unacked hash (if Redis kept it) and is
+    redelivered after the visibility timeout, harmlessly (the claim token is
+    stale); SQL is the truth, and the queued deadline resends what is due.
+    """
+    create = kombu_redis.Channel._create_client
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if getattr(self.connection, "client", None) is None:
+            raise kombu_redis.redis.exceptions.ConnectionError(
+                "the broker connection of this channel is closed")
+        return create(self, asynchronous=asynchronous)
+
+    kombu_redis.Channel._create_client = _create_client  # type: ignore[method-assign]
+
+
+_survive_broker_loss()
 
 app = Celery("synthq", broker=settings.broker_url or "redis://127.0.0.1:6379/0",
              include=["worker.tasks"])

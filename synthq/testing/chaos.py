@@ -1,0 +1,820 @@
+"""Chaos scenarios: real PostgreSQL, Redis, Celery workers and beat, killed and restarted.
+
+Each scenario runs on a :class:`Cluster` of its own: a private PostgreSQL
+cluster (``initdb`` in a temporary directory, a free port; stopped and started
+by the scenario), a private ``redis-server`` (no persistence: a restart comes
+back empty), the simulator, and real ``celery worker`` / ``celery beat``
+subprocesses pointed at them. A scenario returns a :class:`Result` with its
+recovery time and its counts of lost and doubled samples; the chaos tests
+(``tests/chaos``) assert on it and ``bench/chaos.py`` prints it.
+
+* ``lost``: samples of the job not ``done`` at the end.
+* ``doubled``: samples with more than one ``ok`` attempt (an answer paid for
+  twice and stored once).
+* ``extra_requests``: server requests beyond one per sample. A killed call is
+  paid for again by design (``kill -9``, a cut call); a database outage or a
+  broker wipe must cost none.
+
+Needs PostgreSQL's server binaries (``initdb``, ``pg_ctl``; run as the
+``postgres`` user when this process is root) and ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
+           "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
+           "broker_wipe", "payloads"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+               interval: float = 0.1, logs: Callable[[], str] | None = None) -> Any:
+    """Poll ``predicate`` until truthy; raise TimeoutError (with log tails) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}\n"
+                               + (logs() if logs else ""))
+        time.sleep(interval)
+
+
+def _pg_bindir() -> Path | None:
+    root = Path("/usr/lib/postgresql")
+    if root.is_dir():
+        for version in sorted(os.listdir(root), key=lambda v: int(v) if v.isdigit() else 0,
+                              reverse=True):
+            if (root / version / "bin" / "initdb").exists():
+                return root / version / "bin"
+    found = shutil.which("initdb")
+    return Path(found).parent if found else None
+
+
+def unavailable() -> str | None:
+    """Why the chaos scenarios cannot run here, or None."""
+    if _pg_bindir() is None:
+        return "PostgreSQL's initdb/pg_ctl are not installed"
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root without a postgres user to run initdb as"
+    if shutil.which("redis-server") is None:
+        return "redis-server is not installed"
+    return None
+
+
+# -- services --------------------------------------------------------------------------
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own (temporary directory, free port), stoppable."""
+
+    def __init__(self) -> None:
+        bindir = _pg_bindir()
+        if bindir is None:
+            raise RuntimeError("PostgreSQL's initdb is not installed")
+        self.bindir = bindir
+        self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
+        self._as_root = os.geteuid() == 0
+        if self._as_root:
+            shutil.chown(self.data, "postgres", "postgres")
+        self.port = free_port()
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-N")
+        self.admin_url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/synthq"
+        self.start()
+        from sqlalchemy import create_engine, text
+
+        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                conn.execute(text("CREATE DATABASE synthq"))
+        finally:
+            admin.dispose()
+
+    def _run(self, tool: str, *args: str, check: bool = True) -> None:
+        cmd = [str(self.bindir / tool), *args]
+        if self._as_root:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        subprocess.run(cmd, check=check, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-l", str(self.data / "log"),
+                  "-o", f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 "
+                  "-c fsync=off -c max_connections=200", "start")
+
+    def stop(self) -> None:
+        """A fast shutdown: connections are cut, the port closes."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "stop", check=False)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+class PrivateRedis:
+    """``redis-server`` on a free port without persistence: :meth:`kill` then
+    :meth:`start` gives an empty broker on the same URL."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_path = log_dir / "redis.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no", "--daemonize", "no"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+
+        wait_until(up, 20, "redis-server to answer PING")
+
+    def kill(self) -> None:
+        """SIGKILL: every message is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+    close = kill
+
+
+class Proc:
+    """A subprocess in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill9(self) -> None:
+        """SIGKILL the process group: no cleanup runs."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if not self._log.closed:
+            self._log.close()
+
+
+class Simulator(Proc):
+    def __init__(self, args: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        super().__init__(f"sim-{self.port}", [sys.executable, "-m", "synthq.cli", "simulate",
+                                              "--port", str(self.port), *args],
+                         env, log_dir / f"sim-{self.port}.log")
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"simulator exited: {self.log()}")
+            try:
+                return self.http.get("/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 30, "the simulator's /health")
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.http.get("/sim/stats").json())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.http.close()
+        super().stop(timeout)
+
+
+#: Quick clocks for everything a scenario does not measure (each overrides what it does).
+QUICK_ENV = {
+    "SYNTHQ_DISPATCH_INTERVAL": "0.5",
+    "SYNTHQ_HEARTBEAT_INTERVAL": "0.5",
+}
+
+
+class Cluster:
+    """PostgreSQL, Redis and processes of one scenario; this process's settings point at
+    them until :meth:`close` (they are restored then)."""
+
+    def __init__(self, env: dict[str, str] | None = None, *, tmp: Path | None = None) -> None:
+        self.tmp = tmp or Path(tempfile.mkdtemp(prefix="synthq-chaos-"))
+        self._own_tmp = tmp is None
+        self.procs: list[Proc] = []
+        self._saved: dict[str, str | None] = {}
+        self.pg: PrivatePostgres | None = None
+        self.redis: PrivateRedis | None = None
+        try:
+            self.pg = PrivatePostgres()
+            from synthq.migrate import upgrade
+
+            upgrade(self.pg.url)
+            self.redis = PrivateRedis(self.tmp)
+            self.setenv(SYNTHQ_DATABASE_URL=self.pg.url, SYNTHQ_BROKER_URL=self.redis.url,
+                        SYNTHQ_DATA_DIR=str(self.tmp / "data"), **QUICK_ENV, **(env or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- settings -------------------------------------------------------------------
+
+    def setenv(self, **values: str) -> None:
+        """Export settings to this process and the processes started from now on."""
+        for key, value in values.items():
+            self._saved.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        reset_process_state()
+
+    # -- processes ------------------------------------------------------------------
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra)
+        return env
+
+    def simulator(self, *args: str) -> Simulator:
+        sim = Simulator(args, self.child_env(), self.tmp)
+        self.procs.append(sim)
+        return sim
+
+    def worker(self, concurrency: int, name: str | None = None, extra: Sequence[str] = (),
+               **env: str) -> Proc:
+        name = name or f"w{sum(p.name.startswith('w') for p in self.procs)}"
+        cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "worker",
+               "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
+               "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
+               *extra]
+        proc = Proc(name, cmd, self.child_env(**env), self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def beat(self) -> Proc:
+        cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
+               "--schedule", str(self.tmp / "beat-schedule")]
+        proc = Proc("beat", cmd, self.child_env(), self.tmp / "beat.log")
+        self.procs.append(proc)
+        return proc
+
+    def logs(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log()[-chars:]}" for p in self.procs)
+
+    def wait_workers(self, n: int = 1, timeout: float = 60) -> None:
+        """Wait until ``n`` generation workers have a ``workers`` row."""
+        from sqlalchemy import func, select
+
+        from synthq.db import session_scope
+        from synthq.models import Worker
+
+        def live() -> bool:
+            with session_scope() as s:
+                return (s.scalar(select(func.count()).select_from(Worker)) or 0) >= n
+
+        wait_until(live, timeout, f"{n} worker(s) registered", interval=0.2, logs=self.logs)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.stop()
+        self.procs.clear()
+        reset_process_state()
+        if self.redis is not None:
+            self.redis.close()
+        if self.pg is not None:
+            self.pg.close()
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved.clear()
+        reset_process_state()
+        if self._own_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def reset_process_state() -> None:
+    from synthq import process
+    from synthq.config import get_settings
+    from synthq.db import dispose_engines
+    from synthq.executor import reset_default_executor
+
+    reset_default_executor()
+    get_settings.cache_clear()
+    dispose_engines()
+    process._jobs.clear()
+
+
+# -- jobs and figures --------------------------------------------------------------------
+
+
+def prompts(n: int, tag: str) -> list[str]:
+    return [f"{tag} question number {i}: explain something" for i in range(n)]
+
+
+def create_job(prompt_texts: Sequence[str], servers: Sequence[str], **fields: Any) -> int:
+    """A job with one user-message sample per prompt; returns its id."""
+    from synthq.dataset import Row
+    from synthq.db import session_scope
+    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+
+    fields.setdefault("name", "chaos")
+    fields.setdefault("model", "sim-model")
+    fields.setdefault("max_tokens", 64)
+    fields.setdefault("backoff_base", 0.1)
+    fields.setdefault("backoff_cap", 0.5)
+    spec = JobSpec(servers=list(servers), **fields)
+    with session_scope() as s:
+        job, created, _ = get_or_create_job(s, spec)
+        job_id, settings = job.id, job.generation_settings()
+    rows = [Row(i, [{"role": "user", "content": p}]) for i, p in enumerate(prompt_texts)]
+    insert_rows(job_id, settings, rows, EnqueueReport(job_id=job_id, job_name=spec.name,
+                                                      created=created))
+    return int(job_id)
+
+
+def counts(job_id: int) -> dict[str, int]:
+    from synthq.db import session_scope
+    from synthq.status import state_counts
+
+    with session_scope() as s:
+        return dict(state_counts(s, job_id))
+
+
+def ok_calls_per_sample(job_id: int) -> dict[int, int]:
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample
+
+    with session_scope() as s:
+        return {int(i): int(n) for i, n in s.execute(
+            select(Attempt.sample_id, func.count()).join(Sample, Sample.id == Attempt.sample_id)
+            .where(Sample.job_id == job_id, Attempt.outcome == "ok")
+            .group_by(Attempt.sample_id))}
+
+
+def oldest_queued(job_id: int, since: Any = None) -> float:
+    """Seconds the longest-queued sample has waited (counted from ``since`` if later)."""
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Sample
+
+    with session_scope() as s:
+        first = s.scalar(select(func.min(Sample.queued_at)).where(
+            Sample.job_id == job_id, Sample.state == "queued"))
+    if first is None:
+        return 0.0
+    if since is not None:
+        first = max(first, since)
+    return float((utcnow() - first).total_seconds())
+
+
+@dataclass
+class Result:
+    """One scenario's figures."""
+
+    scenario: str
+    #: The scenario's recovery time, in seconds (what it measures: ``recovery``).
+    recovery_s: float
+    recovery: str
+    samples: int
+    lost: int
+    doubled: int
+    extra_requests: int
+    took_s: float
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        extra = "  ".join(f"{k}={_fmt(v)}" for k, v in self.figures.items())
+        return (f"{self.scenario}: recovery {self.recovery_s:.1f} s ({self.recovery}); "
+                f"samples {self.samples}, lost {self.lost}, doubled {self.doubled}, "
+                f"extra requests {self.extra_requests}; took {self.took_s:.1f} s  {extra}")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def _result(scenario: str, job_id: int, n: int, requests: int, started: float,
+            recovery_s: float, recovery: str, **figures: Any) -> Result:
+    c = counts(job_id)
+    return Result(scenario=scenario, recovery_s=recovery_s, recovery=recovery, samples=n,
+                  lost=n - c["done"],
+                  doubled=sum(1 for v in ok_calls_per_sample(job_id).values() if v > 1),
+                  extra_requests=requests - n, took_s=time.monotonic() - started,
+                  figures=figures)
+
+
+def _poll_done(cluster: Cluster, job_id: int, n: int, timeout: float,
+               every: Callable[[], None] | None = None) -> None:
+    def done() -> bool:
+        if every is not None:
+            every()
+        return counts(job_id)["done"] >= n
+
+    wait_until(done, timeout, f"{n} samples done ({counts(job_id)})", interval=0.25,
+               logs=cluster.logs)
+
+
+# -- the scenarios -------------------------------------------------------------------------
+
+
+def database_outage(cluster: Cluster, *, outage: float = 30.0, n: int = 100,
+                    limit: int = 16) -> Result:
+    """Target 1: PostgreSQL stopped for ``outage`` seconds mid-run (1 s calls, limit 16).
+
+    Recovery: from PostgreSQL's return until work resumed, i.e. more samples
+    done than the answers the worker held in memory through the outage.
+    """
+    from synthq.db import dispose_engines
+
+    assert cluster.pg is not None
+    started = time.monotonic()
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
+    job_id = create_job(prompts(n, "outage"), [sim.url], inflight_limit=limit)
+    worker = cluster.worker(concurrency=limit)
+    cluster.beat()
+    wait_until(lambda: counts(job_id)["done"] >= 20, 90, "20 samples done", logs=cluster.logs)
+    dispose_engines()
+    cluster.pg.stop()
+    time.sleep(outage)
+    cluster.pg.start()
+    back = time.monotonic()
+    before = counts(job_id)["done"]
+    first = wait_until(lambda: counts(job_id)["done"] > before and time.monotonic(), 60,
+                       "a commit after the outage", interval=0.1, logs=cluster.logs)
+    wait_until(lambda: counts(job_id)["done"] > before + limit, 60, "work to resume",
+               interval=0.1, logs=cluster.logs)
+    resumed = time.monotonic() - back
+    _poll_done(cluster, job_id, n, 120)
+    return _result("database_outage", job_id, n, sim.stats()["requests"], started, resumed,
+                   "database back -> done beyond the answers held in memory", outage_s=outage,
+                   done_at_outage=before, first_commit_s=first - back,
+                   writer_retried="retrying" in worker.log())
+
+
+def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 8) -> Result:
+    """Target 2: ``kill -9`` of the only worker with 32 samples streaming and 32 queued in
+    messages it had taken; a new worker starts at once.
+
+    The stall timeout is 300 s (leases of 330 s), so only the missing heartbeat
+    (``SYNTHQ_WORKER_TIMEOUT``) and the queued deadline (``SYNTHQ_QUEUED_TIMEOUT``)
+    can bring them back within 30 s. The victim takes 8 messages of 8 samples
+    (``--prefetch-multiplier 2`` on 4 threads): 4 run, 4 wait in it.
+    Recovery: from the kill until none of its samples is running or queued.
+    """
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample
+
+    started = time.monotonic()
+    cluster.setenv(SYNTHQ_BATCH_SIZE=str(batch), SYNTHQ_WORKER_CAPACITY=str(limit))
+    sim = cluster.simulator("--latency", "0", "--tokens-per-second", "5",
+                            "--response-tokens", "20", "--capacity", "128")
+    job_id = create_job(prompts(n, "dead"), [sim.url], inflight_limit=limit,
+                        stall_timeout=300.0)
+    victim = cluster.worker(concurrency=4, name="victim", extra=["--prefetch-multiplier", "2"])
+    cluster.wait_workers(1)
+    cluster.beat()
+
+    def loaded() -> bool:
+        c = counts(job_id)
+        return c["running"] == limit // 2 and c["queued"] == limit // 2
+
+    wait_until(loaded, 60, "32 running and 32 queued on the victim", logs=cluster.logs)
+    wait_until(lambda: sim.stats()["active"] == limit // 2, 20, "32 streams", logs=cluster.logs)
+    time.sleep(1.0)
+    with session_scope() as s:
+        # What the victim holds: each sample's state and claim token at the kill.
+        held = {int(i): (st, tok) for i, st, tok in s.execute(
+            select(Sample.id, Sample.state, Sample.claim).where(
+                Sample.job_id == job_id, Sample.state.in_(("queued", "running"))))}
+    victim.kill9()
+    killed = time.monotonic()
+    cluster.worker(concurrency=8, name="rescuer")
+    back: dict[str, float] = {}
+
+    def reclaimed() -> bool:
+        with session_scope() as s:
+            now = {int(i): (st, tok) for i, st, tok in s.execute(
+                select(Sample.id, Sample.state, Sample.claim).where(
+                    Sample.id.in_(list(held))))}
+        for kind in ("running", "queued"):
+            left = [i for i, (st, tok) in held.items() if st == kind and now[i] == (st, tok)]
+            if not left and kind not in back:
+                back[kind] = time.monotonic() - killed
+        return len(back) == 2
+
+    wait_until(reclaimed, 90, "the dead worker's samples back to pending", interval=0.2,
+               logs=cluster.logs)
+    _poll_done(cluster, job_id, n, 120)
+    with session_scope() as s:
+        lost_calls = len(s.scalars(select(Attempt.id).where(Attempt.outcome == "lost")).all())
+    stats = sim.stats()
+    return _result("dead_worker", job_id, n, stats["requests"], started, max(back.values()),
+                   "kill -9 -> its running and queued samples back to pending",
+                   running_back_s=back["running"], queued_back_s=back["queued"],
+                   running_at_kill=sum(1 for st, _ in held.values() if st == "running"),
+                   queued_at_kill=sum(1 for st, _ in held.values() if st == "queued"),
+                   lost_attempts=lost_calls, max_requests_per_prompt=max(
+                       stats["prompts"].values()))
+
+
+def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: int = 32,
+                  hanging: int = 8) -> Result:
+    """Target 3: SIGTERM to one of two workers while every slot is busy and ``hanging``
+    of its calls hang (their first request only).
+
+    The queued deadline is 300 s here, so a sample left queued without a message
+    would show (it is not the thing rescuing it). Recovery: SIGTERM until the
+    worker exited (target: the grace period, ``SYNTHQ_SHUTDOWN_GRACE``).
+    """
+    started = time.monotonic()
+    cluster.setenv(SYNTHQ_SHUTDOWN_GRACE=str(grace), SYNTHQ_QUEUED_TIMEOUT="300",
+                   SYNTHQ_BATCH_SIZE="4")
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "128")
+    texts = prompts(n, "term")
+    for i in range(hanging):  # every 8th: spread over the batches of both workers
+        texts[i * 8] += f" [[sim:hang*1]] {i}"
+    job_id = create_job(texts, [sim.url], inflight_limit=limit, stall_timeout=8.0)
+    a = cluster.worker(concurrency=16, name="a")
+    cluster.worker(concurrency=16, name="b")
+    cluster.wait_workers(2)
+    cluster.beat()
+    wait_until(lambda: counts(job_id)["done"] >= 20 and counts(job_id)["running"] >= limit // 2,
+               60, "the run under way", logs=cluster.logs)
+    term = time.monotonic()
+    a.proc.send_signal(signal.SIGTERM)
+    a.proc.wait(grace + 60)
+    exit_s = time.monotonic() - term
+    oldest = 0.0
+
+    def watch() -> None:
+        nonlocal oldest
+        oldest = max(oldest, oldest_queued(job_id))
+
+    _poll_done(cluster, job_id, n, 120, every=watch)
+    done_s = time.monotonic() - term
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt
+
+    with session_scope() as s:
+        interrupted = s.scalar(select(func.count()).select_from(Attempt)
+                               .where(Attempt.outcome == "interrupted")) or 0
+    return _result("warm_shutdown", job_id, n, sim.stats()["requests"], started, exit_s,
+                   "SIGTERM -> worker exited", grace_s=grace, exit_code=a.proc.returncode,
+                   interrupted_calls=interrupted, oldest_queued_s=oldest,
+                   job_done_after_term_s=done_s)
+
+
+def hanging_server(cluster: Cluster, *, n: int = 60, limit: int = 8) -> Result:
+    """Target 4: a server whose ``/health`` answers but whose calls all hang, beside a good
+    one (stall timeout 1 s). Recovery: the job's duration (the issue saw 618 s)."""
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt
+
+    started = time.monotonic()
+    good = cluster.simulator("--latency", "0.05", "--capacity", "64")
+    bad = cluster.simulator("--hang-rate", "1.0", "--capacity", "64")
+    job_id = create_job(prompts(n, "hang"), [good.url, bad.url], inflight_limit=limit,
+                        stall_timeout=1.0, total_timeout=5.0, max_attempts=10)
+    cluster.worker(concurrency=32)
+    cluster.beat()
+    cluster.wait_workers(1)
+    t0 = time.monotonic()
+    _poll_done(cluster, job_id, n, 120)
+    took = time.monotonic() - t0
+    with session_scope() as s:
+        by_server = dict(s.execute(select(Attempt.server, func.count())
+                                   .group_by(Attempt.server)).all())
+        rows = s.execute(select(Attempt.sample_id, Attempt.server).order_by(Attempt.id)).all()
+    seq: dict[int, list[str]] = {}
+    for sample_id, server in rows:
+        seq.setdefault(sample_id, []).append(server)
+    retried = [v for v in seq.values() if len(v) > 1 and v[0] == bad.url]
+    again = sum(1 for v in retried if v[1] == bad.url)
+    return _result("hanging_server", job_id, n, good.stats()["requests"], started, took,
+                   "job duration with one hanging server of two",
+                   calls_to_hanging=by_server.get(bad.url, 0),
+                   calls_to_good=by_server.get(good.url, 0),
+                   retried_from_hanging=len(retried), retried_on_hanging_again=again)
+
+
+def broker_wipe(cluster: Cluster, *, n: int = 300, limit: int = 32, down: float = 3.0) -> Result:
+    """The broker wipe: Redis killed (SIGKILL) mid-run and restarted empty after ``down``
+    seconds, with the product's 30 s queued deadline.
+
+    Recovery: from the restart until no sample queued before it is still queued
+    (every stranded sample moving again); the oldest queued age after the
+    restart is the target's figure (< 60 s).
+    """
+    from sqlalchemy import select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Sample
+
+    assert cluster.redis is not None
+    started = time.monotonic()
+    cluster.setenv(SYNTHQ_QUEUED_TIMEOUT="30")
+    sim = cluster.simulator("--latency", "0.5", "--capacity", "64")
+    job_id = create_job(prompts(n, "wipe"), [sim.url], inflight_limit=limit)
+    worker = cluster.worker(concurrency=limit)
+    beat = cluster.beat()
+    wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
+    cluster.redis.kill()
+    time.sleep(down)
+    cluster.redis.start()
+    restarted, restarted_at = time.monotonic(), utcnow()
+    with session_scope() as s:
+        stranded = set(s.scalars(select(Sample.id).where(
+            Sample.job_id == job_id, Sample.state == "queued",
+            Sample.queued_at < restarted_at)))
+    before = counts(job_id)["done"]
+    marks: dict[str, float] = {}
+    oldest = 0.0
+
+    def watch() -> None:
+        nonlocal oldest
+        oldest = max(oldest, oldest_queued(job_id, since=restarted_at))
+        if "moving" not in marks:
+            with session_scope() as s:
+                left = s.scalar(select(Sample.id).where(
+                    Sample.job_id == job_id, Sample.state == "queued",
+                    Sample.queued_at < restarted_at).limit(1))
+            if left is None:
+                marks["moving"] = time.monotonic() - restarted
+        if "first_done" not in marks and counts(job_id)["done"] > before:
+            marks["first_done"] = time.monotonic() - restarted
+
+    _poll_done(cluster, job_id, n, 180, every=watch)
+    watch()
+    return _result("broker_wipe", job_id, n, sim.stats()["requests"], started,
+                   marks.get("moving", 0.0),
+                   "Redis back empty -> every sample queued before it moving again",
+                   stranded_queued=len(stranded), first_done_s=marks.get("first_done", 0.0),
+                   oldest_queued_after_restart_s=oldest,
+                   finished_after_restart_s=time.monotonic() - restarted,
+                   worker_alive=worker.proc.poll() is None, beat_alive=beat.proc.poll() is None)
+
+
+def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
+    """Target 5 through a worker: NUL, a lone surrogate and invalid UTF-8 are stored (U+FFFD)
+    and counted on the sample; an HTML body and a stream without ``[DONE]`` (twice each,
+    then a good answer) are retried as ``server_error``, and the server is never down;
+    an answer over ``max_response_bytes`` fails as ``response_too_large``.
+
+    Recovery: the job's duration."""
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.dispatch import server_is_down
+    from synthq.models import Attempt, Sample
+
+    started = time.monotonic()
+    sim = cluster.simulator("--latency", "0", "--capacity", "64")
+    faults = {"nul": 2, "surrogate": 2, "badutf8": 2}
+    retried = {"html": 3, "nodone": 3}
+    texts = prompts(n_plain, "plain")
+    texts += [f"bad {f} {i} [[sim:{f}]]" for f, k in faults.items() for i in range(k)]
+    texts += [f"junk {f} {i} [[sim:{f}*2]]" for f, k in retried.items() for i in range(k)]
+    job_id = create_job(texts, [sim.url], inflight_limit=8, max_attempts=4)
+    big_id = create_job(["a long answer please"], [sim.url], name="big", inflight_limit=8,
+                        max_response_bytes=1000)
+    cluster.worker(concurrency=8)
+    cluster.beat()
+    down_seen = 0
+
+    def watch() -> None:
+        nonlocal down_seen
+        with session_scope() as s:
+            down_seen += bool(server_is_down(s, sim.url))
+
+    t0 = time.monotonic()
+    _poll_done(cluster, job_id, len(texts), 90, every=watch)
+    wait_until(lambda: counts(big_id)["failed"] == 1, 30, "the big answer failed",
+               logs=cluster.logs)
+    took = time.monotonic() - t0
+    with session_scope() as s:
+        samples = {smp.id: smp for smp in s.scalars(select(Sample))}
+        attempts = s.execute(select(Attempt.sample_id, Attempt.outcome)
+                             .order_by(Attempt.id)).all()
+        for smp in samples.values():
+            s.expunge(smp)
+    by_sample: dict[int, list[str]] = {}
+    for sample_id, outcome in attempts:
+        by_sample.setdefault(sample_id, []).append(str(outcome))
+    kinds = {"nul": "nul", "surrogate": "surrogate", "badutf8": "invalid_utf8"}
+    def last_user(smp: Sample) -> str:
+        return str((smp.prompt or [{}])[-1].get("content", ""))
+
+    repaired = {f: sum(1 for smp in samples.values()
+                       if f"[[sim:{f}]]" in last_user(smp) and smp.state == "done"
+                       and int((smp.repairs or {}).get(kinds[f], 0)) >= 1
+                       and "\ufffd" in (smp.response_content or "")) for f in faults}
+    retry_paths = {f: sorted({",".join(by_sample.get(smp.id, [])) for smp in samples.values()
+                              if f"[[sim:{f}*2]]" in last_user(smp)})
+                   for f in retried}
+    big = next(smp for smp in samples.values() if smp.job_id == big_id)
+    big_calls = len(by_sample.get(big.id, []))
+    return _result("payloads", job_id, len(texts), sim.stats()["requests"] - big_calls,
+                   started, took, "job duration", repaired=repaired, retry_paths=retry_paths,
+                   server_down_seen=down_seen,
+                   connection_outcomes=sum(1 for _, o in attempts if o == "connection"),
+                   too_large=(str(big.state), big.error_class, big_calls))
+
+
+#: Name -> scenario, in the order the bench runs them.
+SCENARIOS: dict[str, Callable[..., Result]] = {
+    "database_outage": database_outage,
+    "dead_worker": dead_worker,
+    "warm_shutdown": warm_shutdown,
+    "hanging_server": hanging_server,
+    "broker_wipe": broker_wipe,
+    "payloads": payloads,
+}
+
+
+@contextlib.contextmanager
+def cluster(env: dict[str, str] | None = None, tmp: Path | None = None) -> Iterator[Cluster]:
+    c = Cluster(env, tmp=tmp)
+    try:
+        yield c
+    finally:
+        c.close()

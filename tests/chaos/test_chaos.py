@@ -1,0 +1,132 @@
+"""The chaos suite (issue 10): each scenario kills or restarts a real process.
+
+Every test runs on its own PostgreSQL and Redis (``conftest.py``), real
+Celery workers and beat, and the simulator; the scenarios are in
+:mod:`synthq.testing.chaos` (``bench/chaos.py`` runs the same ones and prints
+their figures). Settings are the product's defaults wherever the default is
+what is being tested (the 15 s worker timeout, the 30 s queued deadline, a 30 s
+outage), and short elsewhere. Each test prints its recovery figure
+(``pytest -s`` shows it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from synthq.testing import chaos
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def report(result: chaos.Result) -> None:
+    print("\n" + result.line())
+
+
+def test_private_services_stop_and_come_back(private_pg: chaos.PrivatePostgres,
+                                             private_redis: chaos.PrivateRedis) -> None:
+    """The fixtures themselves: PostgreSQL stops and starts with its data; Redis comes
+    back empty."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(private_pg.url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (x int)"))
+        conn.execute(text("INSERT INTO t VALUES (1)"))
+    engine.dispose()
+    private_pg.stop()
+    private_pg.start()
+    with engine.connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM t")) == 1
+    engine.dispose()
+    client = private_redis.client()
+    client.rpush("generate", b"x")
+    client.close()
+    private_redis.kill()
+    private_redis.start()
+    client = private_redis.client()
+    assert client.llen("generate") == 0
+    client.close()
+
+
+def test_database_outage_30s(cluster: chaos.Cluster) -> None:
+    """Target 1. PostgreSQL stopped for 30 s mid-run: answers that arrive meanwhile are
+    committed when it returns (not dropped and paid for again), work resumes within
+    15 s of its return, and nothing is generated twice."""
+    r = chaos.database_outage(cluster, outage=30.0, n=100)
+    report(r)
+    assert r.lost == 0 and r.doubled == 0, r
+    assert r.extra_requests == 0, r  # answers held through the outage were written
+    assert r.figures["writer_retried"], cluster.logs()  # the writer did ride it out
+    assert r.recovery_s < 15, r
+
+
+def test_dead_worker_kill9(cluster: chaos.Cluster) -> None:
+    """Target 2. kill -9 of the only worker with 32 samples streaming and 32 queued in
+    messages it had taken, leases of 330 s: its running samples come back when its
+    heartbeat stops (default 15 s), its queued ones at their deadline (default 30 s),
+    both within 30 s; a new worker finishes every sample, each answer stored once."""
+    r = chaos.dead_worker(cluster)
+    report(r)
+    assert r.figures["running_at_kill"] == 32 and r.figures["queued_at_kill"] == 32, r
+    assert r.lost == 0 and r.doubled == 0, r
+    assert r.figures["running_back_s"] < 25, r  # the heartbeat, not the 330 s lease
+    # The deadline counts from the queueing, a moment before the kill; the sweep's tick
+    # and this poll add up to a second.
+    assert r.figures["queued_back_s"] < 31, r
+    assert r.figures["lost_attempts"] == 32  # the killed calls are on record
+    assert r.extra_requests == 32 and r.figures["max_requests_per_prompt"] == 2, r
+
+
+def test_warm_shutdown_with_hanging_calls(cluster: chaos.Cluster) -> None:
+    """Target 3. SIGTERM to one of two busy workers, some of its calls hanging: it exits
+    within the grace period (3 s here), its cut calls go back to pending as
+    ``interrupted``, and with a 300 s queued deadline nothing stays queued: the job
+    finishes on the other worker."""
+    r = chaos.warm_shutdown(cluster, grace=3.0)
+    report(r)
+    assert r.figures["exit_code"] == 0, cluster.logs()
+    assert r.recovery_s < 3.0 + 5, r  # the grace, plus Celery's own shutdown
+    assert r.figures["interrupted_calls"] >= 1, r  # its hanging calls were cut
+    assert r.lost == 0 and r.doubled == 0, r
+    assert r.figures["oldest_queued_s"] < 20, r  # nothing waited on a deadline of 300 s
+    assert r.figures["job_done_after_term_s"] < 60, r
+
+
+def test_hanging_server_beside_a_good_one(cluster: chaos.Cluster) -> None:
+    """Target 4. A server that answers /health but hangs every call: after the first
+    stalls it gets one probe at a time, retried samples go to the good server, and the
+    job takes seconds (the issue measured 618 s)."""
+    r = chaos.hanging_server(cluster)
+    report(r)
+    assert r.lost == 0 and r.doubled == 0, r
+    # The first batch (the limit, 8) stalls; then one probe every PROBE_INTERVAL (2 s).
+    assert r.figures["calls_to_hanging"] <= 8 + r.recovery_s / 2.0 + 2, r
+    assert r.figures["retried_on_hanging_again"] == 0, r  # a retry prefers the other one
+    assert r.recovery_s < 40, r
+
+
+def test_broker_wipe_redis_killed_and_restarted_empty(cluster: chaos.Cluster) -> None:
+    """Redis killed mid-run and restarted empty (3 s later), the default 30 s queued
+    deadline: the worker and beat reconnect, every sample whose message died moves again,
+    none stays queued 60 s after the restart, every sample is done once."""
+    r = chaos.broker_wipe(cluster)
+    report(r)
+    assert r.figures["worker_alive"] and r.figures["beat_alive"], cluster.logs()
+    assert r.figures["stranded_queued"] > 0, r  # the wipe did strand queued samples
+    assert r.lost == 0 and r.doubled == 0 and r.extra_requests == 0, r
+    assert r.figures["oldest_queued_after_restart_s"] < 60, r
+    assert r.recovery_s < 60, r
+
+
+def test_payloads_through_a_worker(cluster: chaos.Cluster) -> None:
+    """Target 5. NUL, lone surrogates and invalid UTF-8 are stored as U+FFFD and counted;
+    an HTML body and a stream without [DONE] are retried as server_error and never mark
+    the server down; an answer over max_response_bytes fails as response_too_large."""
+    r = chaos.payloads(cluster)
+    report(r)
+    assert r.lost == 0 and r.doubled == 0, r
+    assert r.figures["repaired"] == {"nul": 2, "surrogate": 2, "badutf8": 2}, r
+    assert r.figures["retry_paths"] == {"html": ["server_error,server_error,ok"],
+                                        "nodone": ["server_error,server_error,ok"]}, r
+    assert r.figures["server_down_seen"] == 0 and r.figures["connection_outcomes"] == 0, r
+    assert r.figures["too_large"] == ("failed", "response_too_large", 1), r
