@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +45,21 @@ Write = Callable[[Session, datetime], Any]
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def _resolve(future: Future[Any], result: Any = None, *,
+             exc: BaseException | None = None) -> None:
+    """Hand a write's result to whoever waits, unless they stopped waiting (a cancelled
+    await: the write itself is committed or failed all the same)."""
+    if future.cancelled():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled meanwhile
+        pass
 
 
 class Writer:
@@ -92,7 +107,12 @@ class Writer:
                     stopping = True
                     break
                 batch.append(item)
-            self._commit(batch)
+            try:
+                self._commit(batch)
+            except Exception as exc:  # a bug: fail this batch's writes, keep the thread
+                log.exception("writer: batch of %d writes failed", len(batch))
+                for _, future in batch:
+                    _resolve(future, exc=exc)
 
     def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         deadline = time.monotonic() + self.retry_seconds
@@ -108,7 +128,7 @@ class Writer:
                     log.error("writer: database unreachable for %.0f s; dropping %d writes",
                               self.retry_seconds, len(batch))
                     for _, future in batch:
-                        future.set_exception(exc)
+                        _resolve(future, exc=exc)
                     return
                 log.warning("writer: transient database error (%s); retrying %d writes in "
                             "%.1f s", str(exc).splitlines()[0][:200], len(batch), delay)
@@ -118,7 +138,7 @@ class Writer:
             self.commits += 1
             self.writes += len(batch)
             for (_, future), result in zip(batch, results, strict=True):
-                future.set_result(result)
+                _resolve(future, result)
             return
 
     @staticmethod
@@ -136,8 +156,8 @@ class Writer:
                 if _transient(exc):  # the database went away meanwhile: the normal path
                     self._commit([(write, future)])
                     continue
-                future.set_exception(exc)
+                _resolve(future, exc=exc)
             else:
                 self.commits += 1
                 self.writes += 1
-                future.set_result(result[0])
+                _resolve(future, result[0])
