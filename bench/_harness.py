@@ -22,8 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/ first, not the repo
     sys.path.insert(0, str(REPO))
 
+from synthq.testing.procs import Proc, free_port  # noqa: E402 - after the path fix
+
 PG_ADMIN_URL = os.environ.get("SYNTHQ_BENCH_PG",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_BASE = os.environ.get("SYNTHQ_BENCH_REDIS", "redis://127.0.0.1:6379")
@@ -45,12 +45,6 @@ PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 #: Log lines worth showing after a run (they may point at bugs, not at the benchmark).
 _ALARM = re.compile(r"Traceback|\bERROR\b|\bCRITICAL\b|Exception|too many clients", re.I)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
@@ -161,55 +155,15 @@ def thread_count(pid: int) -> int:
 # --------------------------------------------------------------------------
 
 
-class Proc:
-    """A subprocess in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.cmd = cmd
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, chars: int = 3000) -> str:
-        return f"--- {self.name} ({self.log_path})\n{self.log()[-chars:]}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL it if it lingers."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
-        # The leader may be gone while group members (children) linger.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        if not self._log.closed:
-            self._log.close()
-
-
 class Simulator(Proc):
     """``python -m synthq.cli simulate`` on a free port."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        super().__init__("simulator", [sys.executable, "-m", "synthq.cli", "simulate",
-                                       "--port", str(self.port), *args],
-                         env, log_dir / "simulator.log")
+        super().__init__([sys.executable, "-m", "synthq.cli", "simulate", "--port",
+                          str(self.port), *args], env, log_dir / "simulator.log",
+                         name="simulator")
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
 
         def healthy() -> bool:
@@ -360,14 +314,14 @@ class Bench:
                "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
                "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
                *extra]
-        proc = Proc(name, cmd, self.child_env(), self.tmp / f"{name}.log")
+        proc = Proc(cmd, self.child_env(), self.tmp / f"{name}.log", name=name)
         self.procs.append(proc)
         return proc
 
     def beat(self) -> Proc:
         cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
                "--schedule", str(self.tmp / "beat-schedule")]
-        proc = Proc("beat", cmd, self.child_env(), self.tmp / "beat.log")
+        proc = Proc(cmd, self.child_env(), self.tmp / "beat.log", name="beat")
         self.procs.append(proc)
         return proc
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,13 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from synthq.testing.procs import Proc, free_port  # noqa: F401 - Proc: re-exported for tests
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Simulator:
@@ -117,38 +110,6 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
     if check:
         assert result.returncode == 0, result.stderr + result.stdout
     return result
-
-
-class Proc:
-    """A background process whose output goes to a log file."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill9(self) -> None:
-        """SIGKILL the process (and its group): no cleanup runs."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                self.kill9()
-        self._log.close()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -37,17 +37,12 @@ from typing import Any
 
 import httpx
 
+from synthq.testing.procs import REPO, Proc, free_port
+
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
            "broker_wipe", "payloads"]
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
@@ -183,53 +178,12 @@ class PrivateRedis:
     close = kill
 
 
-class Proc:
-    """A subprocess in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def kill9(self) -> None:
-        """SIGKILL the process group: no cleanup runs."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        if not self._log.closed:
-            self._log.close()
-
-
 class Simulator(Proc):
     def __init__(self, args: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        super().__init__(f"sim-{self.port}", [sys.executable, "-m", "synthq.cli", "simulate",
-                                              "--port", str(self.port), *args],
-                         env, log_dir / f"sim-{self.port}.log")
+        super().__init__([sys.executable, "-m", "synthq.cli", "simulate", "--port", str(self.port),
+                          *args], env, log_dir / f"sim-{self.port}.log")
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
 
         def healthy() -> bool:
@@ -309,14 +263,14 @@ class Cluster:
                "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
                "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO",
                *extra]
-        proc = Proc(name, cmd, self.child_env(**env), self.tmp / f"{name}.log")
+        proc = Proc(cmd, self.child_env(**env), self.tmp / f"{name}.log", name=name)
         self.procs.append(proc)
         return proc
 
     def beat(self) -> Proc:
         cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
                "--schedule", str(self.tmp / "beat-schedule")]
-        proc = Proc("beat", cmd, self.child_env(), self.tmp / "beat.log")
+        proc = Proc(cmd, self.child_env(), self.tmp / "beat.log", name="beat")
         self.procs.append(proc)
         return proc
 

@@ -1,0 +1,69 @@
+"""Subprocesses for tests, benchmarks and chaos runs: free ports and killable process groups."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+__all__ = ["REPO", "free_port", "Proc"]
+
+#: The repository root (the working directory of every process started here).
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A subprocess in its own process group, its output in a log file."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, *,
+                 name: str | None = None) -> None:
+        self.name = name or log_path.stem
+        self.cmd = cmd
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, chars: int = 3000) -> str:
+        return f"--- {self.name} ({self.log_path})\n{self.log()[-chars:]}"
+
+    def kill9(self) -> None:
+        """SIGKILL the process group: no cleanup runs."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever lingers."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        # The leader may be gone while group members (children) linger.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if not self._log.closed:
+            self._log.close()
