@@ -45,6 +45,33 @@ from _harness import (
 )
 
 
+def cycle_gaps(job_id: int) -> dict[str, float]:
+    """Medians (ms) of where a sample's time goes outside the server: queued -> claimed
+    (the broker and the claim), claimed -> call end minus the latency (the HTTP call's own
+    overhead), call end -> committed (the batch writer)."""
+    import statistics
+
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample
+
+    with session_scope() as s:
+        rows = s.execute(select(Sample.queued_at, Sample.started_at, Attempt.started_at,
+                                Attempt.ended_at, Attempt.latency_s, Sample.finished_at)
+                         .join(Attempt, Attempt.sample_id == Sample.id)
+                         .where(Sample.job_id == job_id, Attempt.outcome == "ok")).all()
+    if not rows:
+        return {}
+
+    def ms(values: list[float]) -> float:
+        return 1000 * statistics.median(values)
+
+    return {"queued->claimed": ms([(r[1] - r[0]).total_seconds() for r in rows]),
+            "call": ms([r[4] for r in rows]),
+            "call end->committed": ms([(r[5] - r[3]).total_seconds() for r in rows])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=2000)
@@ -78,6 +105,7 @@ def main() -> None:
         wall = time.time() - t0
         cpu = sum(cpu_seconds(w.pid) for w in workers) - cpu0
         stats = sim.stats()
+        gaps = cycle_gaps(report.job_id)
         times = done_times(report.job_id)
         steady, window = window_rate(times)
         overall, span = window_rate(times, 0.0, 1.0)
@@ -95,6 +123,7 @@ def main() -> None:
     print(f"wall time         {wall:.1f} s  (insert to last done)")
     print(f"workers           {args.workers} x -c {max(1, args.concurrency // args.workers)}")
     print(f"worker CPU        {cpu:.1f} s  ({1000 * cpu / max(1, c['done']):.1f} ms/sample)")
+    print("per sample, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in gaps.items()))
     summary("littles_law", {
         "samples": args.samples, "workers": args.workers, "done": c["done"], "failed": c["failed"],
         "ideal_per_s": round(ideal, 1), "steady_done_per_s": round(steady, 1),

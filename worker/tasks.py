@@ -42,7 +42,7 @@ class _Refill:
     dispatch per sample cost a quarter of a worker's CPU at 50 samples/s.)
     """
 
-    def __init__(self, interval: float = 0.02) -> None:
+    def __init__(self, interval: float = 0.005) -> None:
         self.interval = interval
         self._wake = threading.Event()
         self._lock = threading.Lock()
