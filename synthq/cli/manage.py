@@ -44,17 +44,16 @@ def requeue(
     """
     from sqlalchemy import func, select
 
-    from synthq import states
+    from synthq import service, states
     from synthq.db import utcnow
     from synthq.enqueue import JobSpec
-    from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES
     from synthq.health import check_model
     from synthq.models import Sample
 
-    known = RETRYABLE_CLASSES | PERMANENT_CLASSES
-    for c in error_class or []:
-        if c not in known:
-            raise fail(f"unknown class {c!r}; known: {', '.join(sorted(known))}")
+    try:
+        service.check_classes(error_class or [])
+    except UserError as exc:
+        raise fail(str(exc)) from None
     servers = [u.rstrip("/") for u in server] if server else None
     if model is not None or servers is not None:
         current_model, current_servers = with_job(job, lambda s, j: (j.model, list(j.servers)))
@@ -69,8 +68,7 @@ def requeue(
     def go(s, j):  # type: ignore[no-untyped-def]
         now = utcnow()
         old_model = j.model
-        n = states.requeue(s, j.id, classes=error_class or [], sample_ids=sample or [],
-                           now=now)
+        n = service.requeue(s, j, classes=error_class or [], sample_ids=sample or [])
         if model is not None or servers is not None:
             states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
         done = 0
@@ -91,19 +89,10 @@ def requeue(
 
 
 def _set_job_state(ref: str, target: str) -> None:
-    from synthq import states
-    from synthq.db import utcnow
+    from synthq import service
     from synthq.enums import JobState
 
-    def go(s, j) -> str:  # type: ignore[no-untyped-def]
-        before = str(j.state)
-        if not states.set_job_state(s, j.id, JobState(target), now=utcnow()):
-            if j.state == JobState.CANCELLED:
-                raise UserError(f"job {j.name} is cancelled; it cannot be resumed or paused")
-            raise UserError(f"job {j.name} is {before}; it cannot become {target}")
-        return before
-
-    before = with_job(ref, go)
+    before = with_job(ref, lambda s, j: service.set_job_state(s, j, JobState(target)))
     console.print(f"job {escape(ref)}: {before} → {target}")
 
 
