@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import REPO, child_env, free_port
+from support import Proc, child_env, free_port
 
 #: The token the tests' API runs with (not the .env.example placeholder).
 TOKEN = "test-token-5f0c2a9b7e41d3c8a6"
@@ -44,18 +43,14 @@ def client(api_env: str) -> Iterator[Any]:
         yield c
 
 
-class ApiServer:
+class ApiServer(Proc):
     """`synthq api` in a subprocess on a free port, its output in a log file."""
 
     def __init__(self, log_path: Path, **env: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)], cwd=REPO,
-            env=child_env(SYNTHQ_API_TOKEN=TOKEN, **env), stdout=self._log,
-            stderr=subprocess.STDOUT)
+        super().__init__([sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)],
+                         child_env(SYNTHQ_API_TOKEN=TOKEN, **env), log_path, name="api")
         deadline = time.monotonic() + 30
         while True:
             if self.proc.poll() is not None:
@@ -68,19 +63,6 @@ class ApiServer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"synthq api did not start: {self.log()}")
             time.sleep(0.1)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture
