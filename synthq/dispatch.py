@@ -18,6 +18,7 @@ returns it to ``pending``: the table is the truth, the broker carries hints.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -101,28 +102,50 @@ TRIP_AFTER = 3
 DOWN_OUTCOMES = ("connection", "stalled", "timeout")
 #: Seconds between probes of a down server.
 PROBE_INTERVAL = 2.0
+#: Longest wait between probes that a server's Retry-After can ask for.
+PROBE_INTERVAL_MAX = 60.0
+#: How :func:`synthq.inference._convert_status` names a Retry-After in the message.
+_RETRY_AFTER = re.compile(r"^HTTP \d+ \(Retry-After ([0-9.]+) s\)")
+
+
+def _is_down(outcome: str | None, message: str | None) -> bool:
+    """A call that says the server is not serving: refused, hanging, stalling, or an
+    HTTP 5xx answer (overloaded: 503 from a bounded queue or a gateway). A broken
+    stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this."""
+    if outcome in DOWN_OUTCOMES:
+        return True
+    return outcome == "server_error" and (message or "").startswith("HTTP 5")
 
 
 def server_is_down(session: Session, url: str) -> bool:
-    """True when the server's latest calls all failed to connect, stalled or timed out.
+    """True when the server's latest calls all failed to connect, stalled, timed out or
+    were answered with an HTTP 5xx.
 
     A down server gets one request at a time (a probe, at most every
-    PROBE_INTERVAL) instead of its whole limit: samples do not burn their
-    attempts on it, and the first probe that succeeds gives it its full limit
-    back. A server that answers ``/health`` but hangs every generation is
-    down too. Derived from the attempts table, so every dispatcher agrees.
+    PROBE_INTERVAL, or every Retry-After when its last answer said one) instead
+    of its whole limit: samples do not burn their attempts on it, and the first
+    probe that succeeds gives it its full limit back. A server that answers
+    ``/health`` but hangs or answers 503 to every generation is down too.
+    Derived from the attempts table, so every dispatcher agrees.
     """
     latest = session.execute(
-        select(Attempt.outcome).where(Attempt.server == url)
+        select(Attempt.outcome, Attempt.error_message).where(Attempt.server == url)
         .order_by(Attempt.id.desc()).limit(TRIP_AFTER)
-    ).scalars().all()
-    return len(latest) == TRIP_AFTER and all(o in DOWN_OUTCOMES for o in latest)
+    ).all()
+    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m in latest)
 
 
 def _probe_due(session: Session, url: str, now: datetime) -> bool:
-    last = session.scalar(select(Attempt.ended_at).where(Attempt.server == url)
-                          .order_by(Attempt.id.desc()).limit(1))
-    return last is None or (now - last).total_seconds() >= PROBE_INTERVAL
+    last = session.execute(select(Attempt.ended_at, Attempt.error_message)
+                           .where(Attempt.server == url)
+                           .order_by(Attempt.id.desc()).limit(1)).first()
+    if last is None or last[0] is None:
+        return True
+    interval = PROBE_INTERVAL
+    said = _RETRY_AFTER.match(last[1] or "")
+    if said:
+        interval = min(PROBE_INTERVAL_MAX, max(interval, float(said.group(1))))
+    return (now - last[0]).total_seconds() >= interval
 
 
 #: Advisory-lock key that serializes dispatchers (room per server and worker capacity).

@@ -10,7 +10,8 @@
         │   ├── StalledError          no streamed chunk for too long   (stalled)
         │   ├── ConnectionFailed      refused, reset, DNS, broken stream (connection)
         │   ├── RateLimited           HTTP 429, honours Retry-After    (rate_limited)
-        │   └── ServerError           HTTP >= 500, or 408/409          (server_error)
+        │   └── ServerError           HTTP >= 500, or 408/409; honours (server_error)
+        │                             Retry-After when it carries one
         └── PermanentError        retrying cannot help: fail at once
             ├── BadRequest            HTTP 4xx other than below        (bad_request)
             ├── ContextLength         prompt + max_tokens over window  (context_length)
@@ -47,6 +48,7 @@ __all__ = [
     "BoundaryUnstable",
     "MaskMismatch",
     "NoSupervisedTokens",
+    "OVERLOAD_CALLS_PER_ATTEMPT",
     "TOKENIZATION_CLASSES",
     "RETRYABLE_CLASSES",
     "PERMANENT_CLASSES",
@@ -77,6 +79,13 @@ class RetryableError(SampleError):
     retryable = True
     #: Seconds the server asked us to wait (Retry-After), if it said.
     retry_after: float | None = None
+
+    @property
+    def overload(self) -> bool:
+        """The server said "come back later" (429 or 5xx with Retry-After): it is busy,
+        not broken, so the call is not charged to the sample's max_attempts (within
+        :data:`OVERLOAD_CALLS_PER_ATTEMPT` times the budget)."""
+        return self.retry_after is not None
 
 
 class PermanentError(SampleError):
@@ -115,6 +124,10 @@ class ServerError(RetryableError):
     """The server answered with a 5xx status."""
 
     error_class = "server_error"
+
+    def __init__(self, message: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ResponseTooLarge(PermanentError):
@@ -170,6 +183,11 @@ class NoSupervisedTokens(PermanentError):
 
     error_class = "no_supervised_tokens"
 
+
+#: An overload answer (Retry-After) is not charged to max_attempts, up to this many
+#: calls per attempt of the budget in all: a server that says "later" for ever still
+#: ends the sample (default 5 attempts: 20 calls, minutes of Retry-After).
+OVERLOAD_CALLS_PER_ATTEMPT = 4
 
 #: Failures of the tokenization step: the response is stored, only the
 #: example is missing, so `retokenize` (not a new generation) repairs them.

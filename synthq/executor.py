@@ -196,21 +196,30 @@ class Executor:
                                         worker=self.name, tokenize_pool=self._tokenize_pool)
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
             log.exception("sample %s: unexpected error", c.sample_id)
-            outcome = await self._give_back(c, f"{type(exc).__name__}: {exc}")
+            outcome = await self._give_back(c, f"{type(exc).__name__}: {exc}", call)
         finally:
             del self._calls[c.sample_id]
         if self.on_finished is not None:
             self.on_finished()
         return outcome
 
-    async def _give_back(self, c: states.Claimed, why: str) -> Outcome:
+    async def _give_back(self, c: states.Claimed, why: str, call: Call | None = None) -> Outcome:
         """running → pending (due now, class ``worker_error``) after an unexpected error, so
-        the sample does not wait out its lease; LOST if even that cannot be written."""
+        the sample does not wait out its lease; LOST if even that cannot be written.
+
+        A call that was under way (it may have reached the server, and been paid for)
+        gets its attempts row, as every call does, whatever ended it."""
         message = f"unexpected error in the worker: {why}"[:2000]
+        attempt = None
+        if call is not None and call.calling:
+            attempt = dict(sample_id=c.sample_id, server=c.server, worker=self.name,
+                           started_at=call.started_at, ended_at=utcnow(),
+                           outcome="worker_error", error_message=message,
+                           latency_s=time.monotonic() - call.started_mono)
         try:
             won = await self.writer.write(lambda s, now: states.retry(
                 s, c.sample_id, c.token, now=now, next_attempt_at=now,
-                error_class="worker_error", error_message=message))
+                error_class="worker_error", error_message=message, attempt=attempt))
         except Exception:  # noqa: BLE001 - the lease is the last line of defence
             log.exception("sample %s: could not hand it back", c.sample_id)
             return Outcome.LOST

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING
-
+import httpx
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
-
-if TYPE_CHECKING:
-    import httpx
 
 from synthq.db import session_scope, utcnow
 from synthq.models import Server
@@ -44,8 +40,6 @@ def health_url(base_url: str) -> str:
 
 def probe(base_url: str, client: httpx.Client) -> str | None:
     """None when the server is healthy, else what went wrong."""
-    import httpx
-
     try:
         response = client.get(health_url(base_url), timeout=PROBE_TIMEOUT)
     except httpx.HTTPError as exc:
@@ -78,8 +72,6 @@ def check_model(servers: Iterable[str], model: str, *,
     naming the ones it serves. A server that cannot be reached may come up
     later: that is a warning, returned as a line to print.
     """
-    import httpx
-
     from synthq.errors import UserError
 
     client = client or _shared_client()
@@ -105,8 +97,6 @@ def _shared_client() -> httpx.Client:
     """One client per process: making one builds an SSL context (milliseconds of CPU)."""
     global _client
     if _client is None:
-        import httpx
-
         _client = httpx.Client()
     return _client
 

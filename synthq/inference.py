@@ -26,6 +26,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+# openai reads sys.modules["httpx"] on every response (its legacy-httpx shims): a
+# first `import httpx` in another thread (a health probe, huggingface_hub) while
+# calls run would show them a half-imported module (AttributeError, calls lost,
+# issue 18). Imported here, before any call can run, it is never half-imported.
+import httpx  # noqa: F401
 import httpx2
 import openai
 
@@ -83,15 +88,35 @@ def _is_context_length(message: str) -> bool:
 
 def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
     status = exc.status_code
-    message = f"HTTP {status}: {exc.message}"[:2000]
+    # Retry-After is honoured wherever it comes (429, and 503 from a server or a
+    # gateway with a bounded queue): it is named in the message, where the
+    # dispatcher reads it back to space its probes of that server.
+    retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
+    said = f" (Retry-After {retry_after:g} s)" if retry_after is not None else ""
+    message = f"HTTP {status}{said}: {exc.message}"[:2000]
     if status == 429:
-        retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
         return errors.RateLimited(message, retry_after)
     if status >= 500 or status in (408, 409):
-        return errors.ServerError(message)
+        return errors.ServerError(message, retry_after)
     if _is_context_length(str(exc.message)) or _is_context_length(str(exc.body)):
         return errors.ContextLength(message)
     return errors.BadRequest(message)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Class: message``, with what caused it: openai's "Connection error." alone does
+    not say whether the server closed the connection before its headers, refused it,
+    or reset it."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    for _ in range(3):
+        if cause is None:
+            break
+        said = str(cause)
+        if said and said not in text:
+            text += f" ({type(cause).__name__}: {said})"
+        cause = cause.__cause__ or cause.__context__
+    return text
 
 
 async def _sse_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
@@ -259,9 +284,8 @@ class InferenceClient:
         except (openai.APIConnectionError, httpx2.TransportError) as exc:
             if answering:  # it answered, then broke off: not an unreachable server
                 raise errors.ServerError(
-                    f"the connection broke mid-response: {type(exc).__name__}: {exc}"[:2000]
-                ) from exc
-            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}"[:2000]) from exc
+                    f"the connection broke mid-response: {_describe(exc)}"[:2000]) from exc
+            raise errors.ConnectionFailed(_describe(exc)[:2000]) from exc
         except ValueError as exc:  # JSONDecodeError, or a body that is not SSE at all
             raise errors.ServerError(f"malformed stream chunk: {exc}"[:2000]) from exc
         if not done and acc.finish_reason is None:

@@ -26,13 +26,14 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from synthq import errors, states
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
-from synthq.models import Job
+from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, pack_mask, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
@@ -268,26 +269,38 @@ async def _tokenization_failed(c: Claimed, exc: errors.PermanentError, writer: W
 async def _failure(c: Claimed, job: Job, exc: errors.SampleError, attempt: dict[str, Any],
                    writer: Writer) -> Outcome:
     message = str(exc)
-    retry = exc.retryable and c.attempts < job.max_attempts
+    # An overload answer (Retry-After) is not charged to the budget, within a cap on
+    # the sample's calls in all (counted in the write's transaction).
+    overload = isinstance(exc, errors.RetryableError) and exc.overload
+    retry = exc.retryable and (c.attempts < job.max_attempts or overload)
     delay = 0.0
     if retry:
         delay = backoff_delay(c.attempts, base=job.backoff_base, cap=job.backoff_cap,
                               retry_after=getattr(exc, "retry_after", None))
-    elif exc.retryable:
-        message = f"{message} (gave up after {c.attempts} attempts)"
+    gave_up = f"{message} (gave up after {c.attempts} attempts)" if exc.retryable else message
+    if overload:
+        gave_up = (f"{message} (gave up: overloaded for "
+                   f"{errors.OVERLOAD_CALLS_PER_ATTEMPT * job.max_attempts} calls)")
+    decided = {"retry": retry}
 
     def record(s: Session, now: datetime) -> bool:
-        if retry:
+        charge = True
+        if overload:  # this call's own row is not inserted yet: + 1
+            calls = s.scalar(select(func.count()).select_from(Attempt)
+                             .where(Attempt.sample_id == c.sample_id)) or 0
+            charge = False
+            decided["retry"] = calls + 1 < errors.OVERLOAD_CALLS_PER_ATTEMPT * job.max_attempts
+        if decided["retry"]:
             return states.retry(s, c.sample_id, c.token, now=now,
                                 next_attempt_at=now + timedelta(seconds=delay),
                                 error_class=exc.error_class, error_message=message,
-                                attempt=attempt)
+                                attempt=attempt, charge=charge)
         return states.fail(s, c.sample_id, c.token, now=now, error_class=exc.error_class,
-                           error_message=message, attempt=attempt)
+                           error_message=gave_up, attempt=attempt)
 
     if not await _write(writer, c, record):
         return Outcome.LOST
-    return Outcome.RETRY if retry else Outcome.FAILED
+    return Outcome.RETRY if decided["retry"] else Outcome.FAILED
 
 
 def process_sample(sample_id: int, token: str, *, job_id: int | None = None,

@@ -234,12 +234,17 @@ def skip(session: Session, sample_id: int, token: str, *, error_class: str, erro
 
 def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: datetime,
           error_class: str, error_message: str, now: datetime,
-          attempt: dict[str, Any] | None = None) -> bool:
-    """running → pending, due again at ``next_attempt_at`` (the retry waits in SQL)."""
+          attempt: dict[str, Any] | None = None, charge: bool = True) -> bool:
+    """running → pending, due again at ``next_attempt_at`` (the retry waits in SQL).
+
+    ``charge=False`` gives the call back to the sample's attempt budget (an
+    overload answer: the server asked us to come back later)."""
+    extra = {} if charge else {"attempts": Sample.attempts - 1}
     won = _cas(session, sample_id, [SampleState.RUNNING],
                dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
                     last_server=Sample.server, next_attempt_at=next_attempt_at,
-                    error_class=error_class, error_message=error_message, updated_at=now),
+                    error_class=error_class, error_message=error_message, updated_at=now,
+                    **extra),
                token=token)
     _attempt(session, attempt, won=won)
     return won

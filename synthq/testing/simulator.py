@@ -27,7 +27,10 @@ Run it from another process (it blocks)::
     python -m synthq.testing.simulator --port 8000 --capacity 16 --latency 0.2 --error-rate 0.05
 
 Besides the OpenAI routes it serves ``GET /sim/stats`` (counters, see
-:class:`_Stats`), ``POST /sim/reset`` (zero the counters) and ``GET /sim/config``.
+:class:`_Stats`), ``POST /sim/reset`` (zero the counters), ``GET /sim/config``
+and ``POST /sim/overload`` (``{"seconds": 30, "status": 503, "retry_after": 5}``:
+every chat call is answered with that status and Retry-After for that long,
+while ``/health`` stays 200, as a vLLM with a bounded queue or a gateway does).
 Never expose it beyond loopback; it is not a real server.
 """
 
@@ -467,6 +470,9 @@ class _Simulator:
         self._ids = itertools.count(1)
         self._id_prefix = f"chatcmpl-sim{random.getrandbits(32):08x}"
         self.started = int(time.time())
+        #: ``POST /sim/overload``: until this monotonic time, answer ``(status, retry_after)``.
+        self.overload_until = 0.0
+        self.overload: tuple[int, float | None] = (503, None)
 
     def reset(self) -> None:
         """Zero counters and directive K-counters; re-seed the fault draws."""
@@ -629,6 +635,13 @@ class _ChatCompletions:
             await _send_error(send, 404, f"The model `{request.model}` does not exist.",
                               "NotFoundError")
             return
+        if time.monotonic() < sim.overload_until:
+            status, retry = sim.overload
+            stats.faults["overload"] = stats.faults.get("overload", 0) + 1
+            extra = [(b"retry-after", f"{retry:g}".encode())] if retry is not None else []
+            await _send_error(send, status, "Server overloaded (simulated); retry later.",
+                              "ServiceUnavailableError", extra)
+            return
         if fault is not None:
             stats.faults[fault] = stats.faults.get(fault, 0) + 1
         if fault in _ERROR_FAULTS:
@@ -765,6 +778,23 @@ def build_app(config: SimConfig) -> Starlette:
         sim.reset()
         return JSONResponse(sim.stats.snapshot())
 
+    async def overload(request: Request) -> JSONResponse:
+        """Answer every chat call with ``status`` (+ Retry-After) for ``seconds``."""
+        try:
+            body = await request.json()
+            seconds = float(body.get("seconds", 30.0))
+            status = int(body.get("status", 503))
+            retry = body.get("retry_after", 5.0)
+            retry = None if retry is None else float(retry)
+        except (ValueError, TypeError, AttributeError):
+            return JSONResponse({"error": "expected {seconds, status, retry_after}"}, 400)
+        if not (seconds >= 0 and 400 <= status <= 599 and (retry is None or retry >= 0)):
+            return JSONResponse({"error": "seconds >= 0, 400 <= status <= 599, "
+                                          "retry_after >= 0 or null"}, 400)
+        sim.overload = (status, retry)
+        sim.overload_until = time.monotonic() + seconds
+        return JSONResponse({"seconds": seconds, "status": status, "retry_after": retry})
+
     async def show_config(request: Request) -> JSONResponse:
         """The running configuration."""
         return JSONResponse(asdict(config))
@@ -776,6 +806,7 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/sim/stats", stats),
         Route("/sim/reset", reset, methods=["POST"]),
         Route("/sim/config", show_config),
+        Route("/sim/overload", overload, methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -1,0 +1,111 @@
+"""Faults an independent chaos run found (issue 18), each against the real thing.
+
+Real PostgreSQL, the simulator over real HTTP, the embedded runner or the
+executor in this process. The slower, multi-process versions are in
+``tests/chaos``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from synthq.db import session_scope
+from synthq.models import Attempt, Sample
+
+pytestmark = pytest.mark.integration
+
+
+def test_overload_with_retry_after_is_ridden_out(simulator: Callable[..., Any],
+                                                 job_factory: Callable[..., Any]) -> None:
+    """A: every call answered 503 + Retry-After for 6 s (``/health`` 200). Before, 5xx
+    ignored Retry-After and spent the budget in a second: every sample failed. Now the
+    server gets one probe per Retry-After, an overload answer is not charged to the
+    budget, and every sample ends done."""
+    from synthq.embedded import run_job
+
+    sim = simulator("--latency", "0")
+    n, limit = 40, 8
+    report = job_factory([f"q{i}" for i in range(n)], servers=[sim.url], inflight_limit=limit,
+                         max_attempts=3, backoff_base=0.2, backoff_cap=0.5)
+    sim.http.post("/sim/overload", json={"seconds": 6, "status": 503, "retry_after": 1})
+    status = run_job(report.job_id)
+    assert status.counts["done"] == n, status
+    overloaded = sim.http.get("/sim/stats").json()["faults"].get("overload", 0)
+    # The first wave (the limit), then about one probe per Retry-After (1 s) for 6 s.
+    assert overloaded <= limit + 6 + 3, overloaded
+    with session_scope() as s:
+        messages = set(s.scalars(select(Attempt.error_message)
+                                 .where(Attempt.outcome == "server_error")))
+        charged = s.scalar(select(func.max(Sample.attempts))
+                           .where(Sample.job_id == report.job_id))
+    assert all(m and m.startswith("HTTP 503 (Retry-After 1 s)") for m in messages), messages
+    assert charged == 1, charged  # overload answers were not charged to the budget
+
+
+def test_overload_is_charged_in_the_end(simulator: Callable[..., Any],
+                                        job_factory: Callable[..., Any]) -> None:
+    """A server that says "later" for ever still ends the sample: after
+    OVERLOAD_CALLS_PER_ATTEMPT x max_attempts calls it fails as server_error."""
+    from synthq.errors import OVERLOAD_CALLS_PER_ATTEMPT
+    from synthq.executor import default_executor
+
+    sim = simulator("--latency", "0")
+    report = job_factory(["for ever busy"], servers=[sim.url], max_attempts=2)
+    sim.http.post("/sim/overload", json={"seconds": 600, "status": 503, "retry_after": 0})
+    from datetime import timedelta
+
+    from synthq import states
+    from synthq.db import utcnow
+
+    with session_scope() as s:
+        smp_id = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
+    for i in range(20):  # queue it by hand: the dispatcher's probe spacing is not tested here
+        with session_scope() as s:
+            now = utcnow()
+            states.queue(s, [smp_id], server=sim.url, token=f"t{i}", now=now,
+                         deadline=now + timedelta(seconds=30))
+        default_executor().run_batch([(smp_id, f"t{i}", report.job_id)])
+        with session_scope() as s:
+            smp = s.get_one(Sample, smp_id)
+            if smp.state == "failed":
+                break
+    with session_scope() as s:
+        calls = s.scalar(select(func.count()).select_from(Attempt)
+                         .where(Attempt.sample_id == smp.id))
+    assert smp.state == "failed" and smp.error_class == "server_error", smp.state
+    assert calls == OVERLOAD_CALLS_PER_ATTEMPT * 2, calls
+    assert "gave up" in (smp.error_message or "")
+
+
+def test_a_call_ended_by_a_bug_has_its_attempts_row(simulator: Callable[..., Any],
+                                                    job_factory: Callable[..., Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """D: an unexpected error during the call (the `import httpx` race raised
+    AttributeError once the server had answered) hands the sample back as worker_error;
+    the call gets its attempts row, so samples.attempts matches the rows."""
+    from synthq.dispatch import Dispatched, dispatch
+    from synthq.inference import InferenceClient
+    from synthq.process import Outcome, process_sample
+
+    sim = simulator("--latency", "0")
+    report = job_factory(["paid for"], servers=[sim.url])
+    real_chat = InferenceClient.chat
+
+    async def chat_then_break(self: InferenceClient, *args: Any, **kwargs: Any) -> Any:
+        await real_chat(self, *args, **kwargs)  # the server answered (and was paid)
+        raise AttributeError("module 'httpx' has no attribute 'Response'")
+
+    monkeypatch.setattr(InferenceClient, "chat", chat_then_break)
+    batch: list[Dispatched] = []
+    dispatch(batch.extend, job_ids=[report.job_id])
+    assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY
+    with session_scope() as s:
+        smp = s.scalars(select(Sample).where(Sample.job_id == report.job_id)).one()
+        rows = s.execute(select(Attempt.outcome, Attempt.error_message)
+                         .where(Attempt.sample_id == smp.id)).all()
+    assert (smp.state, smp.error_class, smp.attempts) == ("pending", "worker_error", 1)
+    assert len(rows) == 1 and rows[0][0] == "worker_error" and "AttributeError" in rows[0][1]
