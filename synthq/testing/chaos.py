@@ -41,7 +41,7 @@ from synthq.testing.procs import REPO, Proc, free_port
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
-           "broker_wipe", "payloads"]
+           "broker_wipe", "payloads", "overload"]
 
 
 
@@ -754,6 +754,47 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
                    too_large=(str(big.state), big.error_class, big_calls))
 
 
+def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.0,
+             n: int = 100) -> Result:
+    """Issue 18 A: the server answers every chat call 503 + ``Retry-After`` for
+    ``seconds`` while ``/health`` says 200 (a vLLM with a bounded queue, a gateway),
+    with the product's default job settings (5 attempts, backoff from 2 s, limit 64).
+
+    Recovery: from the end of the overload until every sample is done. Before the
+    fix, 5xx ignored Retry-After and the whole job failed within the overload.
+    """
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Sample
+
+    started = time.monotonic()
+    sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
+    sim.http.post("/sim/overload", json={"seconds": seconds, "status": 503,
+                                         "retry_after": retry_after}).raise_for_status()
+    overload_ends = time.monotonic() + seconds
+    job_id = create_job(prompts(n, "overload"), [sim.url], backoff_base=2.0, backoff_cap=300.0,
+                        max_attempts=5, inflight_limit=64)
+    cluster.worker(concurrency=64)
+    cluster.beat()
+
+    def settled() -> bool:
+        c = counts(job_id)
+        return c["done"] + c["failed"] >= n
+
+    wait_until(settled, seconds + 120, "every sample settled", interval=0.25, logs=cluster.logs)
+    recovered = max(0.0, time.monotonic() - overload_ends)
+    stats = sim.stats()
+    with session_scope() as s:
+        charged = s.scalar(select(func.max(Sample.attempts)).where(Sample.job_id == job_id))
+    c = counts(job_id)
+    return _result("overload", job_id, n, stats["requests"], started, recovered,
+                   "overload over -> every sample done", overload_s=seconds,
+                   retry_after_s=retry_after, failed=c["failed"],
+                   overload_answers=stats["faults"].get("overload", 0),
+                   max_attempts_charged=charged or 0)
+
+
 #: Name -> scenario, in the order the bench runs them.
 SCENARIOS: dict[str, Callable[..., Result]] = {
     "database_outage": database_outage,
@@ -762,6 +803,7 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "hanging_server": hanging_server,
     "broker_wipe": broker_wipe,
     "payloads": payloads,
+    "overload": overload,
 }
 
 

@@ -131,3 +131,17 @@ def test_payloads_through_a_worker(cluster: chaos.Cluster) -> None:
                                         "nodone": ["server_error,server_error,ok"]}, r
     assert r.figures["server_down_seen"] == 0 and r.figures["connection_outcomes"] == 0, r
     assert r.figures["too_large"] == ("failed", "response_too_large", 1), r
+
+
+def test_overload_503_retry_after_30s(cluster: chaos.Cluster) -> None:
+    """Issue 18 A. 100 samples, default job settings, every call answered 503 +
+    Retry-After: 5 for 30 s while /health is 200: every sample ends done (before, all
+    100 failed server_error within 27 s); the server got about one probe per
+    Retry-After, not its whole limit again and again."""
+    r = chaos.overload(cluster)
+    report(r)
+    assert r.figures["failed"] == 0 and r.lost == 0 and r.doubled == 0, r
+    # The first wave (the limit, 64), then one probe per Retry-After (5 s) for 30 s.
+    assert r.figures["overload_answers"] <= 64 + 30 / 5 + 3, r
+    assert r.figures["max_attempts_charged"] <= 2, r
+    assert r.recovery_s < 15, r
