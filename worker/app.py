@@ -11,10 +11,12 @@ Start the generation worker with::
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
 from synthq.config import get_settings
@@ -50,6 +52,115 @@ def _survive_broker_loss() -> None:
 
 
 _survive_broker_loss()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Redis is up but refuses writes: ``maxmemory`` under ``noeviction`` (every command
+    inside MULTI answers OOM, the ack's ZREM included), a read-only replica, or a
+    failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF)."""
+    from redis import exceptions
+
+    return isinstance(exc, exceptions.OutOfMemoryError | exceptions.ReadOnlyError) or (
+        isinstance(exc, exceptions.ResponseError) and "MISCONF" in str(exc))
+
+
+#: Whether this process last saw the broker refuse a write (one log line per episode).
+_refusing = {"now": False}
+
+
+def _note_refused(what: str, exc: BaseException) -> None:
+    if not _refusing["now"]:
+        _refusing["now"] = True
+        logging.getLogger("worker").warning(
+            "the broker refuses writes (%s: %s); carrying on: the work held is safe in SQL, "
+            "its messages are redelivered harmlessly later", what,
+            str(exc).splitlines()[0][:200])
+
+
+def _note_accepted() -> None:
+    if _refusing["now"]:
+        _refusing["now"] = False
+        logging.getLogger("worker").warning("the broker accepts writes again")
+
+
+def _survive_broker_refusing_writes() -> None:
+    """Keep the worker alive when Redis refuses writes (issue 18).
+
+    With ``maxmemory`` reached under ``noeviction`` the acknowledgement's ZREM
+    (in MULTI) answers OOM; kombu raised it, Celery logged "Unrecoverable
+    error" and the worker exited for good. The broker is only a carrier of
+    hints (SQL is the truth), so a refused write of its bookkeeping is noted
+    once and passed over, and the process's own count of unacknowledged
+    messages still moves (or it would stop consuming at its prefetch limit):
+
+    * a refused ack leaves the message in Redis' unacked hash: redelivered after
+      the visibility timeout, harmlessly (its claim token is stale);
+    * a refused entry in the unacked index (on delivery) means the message is
+      not redelivered if this worker dies: the queued deadline brings it back;
+    * a refused restore (at shutdown, or of expired unacked messages) waits for
+      the next one.
+
+    Publishing fails too while Redis refuses; the dispatcher then hands the
+    samples back to pending, and sends them once Redis accepts writes again.
+    """
+    qos = kombu_redis.QoS
+    ack, reject, append = qos.ack, qos.reject, qos.append
+    restore_by_tag, restore_visible = qos.restore_by_tag, qos.restore_visible
+
+    def safe_ack(self: Any, delivery_tag: Any) -> None:
+        try:
+            ack(self, delivery_tag)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _note_refused("acknowledgement", exc)
+            virtual.QoS.ack(self, delivery_tag)
+        else:
+            _note_accepted()
+
+    def safe_reject(self: Any, delivery_tag: Any, requeue: bool = False) -> None:
+        try:
+            reject(self, delivery_tag, requeue=requeue)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _note_refused("rejection", exc)
+            virtual.QoS.ack(self, delivery_tag)
+
+    def safe_append(self: Any, message: Any, delivery_tag: Any) -> None:
+        try:
+            append(self, message, delivery_tag)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _note_refused("unacked index", exc)
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def safe_restore_by_tag(self: Any, tag: Any, client: Any = None,
+                            leftmost: bool = False) -> None:
+        try:
+            restore_by_tag(self, tag, client=client, leftmost=leftmost)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _note_refused("restore", exc)
+
+    def safe_restore_visible(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            restore_visible(self, *args, **kwargs)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            _note_refused("restore of expired messages", exc)
+
+    qos.ack = safe_ack  # type: ignore[method-assign]
+    qos.reject = safe_reject  # type: ignore[method-assign]
+    qos.append = safe_append  # type: ignore[method-assign]
+    qos.restore_by_tag = safe_restore_by_tag  # type: ignore[method-assign]
+    qos.restore_visible = safe_restore_visible  # type: ignore[method-assign]
+
+
+_survive_broker_refusing_writes()
 
 app = Celery("synthq", broker=settings.broker_url or "redis://127.0.0.1:6379/0",
              include=["worker.tasks"])

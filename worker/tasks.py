@@ -57,14 +57,33 @@ class _Refill:
         self._wake.set()
 
     def _run(self) -> None:
+        failures = 0
         while True:
             self._wake.wait()
             self._wake.clear()
             try:
                 dispatch(publish)
-            except Exception:  # the beat tick will do it; never stop refilling
-                log.exception("refill dispatch failed")
+            except Exception as exc:  # the beat tick will do it; never stop refilling
+                if not _outage(exc):
+                    log.exception("refill dispatch failed")
+                elif not failures:  # one line per outage, not a traceback per fault
+                    log.warning("refill dispatch failed (%s: %s); retrying quietly until it "
+                                "works", type(exc).__name__, str(exc).splitlines()[0][:200])
+                failures += 1
+            else:
+                if failures:
+                    log.warning("refill dispatch works again (after %d failed tries)",
+                                failures)
+                failures = 0
             time.sleep(self.interval)
+
+
+def _outage(exc: BaseException) -> bool:
+    """A database or broker that cannot be reached or refuses writes (not a bug)."""
+    from kombu.exceptions import OperationalError as BrokerError
+    from redis.exceptions import RedisError
+
+    return isinstance(exc, DBAPIError | BrokerError | RedisError | ConnectionError | OSError)
 
 
 refill = _Refill()

@@ -41,7 +41,7 @@ from synthq.testing.procs import REPO, Proc, free_port
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
-           "broker_wipe", "payloads", "overload"]
+           "broker_wipe", "payloads", "overload", "broker_refuses_writes"]
 
 
 
@@ -174,6 +174,16 @@ class PrivateRedis:
         import redis
 
         return redis.Redis.from_url(self.url)
+
+    def refuse_writes(self, refuse: bool = True) -> None:
+        """``maxmemory`` reached under ``noeviction``: every write that may grow the data
+        (and every command inside MULTI) answers OOM; reads, pops and deletes work."""
+        client = self.client()
+        try:
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", "1" if refuse else "0")
+        finally:
+            client.close()
 
     close = kill
 
@@ -795,6 +805,40 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
                    max_attempts_charged=charged or 0)
 
 
+def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 300,
+                          limit: int = 32) -> Result:
+    """Issue 18 B: Redis reaches ``maxmemory`` under ``noeviction`` for ``refuse`` seconds
+    mid-run: acknowledgements (ZREM/HDEL in MULTI), publishes and the unacked index all
+    answer OOM. Before the fix Celery logged "Unrecoverable error" and the worker exited.
+
+    Recovery: from Redis accepting writes again until every sample is done; the
+    worker must be the same process throughout.
+    """
+    assert cluster.redis is not None
+    started = time.monotonic()
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
+    job_id = create_job(prompts(n, "oom"), [sim.url], inflight_limit=limit)
+    worker = cluster.worker(concurrency=limit)
+    beat = cluster.beat()
+    wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
+    pid = worker.proc.pid
+    cluster.redis.refuse_writes(True)
+    at_refusal = counts(job_id)["done"]
+    time.sleep(refuse)
+    alive_through = worker.proc.poll() is None
+    cluster.redis.refuse_writes(False)
+    back = time.monotonic()
+    done_during = counts(job_id)["done"] - at_refusal
+    _poll_done(cluster, job_id, n, 120)
+    return _result("broker_refuses_writes", job_id, n, sim.stats()["requests"], started,
+                   time.monotonic() - back, "Redis accepts writes again -> every sample done",
+                   refused_s=refuse, done_while_refused=done_during,
+                   worker_alive=alive_through and worker.proc.poll() is None
+                   and worker.proc.pid == pid,
+                   beat_alive=beat.proc.poll() is None,
+                   unrecoverable="Unrecoverable error" in worker.log())
+
+
 #: Name -> scenario, in the order the bench runs them.
 SCENARIOS: dict[str, Callable[..., Result]] = {
     "database_outage": database_outage,
@@ -804,6 +848,7 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "broker_wipe": broker_wipe,
     "payloads": payloads,
     "overload": overload,
+    "broker_refuses_writes": broker_refuses_writes,
 }
 
 

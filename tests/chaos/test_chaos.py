@@ -145,3 +145,16 @@ def test_overload_503_retry_after_30s(cluster: chaos.Cluster) -> None:
     assert r.figures["overload_answers"] <= 64 + 30 / 5 + 3, r
     assert r.figures["max_attempts_charged"] <= 2, r
     assert r.recovery_s < 15, r
+
+
+def test_broker_refuses_writes_20s(cluster: chaos.Cluster) -> None:
+    """Issue 18 B. Redis at maxmemory under noeviction for 20 s (the ack's ZREM answers
+    OOM): the worker survives (before: "Unrecoverable error", exit), keeps what it holds
+    safe (SQL is the truth), and the job finishes once Redis accepts writes again, on
+    the same worker process, each answer paid once."""
+    r = chaos.broker_refuses_writes(cluster)
+    report(r)
+    assert r.figures["worker_alive"] and not r.figures["unrecoverable"], r
+    assert r.figures["beat_alive"], r
+    assert r.lost == 0 and r.doubled == 0, r
+    assert r.recovery_s < 60, r
