@@ -8,8 +8,10 @@ with "database is locked" on the lock upgrade.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +27,8 @@ from sqlalchemy.orm import Session, sessionmaker
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry"]
+__all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry",
+           "disk_full", "database_location"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -110,17 +113,50 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         yield session
 
 
+def disk_full(exc: BaseException) -> bool:
+    """The database's disk is full: SQLite's SQLITE_FULL ("database or disk is full"),
+    PostgreSQL's SQLSTATE 53100 (disk_full), or ENOSPC. Not a transient error."""
+    orig = getattr(exc, "orig", None) or exc
+    if getattr(orig, "sqlstate", None) == "53100":
+        return True
+    if isinstance(orig, sqlite3.Error) and (
+            getattr(orig, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+            or "database or disk is full" in str(orig)):
+        return True
+    if isinstance(orig, OSError) and orig.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(exc)
+
+
+def database_location(url: str | None = None) -> str:
+    """Where the database keeps its files, for a message: the SQLite file's directory,
+    or the PostgreSQL server (password masked)."""
+    if url is None:
+        from synthq.config import get_settings
+
+        url = get_settings().database_url
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        return str(Path(path).resolve().parent) if path and path != ":memory:" else url
+    return f"the PostgreSQL server of {safe_url(url)}"
+
+
 def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, what: str = "database") -> T:
     """Run ``fn`` (one whole transaction), again after a transient database error.
 
     A dropped connection, a full connection table or a locked SQLite file must
     not strand a sample whose answer is in hand: 6 tries over about 6 s.
     Each try must be a complete, idempotent transaction (our CAS writes are).
+    A full disk is not transient: :class:`synthq.errors.DiskFull` at once.
     """
     for attempt in range(attempts):
         try:
             return fn()
         except (OperationalError, DBAPIError) as exc:
+            if disk_full(exc):
+                from synthq.errors import DiskFull
+
+                raise DiskFull(database_location()) from exc
             transient = isinstance(exc, OperationalError) or exc.connection_invalidated
             if not transient or attempt == attempts - 1:
                 raise

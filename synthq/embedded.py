@@ -19,12 +19,14 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from sqlalchemy.exc import DBAPIError
+
 from synthq import states
 from synthq.config import get_settings
-from synthq.db import session_scope, utcnow
+from synthq.db import database_location, disk_full, session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.enums import INFLIGHT, JobState
-from synthq.errors import UserError
+from synthq.errors import DiskFull, UserError
 from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.models import Job
@@ -66,8 +68,10 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
     # anything in flight belongs to a run that died: reclaim it now. (On a
     # shared database, workers elsewhere may hold leases: wait them out.)
     if settings.is_sqlite:
-        sweep(reclaim_all=True, job_ids=[job_id])
-    engine = Executor(capacity, on_finished=wake.set)
+        with _disk_full_stops():
+            sweep(reclaim_all=True, job_ids=[job_id])
+    with _disk_full_stops():
+        engine = Executor(capacity, on_finished=wake.set)
     # The "broker" is in-process: carrier threads hand each batch to the
     # executor's event loop and wait for it, as Celery's threads do.
     pool = ThreadPoolExecutor(max_workers=capacity, thread_name_prefix="synthq-batch")
@@ -79,6 +83,8 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 engine.submit_batch([(d.sample_id, d.token, d.job_id) for d in chunk], pool)
 
         while True:
+            if engine.writer.disk_full is not None:  # answers cannot be written: stop
+                raise DiskFull(database_location())
             probe_due(active_servers([job_id]))
             sweep(job_ids=[job_id])
             if not stop.is_set():
@@ -98,9 +104,30 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 return status
             wake.wait(timeout=settings.dispatch_interval)
             wake.clear()
+    except (DiskFull, DBAPIError) as exc:
+        if not isinstance(exc, DiskFull) and not disk_full(exc):
+            raise
+        # A full disk is not transient: stop within seconds (the calls in flight are
+        # cut and redone by the next run; done samples stay done), and say where.
+        engine.writer.abandon()
+        engine.begin_shutdown(0.0)
+        if isinstance(exc, DiskFull):
+            raise
+        raise DiskFull(database_location()) from exc
     finally:
         pool.shutdown(wait=True, cancel_futures=False)
         engine.close()
+
+
+@contextmanager
+def _disk_full_stops() -> Iterator[None]:
+    """A full disk met by a statement of the runner's own becomes :class:`DiskFull`."""
+    try:
+        yield
+    except DBAPIError as exc:
+        if not disk_full(exc):
+            raise
+        raise DiskFull(database_location()) from exc
 
 
 def _inflight(status: JobStatus) -> int:

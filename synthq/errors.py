@@ -4,6 +4,7 @@
 
     SynthqError
     ├── UserError                 bad CLI/API input: printed, never a traceback
+    │   └── DiskFull              the database's disk is full: stop, say where
     └── SampleError               one call for one sample went wrong (has a class)
         ├── RetryableError        back off and try again, up to max_attempts
         │   ├── TimeoutError_         total time budget spent          (timeout)
@@ -32,6 +33,7 @@ from __future__ import annotations
 __all__ = [
     "SynthqError",
     "UserError",
+    "DiskFull",
     "SampleError",
     "RetryableError",
     "PermanentError",
@@ -61,6 +63,18 @@ class SynthqError(Exception):
 
 class UserError(SynthqError):
     """Bad input from a user; the message says what to fix."""
+
+
+class DiskFull(UserError):
+    """The database's disk is full (SQLite "database or disk is full", PostgreSQL 53100).
+
+    Not transient: retrying fills nothing. ``synthq run`` stops with this one line;
+    workers stop claiming and hold the answers they have until space returns.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(f"disk full at {where}: free space and run the same command again")
 
 
 class SampleError(SynthqError):

@@ -33,6 +33,7 @@ from typing import Any
 from synthq import states, workers
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow, with_db_retry
+from synthq.errors import DiskFull
 from synthq.inference import InferenceClient
 from synthq.process import Call, Outcome, get_job, lease_seconds, run_claimed
 from synthq.writer import Writer
@@ -55,7 +56,10 @@ class Executor:
         self.name = name or workers.new_name()
         self.capacity = capacity
         self.on_finished = on_finished
-        self.writer = Writer(retry_seconds=settings.write_retry_seconds)
+        # Embedded (`synthq run`): a full disk is said once, by the runner; a worker logs it.
+        self.writer = Writer(retry_seconds=settings.write_retry_seconds,
+                             disk_full_level=logging.DEBUG if settings.embedded
+                             else logging.ERROR)
         self._tokenize_pool = ThreadPoolExecutor(tokenize_threads,
                                                  thread_name_prefix="synthq-tokenize")
         self._calls: dict[int, Call] = {}  # loop thread only
@@ -109,7 +113,17 @@ class Executor:
 
         # Retried through a database outage for about as long as the queued
         # deadline: past that, the sweep hands these samples out again anyway.
-        claimed = with_db_retry(claim, attempts=20, what=f"claim of {len(items)} samples")
+        # A full disk is no outage: stop claiming (and say so) until writes work again.
+        if self.writer.disk_full is not None:
+            return {i: Outcome.STALE for i, _, _ in items}
+        try:
+            claimed = with_db_retry(claim, attempts=20, what=f"claim of {len(items)} samples")
+        except DiskFull as exc:
+            if self.writer.disk_full is None:
+                log.log(self.writer.disk_full_level,
+                        "%s; not claiming until the database accepts writes again", exc)
+                self.writer.disk_full = str(exc)
+            return {i: Outcome.STALE for i, _, _ in items}
         outcomes = {i: Outcome.STALE for i, _, _ in items}
         if not claimed:
             return outcomes
@@ -162,8 +176,9 @@ class Executor:
             log.debug("closing clients failed", exc_info=True)
         try:
             self.writer.submit(lambda s, now: workers.unregister(s, self.name)).result(timeout)
-        except Exception:  # noqa: BLE001 - the row times out by itself
-            log.warning("could not unregister worker %s", self.name)
+        except Exception as exc:  # noqa: BLE001 - the row times out by itself
+            if not isinstance(exc, DiskFull):
+                log.warning("could not unregister worker %s", self.name)
         self.writer.close(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
@@ -194,6 +209,8 @@ class Executor:
         try:
             outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
                                         worker=self.name, tokenize_pool=self._tokenize_pool)
+        except DiskFull:  # nothing can be written: the lease (or the next run) brings it back
+            outcome = Outcome.LOST
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
             log.exception("sample %s: unexpected error", c.sample_id)
             outcome = await self._give_back(c, f"{type(exc).__name__}: {exc}", call)
@@ -220,8 +237,9 @@ class Executor:
             won = await self.writer.write(lambda s, now: states.retry(
                 s, c.sample_id, c.token, now=now, next_attempt_at=now,
                 error_class="worker_error", error_message=message, attempt=attempt))
-        except Exception:  # noqa: BLE001 - the lease is the last line of defence
-            log.exception("sample %s: could not hand it back", c.sample_id)
+        except Exception as exc:  # noqa: BLE001 - the lease is the last line of defence
+            if not isinstance(exc, DiskFull):
+                log.exception("sample %s: could not hand it back", c.sample_id)
             return Outcome.LOST
         return Outcome.RETRY if won else Outcome.LOST
 
@@ -248,7 +266,8 @@ class Executor:
             try:
                 held = await self.writer.write(self._keepalive_write(due, beat))
             except Exception as exc:  # noqa: BLE001 - the next round tries again
-                log.warning("heartbeat/renewal failed: %s", str(exc).splitlines()[0][:200])
+                if not isinstance(exc, DiskFull):  # said once, where it was met
+                    log.warning("heartbeat/renewal failed: %s", str(exc).splitlines()[0][:200])
                 continue
             if beat:
                 last_beat = now_mono

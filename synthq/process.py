@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from synthq import errors, states
 from synthq.config import get_settings
-from synthq.db import session_scope, utcnow, with_db_retry
+from synthq.db import disk_full, session_scope, utcnow, with_db_retry
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
 from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, pack_mask, unpack_ids
@@ -244,7 +244,11 @@ async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], b
     text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead."""
     try:
         return bool(await writer.write(fn))
+    except errors.DiskFull:
+        raise  # nothing can be written: the sample is not at fault
     except Exception as exc:  # noqa: BLE001 - recorded on the sample
+        if disk_full(exc) or getattr(writer, "disk_full", None):
+            raise
         log.warning("sample %s: write refused: %s", c.sample_id, exc)
         message = f"the result could not be stored: {type(exc).__name__}: {exc}"[:2000]
         return bool(await writer.write(lambda s, now: states.fail(

@@ -32,7 +32,8 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
-from synthq.db import session_scope, utcnow
+from synthq.db import database_location, disk_full, session_scope, utcnow
+from synthq.errors import DiskFull
 
 __all__ = ["Writer", "Write"]
 
@@ -65,8 +66,11 @@ def _resolve(future: Future[Any], result: Any = None, *,
 class Writer:
     """One thread that commits batches of writes; :meth:`submit` from any thread."""
 
-    def __init__(self, *, retry_seconds: float = 600.0, max_batch: int = 1000) -> None:
+    def __init__(self, *, retry_seconds: float = 600.0, max_batch: int = 1000,
+                 disk_full_level: int = logging.ERROR) -> None:
         self.retry_seconds = retry_seconds
+        #: Level of the one line a full disk logs (the embedded runner says it itself).
+        self.disk_full_level = disk_full_level
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[tuple[Write, Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="synthq-writer", daemon=True)
@@ -74,6 +78,9 @@ class Writer:
         #: Transactions committed and writes in them (for benchmarks and tests).
         self.commits = 0
         self.writes = 0
+        #: While the database's disk is full: the error's first line (writes wait in memory).
+        self.disk_full: str | None = None
+        self._abandoned = threading.Event()
 
     def submit(self, write: Write) -> Future[Any]:
         future: Future[Any] = Future()
@@ -83,6 +90,11 @@ class Writer:
     async def write(self, write: Write) -> Any:
         """Submit from the event loop and wait for the commit."""
         return await asyncio.wrap_future(self.submit(write))
+
+    def abandon(self) -> None:
+        """Stop holding writes for a full disk: they fail now (the process is stopping,
+        and the samples' leases, or the next run, bring them back)."""
+        self._abandoned.set()
 
     def close(self, timeout: float = 30.0) -> None:
         """Commit what is queued, then stop the thread."""
@@ -121,7 +133,22 @@ class Writer:
             try:
                 results = self._transaction([w for w, _ in batch])
             except Exception as exc:  # noqa: BLE001 - classified below
-                if not _transient(exc):
+                full = disk_full(exc)
+                if full:
+                    # Not transient, but the answers in hand are kept until space returns
+                    # (or the process stops): one line when it starts, not one per try.
+                    if self.disk_full is None:
+                        log.log(self.disk_full_level, "writer: the database's disk is full "
+                                "(%s); holding %d writes in memory until space returns",
+                                str(exc).splitlines()[0][:200], len(batch))
+                    self.disk_full = str(exc).splitlines()[0][:500]
+                    if self._abandoned.is_set():
+                        error = DiskFull(database_location())
+                        error.__cause__ = exc
+                        for _, future in batch:
+                            _resolve(future, exc=error)
+                        return
+                elif not _transient(exc):
                     self._one_by_one(batch)
                     return
                 if time.monotonic() > deadline:
@@ -130,11 +157,15 @@ class Writer:
                     for _, future in batch:
                         _resolve(future, exc=exc)
                     return
-                log.warning("writer: transient database error (%s); retrying %d writes in "
-                            "%.1f s", str(exc).splitlines()[0][:200], len(batch), delay)
-                time.sleep(delay)
+                if not full:
+                    log.warning("writer: transient database error (%s); retrying %d writes "
+                                "in %.1f s", str(exc).splitlines()[0][:200], len(batch), delay)
+                self._abandoned.wait(delay)
                 delay = min(5.0, delay * 2)
                 continue
+            if self.disk_full is not None:
+                log.log(self.disk_full_level, "writer: the database accepts writes again")
+                self.disk_full = None
             self.commits += 1
             self.writes += len(batch)
             for (_, future), result in zip(batch, results, strict=True):
