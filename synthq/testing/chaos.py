@@ -41,7 +41,7 @@ from synthq.testing.procs import REPO, Proc, free_port
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
-           "broker_wipe", "payloads", "overload", "broker_refuses_writes"]
+           "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full", "can_mount_tmpfs"]
 
 
 
@@ -839,6 +839,107 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 30
                    unrecoverable="Unrecoverable error" in worker.log())
 
 
+def can_mount_tmpfs() -> str | None:
+    """Why a size-limited tmpfs cannot be mounted here (the disk-full scenario), or None."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "mounting a size-limited tmpfs needs root"
+    probe = Path(tempfile.mkdtemp(prefix="synthq-mount-"))
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                              capture_output=True, timeout=20)
+        if done.returncode != 0:
+            return f"mount -t tmpfs failed: {done.stderr.decode(errors='replace').strip()}"
+        subprocess.run(["umount", str(probe)], capture_output=True, timeout=20)
+        return None
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def disk_full(cluster: Cluster, *, n: int = 600, size_mb: int = 12, limit: int = 16) -> Result:
+    """Issue 18 C: ``synthq run`` (embedded SQLite) on a volume that fills mid-run.
+
+    A size-limited tmpfs holds the data directory; once 50 samples are done a
+    filler file takes every free byte. ``synthq run`` must stop within 60 s with
+    one line naming the volume ("disk full at PATH: ...") and no traceback; after
+    the filler is removed the same command must finish every sample, the server
+    asked at most once per sample plus the calls that were in flight.
+    Recovery: from the volume filling until the run exited. Needs root (mount).
+    """
+    import sqlite3
+
+    started = time.monotonic()
+    vol = cluster.tmp / "vol"
+    vol.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(vol)],
+                   check=True, capture_output=True, timeout=20)
+    try:
+        sim = cluster.simulator("--latency", "0.2", "--response-tokens", "300",
+                                "--capacity", "64")
+        dataset = cluster.tmp / "prompts.jsonl"
+        import json
+
+        with open(dataset, "w") as fh:
+            for i, text in enumerate(prompts(n, "full")):
+                fh.write(json.dumps({"id": f"p{i}", "prompt": text}) + "\n")
+        env = cluster.child_env(SYNTHQ_DATA_DIR=str(vol / "data"), SYNTHQ_DATABASE_URL="",
+                                SYNTHQ_BROKER_URL="")
+        cmd = [sys.executable, "-m", "synthq.cli", "run", "-d", str(dataset), "-s", sim.url,
+               "-m", "sim-model", "--max-tokens", "400", "--inflight", str(limit), "--json"]
+        db = vol / "data" / "synthq.db"
+
+        def done() -> int:
+            try:
+                conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+                try:
+                    return int(conn.execute(
+                        "SELECT count(*) FROM samples WHERE state = 'done'").fetchone()[0])
+                finally:
+                    conn.close()
+            except sqlite3.Error:
+                return 0
+
+        first = Proc(cmd, env, cluster.tmp / "run1.log", name="run1")
+        cluster.procs.append(first)
+        wait_until(lambda: done() >= 50 or first.proc.poll() is not None, 120,
+                   "50 samples done", logs=cluster.logs)
+        filler = vol / "filler"
+        with open(filler, "wb") as fh, contextlib.suppress(OSError):
+            block = b"\0" * (64 << 10)
+            while True:
+                fh.write(block)
+                fh.flush()
+        filled = time.monotonic()
+        code = first.proc.wait(120)
+        stopped_s = time.monotonic() - filled
+        out1 = first.log()
+        at_stop = done()
+        filler.unlink()
+        requests_before = sim.stats()["requests"]
+        second = Proc(cmd, env, cluster.tmp / "run2.log", name="run2")
+        cluster.procs.append(second)
+        code2 = second.proc.wait(180)
+        out2 = second.log()
+        final = done()
+        requests = sim.stats()["requests"]
+        last_line = out1.strip().splitlines()[-1] if out1.strip() else ""
+        return Result(scenario="disk_full", recovery_s=stopped_s,
+                      recovery="volume full -> `synthq run` exited", samples=n,
+                      lost=n - final, doubled=0, extra_requests=requests - n,
+                      took_s=time.monotonic() - started,
+                      figures=dict(exit_code=code, rerun_exit_code=code2,
+                                   done_at_stop=at_stop, traceback="Traceback" in out1 + out2,
+                                   message=last_line[:300],
+                                   lines_after_fill=len([x for x in out1.splitlines()
+                                                         if x.strip()]),
+                                   requests_first_run=requests_before, inflight_limit=limit))
+    finally:
+        for p in list(cluster.procs):
+            if p.name.startswith("run"):
+                with contextlib.suppress(Exception):
+                    p.stop()
+        subprocess.run(["umount", "-l", str(vol)], capture_output=True, timeout=20)
+
+
 #: Name -> scenario, in the order the bench runs them.
 SCENARIOS: dict[str, Callable[..., Result]] = {
     "database_outage": database_outage,
@@ -849,6 +950,7 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "payloads": payloads,
     "overload": overload,
     "broker_refuses_writes": broker_refuses_writes,
+    "disk_full": disk_full,
 }
 
 

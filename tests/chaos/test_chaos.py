@@ -158,3 +158,22 @@ def test_broker_refuses_writes_20s(cluster: chaos.Cluster) -> None:
     assert r.figures["beat_alive"], r
     assert r.lost == 0 and r.doubled == 0, r
     assert r.recovery_s < 60, r
+
+
+def test_disk_full_stops_synthq_run_and_the_rerun_finishes(cluster: chaos.Cluster) -> None:
+    """Issue 18 C. `synthq run` on a SQLite volume that fills mid-run stops within 60 s
+    (seconds, in fact) with one line naming the volume and no traceback (before: a
+    crash in sweep(), 90 s of retries, a traceback); with space freed, the same command
+    finishes every sample, asking the server at most once per sample plus the calls
+    that were in flight."""
+    reason = chaos.can_mount_tmpfs()
+    if reason:
+        pytest.skip(reason)
+    r = chaos.disk_full(cluster)
+    report(r)
+    assert r.figures["exit_code"] != 0 and not r.figures["traceback"], cluster.logs()
+    assert r.figures["message"].startswith("error: disk full at "), r
+    assert "free space and run the same command again" in r.figures["message"], r
+    assert r.recovery_s < 60, r
+    assert r.figures["rerun_exit_code"] == 0 and r.lost == 0, cluster.logs()
+    assert r.extra_requests <= r.figures["inflight_limit"], r
