@@ -107,8 +107,26 @@ def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> 
 
 def _insert_attempts(session: Session) -> None:
     rows = session.info.pop("synthq_attempts", [])
+    if any(r.get("outcome") == "lost" for r in rows):
+        rows = [r for r in rows if r.get("outcome") != "lost" or not _logged_by_sweep(session, r)]
     if rows:
         _exec(session, insert(Attempt), rows)
+
+
+def _logged_by_sweep(session: Session, row: dict[str, Any]) -> bool:
+    """Whether the sweep already logged this call as ``lost`` (it reclaimed the sample from
+    a silent worker, which then woke and found its lease gone): one row per cut call.
+
+    The sweep's row starts at the claim (the worker's own clock), a moment before the
+    worker's; a later claim of the same sample by the same worker starts after it."""
+    started = row.get("started_at")
+    if started is None:
+        return False
+    return _exec(session, select(Attempt.id).where(
+        Attempt.sample_id == row["sample_id"], Attempt.worker == row.get("worker"),
+        Attempt.outcome == "lost",
+        Attempt.started_at.between(started - timedelta(seconds=120),
+                                   started + timedelta(seconds=1))).limit(1)).first() is not None
 
 
 # -- dispatch and claim ----------------------------------------------------------------

@@ -109,3 +109,48 @@ def test_a_call_ended_by_a_bug_has_its_attempts_row(simulator: Callable[..., Any
                          .where(Attempt.sample_id == smp.id)).all()
     assert (smp.state, smp.error_class, smp.attempts) == ("pending", "worker_error", 1)
     assert len(rows) == 1 and rows[0][0] == "worker_error" and "AttributeError" in rows[0][1]
+
+
+@pytest.mark.parametrize("waking", ["result", "renewal"])
+def test_a_call_cut_by_the_sweep_is_lost_once(job_factory: Callable[..., Any],
+                                              waking: str) -> None:
+    """E: a worker silent past worker_timeout (SIGSTOP) has its sample reclaimed; the sweep
+    logs the call as lost. When the worker wakes (SIGCONT) and finds its lease gone (its
+    result's compare-and-set fails, or its renewal cancels the call), it logged the
+    same call as lost again: 2 rows for 1 call. Now one."""
+    from datetime import timedelta
+
+    from synthq import states
+    from synthq.db import utcnow
+
+    report = job_factory(["stopped mid-call"], servers=["http://127.0.0.1:9/v1"])
+    t0 = utcnow()
+    with session_scope() as s:
+        smp_id = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
+        states.queue(s, [smp_id], server="http://127.0.0.1:9/v1", token="q", now=t0,
+                     deadline=t0 + timedelta(seconds=30))
+        [claimed] = states.claim_batch(s, [(smp_id, "q")], new_token="c", worker="w-stopped",
+                                       lease_until=t0 + timedelta(seconds=300), now=t0)
+    with session_scope() as s:  # the sweep, 20 s on: w-stopped never heart-beat
+        moved = states.expire(s, now=t0 + timedelta(seconds=20), worker_timeout=15.0)
+    assert moved == [(smp_id, "pending")]
+    call = dict(sample_id=smp_id, server=claimed.server, worker="w-stopped",
+                started_at=t0 + timedelta(milliseconds=5), ended_at=t0 + timedelta(seconds=25),
+                outcome="ok", error_message=None, latency_s=25.0)
+    with session_scope() as s:  # the worker wakes
+        if waking == "result":
+            assert not states.complete(s, smp_id, claimed.token, now=utcnow(), attempt=call,
+                                       response_content="late")
+        else:
+            states.lose(s, attempt=call)
+    with session_scope() as s:
+        lost = s.scalars(select(Attempt.error_message).where(
+            Attempt.sample_id == smp_id, Attempt.outcome == "lost")).all()
+    assert lost == ["the worker stopped reporting during the call"], lost
+    # A later call of the same sample by the same worker, lost too, is a call of its own.
+    later = dict(call, started_at=t0 + timedelta(seconds=200))
+    with session_scope() as s:
+        states.lose(s, attempt=later)
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(Attempt).where(
+            Attempt.sample_id == smp_id, Attempt.outcome == "lost")) == 2
