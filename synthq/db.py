@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry",
-           "disk_full", "database_location"]
+           "disk_full", "database_location", "CLAIM_PATH_ATTEMPTS"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -139,6 +139,13 @@ def database_location(url: str | None = None) -> str:
         path = url.split("///", 1)[-1]
         return str(Path(path).resolve().parent) if path and path != ":memory:" else url
     return f"the PostgreSQL server of {safe_url(url)}"
+
+
+#: Tries of every statement on a worker's claim path (the job's settings, the claim, a
+#: release): about 31 s, as long as the queued deadline, past which the sweep hands the
+#: samples out again anyway. One policy, so that no read there gives up before the
+#: claim would have (a job read that gave up after 3 s left its samples queued).
+CLAIM_PATH_ATTEMPTS = 20
 
 
 def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, what: str = "database") -> T:

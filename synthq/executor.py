@@ -32,7 +32,7 @@ from typing import Any
 
 from synthq import states, workers
 from synthq.config import get_settings
-from synthq.db import session_scope, utcnow, with_db_retry
+from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
 from synthq.errors import DiskFull
 from synthq.inference import InferenceClient
 from synthq.process import Call, Outcome, get_job, lease_seconds, run_claimed
@@ -95,7 +95,7 @@ class Executor:
                 with session_scope() as s:
                     return states.release(s, [(i, t) for i, t, _ in items], now=utcnow())
 
-            with_db_retry(release, what="release on shutdown")
+            with_db_retry(release, attempts=CLAIM_PATH_ATTEMPTS, what="release on shutdown")
             return {i: Outcome.STALE for i, _, _ in items}
         job_ids = {j for _, _, j in items if j is not None}
         # The message names the jobs, so the lease is theirs from the start
@@ -117,7 +117,8 @@ class Executor:
         if self.writer.disk_full is not None:
             return {i: Outcome.STALE for i, _, _ in items}
         try:
-            claimed = with_db_retry(claim, attempts=20, what=f"claim of {len(items)} samples")
+            claimed = with_db_retry(claim, attempts=CLAIM_PATH_ATTEMPTS,
+                                    what=f"claim of {len(items)} samples")
         except DiskFull as exc:
             if self.writer.disk_full is None:
                 log.log(self.writer.disk_full_level,

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from synthq import errors, states
 from synthq.config import get_settings
-from synthq.db import disk_full, session_scope, utcnow, with_db_retry
+from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
 from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, pack_mask, unpack_ids
@@ -78,7 +78,7 @@ def get_job(job_id: int) -> Job:
             s.expunge(job)
             return job
 
-    job = with_db_retry(load, what=f"job {job_id}")
+    job = with_db_retry(load, attempts=CLAIM_PATH_ATTEMPTS, what=f"job {job_id}")
     _jobs[job_id] = (now, job)
     return job
 

@@ -154,3 +154,34 @@ def test_a_call_cut_by_the_sweep_is_lost_once(job_factory: Callable[..., Any],
     with session_scope() as s:
         assert s.scalar(select(func.count()).select_from(Attempt).where(
             Attempt.sample_id == smp_id, Attempt.outcome == "lost")) == 2
+
+
+def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
+        job_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: through a database outage get_job() gave up after 6 tries (~3 s) where the claim
+    it precedes retries 20 (~31 s): its samples then waited for the queued deadline. One
+    policy now: a read that fails 10 times in a row still succeeds."""
+    from contextlib import contextmanager
+
+    from sqlalchemy.exc import OperationalError
+
+    from synthq import process
+    from synthq.db import CLAIM_PATH_ATTEMPTS
+
+    report = job_factory(["x"])
+    real = process.session_scope
+    failures = {"left": 10}
+
+    @contextmanager
+    def flaky() -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OperationalError("SELECT", {}, Exception("connection refused"))
+        with real() as s:
+            yield s
+
+    monkeypatch.setattr(process, "session_scope", flaky)
+    monkeypatch.setattr("synthq.db.time.sleep", lambda _s: None)
+    process._jobs.clear()
+    assert process.get_job(report.job_id).id == report.job_id
+    assert failures["left"] == 0 and CLAIM_PATH_ATTEMPTS > 10
