@@ -41,7 +41,8 @@ from synthq.testing.procs import REPO, Proc, free_port
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
-           "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full", "can_mount_tmpfs"]
+           "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full",
+           "can_mount_tmpfs"]
 
 
 
