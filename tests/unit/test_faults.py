@@ -59,10 +59,16 @@ def test_connection_closed_before_the_headers_is_named() -> None:
     port = server.getsockname()[1]
 
     def serve() -> None:
-        for _ in range(1):
-            conn, _ = server.accept()
-            conn.recv(65536)
-            conn.close()
+        conn, _ = server.accept()
+        data = b""
+        while b"\r\n\r\n" not in data:  # the whole request, so the close is a FIN, not RST
+            data += conn.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:
+            body += conn.recv(65536)
+        conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -114,3 +120,83 @@ def test_import_httpx_in_another_thread_during_calls() -> None:
                              timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == "failed 0 []", out.stdout
+
+
+def _full(kind: str) -> Exception:
+    import sqlite3
+
+    import psycopg.errors
+    from sqlalchemy.exc import OperationalError
+
+    if kind == "sqlite":
+        return OperationalError("INSERT", {}, sqlite3.OperationalError("database or disk is full"))
+    return OperationalError("INSERT", {}, psycopg.errors.DiskFull(
+        "could not extend file \"base/16384/2619\": No space left on device"))
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_disk_full_is_recognised_and_not_retried(kind: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """C: SQLite's "database or disk is full" and PostgreSQL's 53100 are not transient:
+    with_db_retry raises DiskFull at once (before: retried as an outage)."""
+    from sqlalchemy.exc import OperationalError
+
+    from synthq.db import disk_full, with_db_retry
+
+    assert disk_full(_full(kind))
+    assert not disk_full(OperationalError("SELECT", {}, Exception("connection refused")))
+    monkeypatch.setenv("SYNTHQ_DATABASE_URL", "sqlite:////data/volume/synthq.db")
+    from synthq.config import get_settings
+
+    get_settings.cache_clear()
+    tries = []
+
+    def write() -> None:
+        tries.append(1)
+        raise _full(kind)
+
+    try:
+        with pytest.raises(errors.DiskFull, match="^disk full at /data/volume: free space and "
+                                                  "run the same command again$"):
+            with_db_retry(write, attempts=20)
+    finally:
+        get_settings.cache_clear()
+    assert len(tries) == 1
+
+
+def test_writer_holds_answers_through_a_full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """C: the batch writer keeps the writes in hand while the disk is full (says so once,
+    in ``disk_full``), commits them when space returns; ``abandon()`` fails them at once."""
+    import time
+
+    from synthq.writer import Writer
+
+    full = {"left": 3}
+    committed: list[list[object]] = []
+
+    def transaction(writes: list[object]) -> list[object]:
+        if full["left"]:
+            full["left"] -= 1
+            raise _full("postgresql")
+        committed.append(writes)
+        return [True for _ in writes]
+
+    monkeypatch.setattr(Writer, "_transaction", staticmethod(transaction))
+    writer = Writer(retry_seconds=60)
+    try:
+        future = writer.submit(lambda s, now: True)
+        deadline = time.monotonic() + 5
+        while writer.disk_full is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.disk_full and "53100" not in writer.disk_full  # the message, not a code
+        assert future.result(timeout=10) is True  # written once space returned
+        assert writer.disk_full is None and len(committed) == 1
+        full["left"] = 10**6
+        held = writer.submit(lambda s, now: True)
+        while writer.disk_full is None:
+            time.sleep(0.01)
+        writer.abandon()
+        with pytest.raises(errors.DiskFull):
+            held.result(timeout=10)
+    finally:
+        writer.close(timeout=10)
