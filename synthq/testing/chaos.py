@@ -879,9 +879,8 @@ def disk_full(cluster: Cluster, *, n: int = 600, size_mb: int = 12, limit: int =
         dataset = cluster.tmp / "prompts.jsonl"
         import json
 
-        with open(dataset, "w") as fh:
-            for i, text in enumerate(prompts(n, "full")):
-                fh.write(json.dumps({"id": f"p{i}", "prompt": text}) + "\n")
+        dataset.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n"
+                                   for i, text in enumerate(prompts(n, "full"))))
         env = cluster.child_env(SYNTHQ_DATA_DIR=str(vol / "data"), SYNTHQ_DATABASE_URL="",
                                 SYNTHQ_BROKER_URL="")
         cmd = [sys.executable, "-m", "synthq.cli", "run", "-d", str(dataset), "-s", sim.url,
