@@ -42,7 +42,7 @@ from synthq.testing.procs import REPO, Proc, free_port
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
            "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full",
-           "can_mount_tmpfs"]
+           "can_mount_tmpfs", "REQUIRES"]
 
 
 
@@ -952,6 +952,10 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "broker_refuses_writes": broker_refuses_writes,
     "disk_full": disk_full,
 }
+
+
+#: Scenarios that need more than PostgreSQL and Redis: name -> why not here (or None).
+REQUIRES: dict[str, Callable[[], str | None]] = {"disk_full": can_mount_tmpfs}
 
 
 @contextlib.contextmanager
