@@ -111,6 +111,9 @@ def get_job(job: JobDep, session: SessionDep) -> JobDetail:
     data["servers"] = [safe_url(s) for s in data["servers"]]
     data["inflight"] = {safe_url(k): v for k, v in data["inflight"].items()}
     data["unhealthy"] = {safe_url(k): v and safe_url(v) for k, v in data["unhealthy"].items()}
+    data["limits"] = {safe_url(k): v for k, v in data["limits"].items()}
+    if data["cost"]:
+        data["cost"]["servers"] = {safe_url(k): v for k, v in data["cost"]["servers"].items()}
     return JobDetail(**{k: v for k, v in data.items() if k in JobDetail.model_fields
                         and k != "workers"},
                      workers=[asdict(w) for w in workers])
