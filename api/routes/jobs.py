@@ -147,6 +147,19 @@ def cancel(job: JobRef) -> JobStateChange:
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,
              summary="Failed samples (all, of some classes, or by id) back to pending")
 def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
+    limits = None
+    if body.inflight is not None or body.max_inflight is not None or \
+            body.min_inflight is not None:
+        from synthq import states
+        from synthq.enqueue import inflight_settings
+        from synthq.errors import UserError
+
+        if body.inflight is None:
+            raise UserError("max_inflight and min_inflight go with inflight=auto")
+        limits = inflight_settings(body.inflight, body.max_inflight, body.min_inflight)
     with session_scope() as s:
-        return RequeueResult(requeued=service.requeue(
-            s, job_or_404(s, job), classes=body.classes, sample_ids=body.sample_ids))
+        j = job_or_404(s, job)
+        n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids)
+        if limits is not None:
+            states.update_job(s, j, limits, now=utcnow())
+        return RequeueResult(requeued=n)
