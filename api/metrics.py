@@ -33,6 +33,7 @@ class SqlCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         with session_scope() as s:
             snap = query.metrics_snapshot(s)
+            costs = query.cost_snapshot(s)
         samples = GaugeMetricFamily("synthq_samples", "Samples by job and state.",
                                     labels=["job", "state"])
         for (job, state), n in sorted(snap.samples.items()):
@@ -87,6 +88,33 @@ class SqlCollector(Collector):
         yield beat
         yield capacity
         yield held
+        yield from _limits_and_cost(costs)
+
+
+def _limits_and_cost(snap: query.CostSnapshot) -> Iterator[Metric]:
+    limit = GaugeMetricFamily("synthq_server_limit", "The adaptive in-flight limit of a "
+                              "server (--inflight auto).", labels=["server"])
+    for server, n in sorted(snap.limits.items()):
+        limit.add_metric([server], n)
+    yield limit
+    families = {
+        "busy_s": ("synthq_job_busy_seconds", "Seconds with a call of the job in flight, "
+                   "summed over servers."),
+        "gpu_hours": ("synthq_job_gpu_hours", "Busy server time × GPUs per server."),
+        "tokens": ("synthq_job_generated_tokens", "Completion tokens of the job's ok calls."),
+        "tokens_per_s": ("synthq_job_tokens_per_second", "Generated tokens per busy second."),
+        "dollars": ("synthq_job_dollars", "GPU-hours × price (with a GPU-hour price)."),
+        "dollars_per_mtok": ("synthq_job_dollars_per_million_tokens",
+                             "Dollars per 1M generated tokens."),
+        "remaining_dollars": ("synthq_job_projected_remaining_dollars",
+                              "Projected cost of the remaining samples."),
+    }
+    for key, (name, doc) in families.items():
+        gauge = GaugeMetricFamily(name, doc, labels=["job"])
+        for job, cost in sorted(snap.costs.items()):
+            if cost.get(key) is not None:
+                gauge.add_metric([job], float(cost[key]))
+        yield gauge
 
 
 def registry() -> CollectorRegistry:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from synthq.enqueue import JobSpec
+from synthq.enqueue import JobSpec, inflight_settings
 
 
 class JobSettings(BaseModel):
@@ -28,7 +28,15 @@ class JobSettings(BaseModel):
     max_attempts: int = 5
     backoff_base: float = 2.0
     backoff_cap: float = 300.0
-    inflight: int = Field(64, description="Most requests in flight per server.")
+    inflight: int | Literal["auto"] = Field(64, description="Most requests in flight per "
+                                            "server, or `auto` (adaptive, per server).")
+    max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap per "
+                                     "server [default: 256].")
+    min_inflight: int | None = Field(None, description="With inflight=auto: the floor per "
+                                     "server [default: 4].")
+    gpus: int = Field(1, description="GPUs behind each server (cost report).")
+    gpu_hour_price: float | None = Field(None, description="Dollars per GPU-hour [default: "
+                                         "SYNTHQ_GPU_HOUR_PRICE].")
     keep_truncated: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     extra_body: dict[str, Any] = Field(default_factory=dict)
@@ -61,7 +69,9 @@ class JobSettings(BaseModel):
             sampling=sampling, extra_body=body, total_timeout=self.timeout,
             stall_timeout=self.stall_timeout, max_attempts=self.max_attempts,
             backoff_base=self.backoff_base, backoff_cap=self.backoff_cap,
-            inflight_limit=self.inflight, keep_truncated=self.keep_truncated,
+            **inflight_settings(self.inflight, self.max_inflight, self.min_inflight),
+            gpus=self.gpus, gpu_hour_price=self.gpu_hour_price,
+            keep_truncated=self.keep_truncated,
             tokenizer=self.tokenizer, chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
             reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
@@ -142,6 +152,12 @@ class JobDetail(BaseModel):
     num_tokens: int
     num_supervised: int
     workers: list[WorkerPublic]
+    #: Each server's in-flight limit: limit, auto, reason of its last change, floor, cap,
+    #: history ``[[unix time, limit, tok/s, done/s], ...]``.
+    limits: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: The cost report: busy_s, gpu_hours, tokens, tokens_per_s, dollars,
+    #: dollars_per_mtok, remaining_s, remaining_dollars, servers.
+    cost: dict[str, Any] = Field(default_factory=dict)
 
 
 class JobStateChange(BaseModel):
@@ -157,6 +173,10 @@ class RequeueRequest(BaseModel):
     classes: list[str] = Field(default_factory=list, description="Only failures of these "
                                "classes (timeout, server_error, ...).")
     sample_ids: list[int] = Field(default_factory=list, description="Only these samples.")
+    inflight: int | Literal["auto"] | None = Field(None, description="The servers' in-flight "
+                                                   "limit from now on: a number or `auto`.")
+    max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap.")
+    min_inflight: int | None = Field(None, description="With inflight=auto: the floor.")
 
 
 class RequeueResult(BaseModel):

@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     #: ``train`` message is sent again (it may have died with the broker).
     train_lease: float = 120.0
     train_resend_after: float = 900.0
+    #: Dollars per GPU-hour for the cost report of jobs enqueued without --gpu-hour-price.
+    gpu_hour_price: float | None = None
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

@@ -72,17 +72,33 @@ class _Server:
 
 
 def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
-    query = select(Job.id, Job.servers, Job.inflight_limit).where(Job.state == JobState.ACTIVE)
+    query = select(Job.id, Job.servers, Job.inflight_limit, Job.inflight_auto,
+                   Job.min_inflight).where(Job.state == JobState.ACTIVE)
     if job_ids is not None:
         query = query.where(Job.id.in_(job_ids))
     servers: dict[str, _Server] = {}
-    for job_id, urls, limit in session.execute(query):
+    auto: dict[str, tuple[int, int]] = {}
+    for job_id, urls, limit, is_auto, floor in session.execute(query):
         for url in urls:
             entry = servers.setdefault(url, _Server(url, limit))
             # Two jobs on one server: the stricter limit holds for both.
             entry.limit = min(entry.limit, limit)
             entry.job_ids.append(job_id)
             entry.shared = entry.shared or len(urls) > 1
+            if is_auto:
+                old = auto.get(url)
+                auto[url] = (floor, limit) if old is None else (min(old[0], floor),
+                                                                min(old[1], limit))
+    if auto:
+        # --inflight auto: the server's adaptive limit (synthq.adaptive), within the cap.
+        from synthq.adaptive import current_limits, start_limit
+
+        rows = current_limits(session, list(auto))
+        for url, (floor, cap) in auto.items():
+            row = rows.get(url)
+            adaptive = row.limit_target if row is not None and row.limit_target is not None \
+                else start_limit(min(floor, cap), cap)
+            servers[url].limit = min(servers[url].limit, adaptive)
     return list(servers.values())
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from sqlalchemy.exc import DBAPIError
 
 from synthq import states
+from synthq.adaptive import tick as adapt
 from synthq.config import get_settings
 from synthq.db import database_location, disk_full, session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
@@ -89,8 +90,9 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             sweep(job_ids=[job_id])
             if not stop.is_set():
                 dispatch(publish, job_ids=[job_id])
+            adapt(job_ids=[job_id])  # --inflight auto: about once a second
             with session_scope() as s:
-                status = job_status(s, s.get_one(Job, job_id))
+                status = job_status(s, s.get_one(Job, job_id), cost=False)
             if status.finished:
                 # Every sample is terminal: the job holds no server's limit any more.
                 with session_scope() as s:
@@ -98,10 +100,10 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                         status = replace(status, state=str(JobState.FINISHED))
             if on_tick:
                 on_tick(status)
-            if status.finished or (stop.is_set() and not _inflight(status)):
-                return status
-            if status.state != JobState.ACTIVE and not _inflight(status):
-                return status
+            if status.finished or (stop.is_set() and not _inflight(status)) or \
+                    (status.state != JobState.ACTIVE and not _inflight(status)):
+                with session_scope() as s:  # the full report, cost included
+                    return replace(job_status(s, s.get_one(Job, job_id)), state=status.state)
             wake.wait(timeout=settings.dispatch_interval)
             wake.clear()
     except (DiskFull, DBAPIError) as exc:

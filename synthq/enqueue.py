@@ -41,10 +41,43 @@ from synthq.models import Job, Sample
 from synthq.states import SampleState
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
-           "find_job"]
+           "find_job", "inflight_settings", "DEFAULT_MAX_INFLIGHT", "DEFAULT_MIN_INFLIGHT"]
 
 #: Rows per INSERT round trip.
 BATCH = 5000
+#: ``--inflight auto``: the default hard cap and floor of the adaptive limit.
+DEFAULT_MAX_INFLIGHT = 256
+DEFAULT_MIN_INFLIGHT = 4
+
+
+def inflight_settings(inflight: str | int, max_inflight: int | None = None,
+                      min_inflight: int | None = None) -> dict[str, Any]:
+    """The job fields of ``--inflight N|auto``, ``--max-inflight``, ``--min-inflight``.
+
+    ``N``: a fixed limit. ``auto``: the servers' adaptive limits (synthq.adaptive)
+    between the floor and the cap (``inflight_limit`` holds the cap). Raises
+    :class:`UserError` with one line for anything else.
+    """
+    value = str(inflight).strip().lower()
+    if value == "auto":
+        cap = DEFAULT_MAX_INFLIGHT if max_inflight is None else max_inflight
+        floor = DEFAULT_MIN_INFLIGHT if min_inflight is None else min_inflight
+        if cap < 1 or floor < 1:
+            raise UserError("--max-inflight and --min-inflight must be at least 1")
+        if floor > cap:
+            raise UserError(f"--min-inflight {floor} is above --max-inflight {cap}")
+        return {"inflight_limit": cap, "inflight_auto": True, "min_inflight": floor}
+    try:
+        limit = int(value)
+    except ValueError:
+        raise UserError(f"--inflight must be a number of requests or 'auto', got "
+                        f"{inflight!r}") from None
+    if limit < 1:
+        raise UserError(f"--inflight must be positive, got {limit}")
+    if max_inflight is not None or min_inflight is not None:
+        raise UserError("--max-inflight and --min-inflight go with --inflight auto")
+    return {"inflight_limit": limit, "inflight_auto": False,
+            "min_inflight": DEFAULT_MIN_INFLIGHT}
 
 
 @dataclass
@@ -63,6 +96,12 @@ class JobSpec:
     backoff_base: float = 2.0
     backoff_cap: float = 300.0
     inflight_limit: int = 64
+    #: ``--inflight auto``: inflight_limit is then the hard cap (``--max-inflight``).
+    inflight_auto: bool = False
+    min_inflight: int = 4
+    #: GPUs behind each server, and the price of a GPU-hour (cost report).
+    gpus: int = 1
+    gpu_hour_price: float | None = None
     keep_truncated: bool = False
     #: A streamed answer longer than this fails as ``response_too_large``.
     max_response_bytes: int = 4 << 20
@@ -98,10 +137,17 @@ class JobSpec:
         positive = {"--max-tokens": self.max_tokens, "--timeout": self.total_timeout,
                     "--stall-timeout": self.stall_timeout, "--max-attempts": self.max_attempts,
                     "--inflight": self.inflight_limit, "--backoff-cap": self.backoff_cap,
-                    "--max-response-bytes": self.max_response_bytes}
+                    "--max-response-bytes": self.max_response_bytes,
+                    "--min-inflight": self.min_inflight, "--gpus": self.gpus}
         for flag, value in positive.items():
             if not value > 0:
                 raise UserError(f"{flag} must be positive, got {value}")
+        if self.inflight_auto and self.min_inflight > self.inflight_limit:
+            raise UserError(f"--min-inflight {self.min_inflight} is above --max-inflight "
+                            f"{self.inflight_limit}")
+        if self.gpu_hour_price is not None and not (0 <= self.gpu_hour_price < 1e6):
+            raise UserError(f"--gpu-hour-price must be a price in dollars per GPU-hour, got "
+                            f"{self.gpu_hour_price}")
         if self.backoff_base < 0:
             raise UserError(f"--backoff-base must not be negative, got {self.backoff_base}")
         if self.backoff_cap < self.backoff_base:
@@ -156,7 +202,8 @@ class EnqueueReport:
 
 #: Settings that may change on an existing job (how to run it, not what it makes).
 _OPERATIONAL = ("servers", "total_timeout", "stall_timeout", "max_attempts", "backoff_base",
-                "backoff_cap", "inflight_limit", "keep_truncated", "max_response_bytes")
+                "backoff_cap", "inflight_limit", "keep_truncated", "max_response_bytes",
+                "inflight_auto", "min_inflight", "gpus", "gpu_hour_price")
 
 
 def find_job(session: Session, ref: str | int) -> Job:

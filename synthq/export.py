@@ -106,6 +106,8 @@ class Manifest:
     chat_template_hash: str | None
     #: ``job``, ``tokenizer`` or None.
     chat_template_source: str | None
+    #: The job's cost report when exported (synthq.cost: busy GPU time, tokens, dollars).
+    cost: dict[str, Any] | None = None
     synthq_version: str = synthq.__version__
     created_at: str = field(default_factory=lambda: utcnow().isoformat())
 
@@ -438,6 +440,10 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
             from synthq.status import state_counts
 
             counts = state_counts(s, job.id)
+            from synthq.cost import job_cost
+
+            open_ = sum(counts.get(x, 0) for x in ("pending", "queued", "running"))
+            cost = job_cost(s, job, remaining=open_).to_dict()
             done = [Sample.job_id == job.id, Sample.state == SampleState.DONE]
             truncated = 0 if include_truncated else s.scalar(
                 select(func.count()).where(*done, Sample.finish_reason == "length")) or 0
@@ -473,7 +479,8 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                 format=fmt, job=info, settings=settings, counts=counts, exported=written,
                 excluded={"stale": stale, "truncated": truncated}, shards=shards.finish(),
                 num_tokens=tokens if has_tokenizer else None,
-                num_supervised=supervised if has_tokenizer else None, **fingerprint)
+                num_supervised=supervised if has_tokenizer else None, cost=cost,
+                **fingerprint)
             (tmp / MANIFEST).write_text(manifest.to_json(indent=2) + "\n", encoding="utf-8")
             _install(tmp, out, overwrite)
         except BaseException:

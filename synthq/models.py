@@ -101,6 +101,14 @@ class Job(Base):
     backoff_cap: Mapped[float] = mapped_column(Float)
     #: Most requests in flight (queued + running) on each server.
     inflight_limit: Mapped[int] = mapped_column(Integer)
+    #: ``--inflight auto``: the servers' adaptive limits (synthq.adaptive) apply, within
+    #: ``min_inflight`` and ``inflight_limit`` (then the hard cap, ``--max-inflight``).
+    inflight_auto: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    min_inflight: Mapped[int] = mapped_column(Integer, default=4, server_default="4")
+    #: GPUs behind each of the job's servers, and the price of one GPU-hour (None:
+    #: SYNTHQ_GPU_HOUR_PRICE, or no dollar figures), for the cost report.
+    gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    gpu_hour_price: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Bytes of streamed response after which a call fails as response_too_large.
     max_response_bytes: Mapped[int] = mapped_column(Integer, default=4 << 20,
                                                     server_default=str(4 << 20))
@@ -272,6 +280,20 @@ class Server(Base):
     #: Probes failed in a row (0 when healthy).
     failures: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
+    # The adaptive in-flight limit (synthq.adaptive), for jobs run with --inflight auto.
+    #: The controller's limit: the dispatcher queues up to it (None: not run yet).
+    limit_target: Mapped[int | None] = mapped_column(Integer)
+    #: The bound on queued + running now: the target, or while a lowered target
+    #: drains, what was in flight when it was lowered (it follows the calls down).
+    limit: Mapped[int | None] = mapped_column(Integer)
+    #: Why it last changed, for people ("48 ↓ ttft 4.1 s = 3× baseline").
+    limit_reason: Mapped[str | None] = mapped_column(Text)
+    #: When the controller last ran for this server.
+    limit_at: Mapped[datetime | None]
+    #: The controller's memory between ticks (baselines, phase), a small JSON object.
+    limit_state: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    #: Recent history for the job page's chart: ``[[unix time, limit, tok/s, done/s], ...]``.
+    limit_history: Mapped[list[Any] | None] = mapped_column(JsonType, nullable=True)
 
 
 class Worker(Base):

@@ -284,3 +284,28 @@ def metrics_snapshot(session: Session) -> MetricsSnapshot:
 
 def to_json(obj: Any) -> str:
     return json.dumps(obj, default=str)
+
+
+@dataclass
+class CostSnapshot:
+    #: server → its adaptive target limit (servers of --inflight auto jobs).
+    limits: dict[str, int]
+    #: job name → the cost report (synthq.cost.JobCost as a dict), for unfinished jobs.
+    costs: dict[str, dict[str, Any]]
+
+
+def cost_snapshot(session: Session) -> CostSnapshot:
+    """What ``/metrics`` reports about adaptive limits and cost (jobs not finished)."""
+    from synthq.cost import job_cost
+    from synthq.enums import JobState
+
+    limits = {safe_url(url): int(limit or 0) for url, limit in session.execute(
+        select(Server.url, Server.limit_target).where(Server.limit_target.is_not(None)))}
+    costs = {}
+    for job in session.scalars(select(Job).where(Job.state.in_(
+            [JobState.ACTIVE, JobState.PAUSED]))):
+        remaining = session.scalar(select(func.count()).select_from(Sample).where(
+            Sample.job_id == job.id, Sample.state.in_(
+                [SampleState.PENDING, *INFLIGHT]))) or 0
+        costs[job.name] = job_cost(session, job, remaining=remaining).to_dict()
+    return CostSnapshot(limits, costs)

@@ -51,6 +51,11 @@ class JobStatus:
     num_tokens: int = 0
     num_supervised: int = 0
     token_mismatches: int = 0
+    #: Each server's in-flight limit: ``{"limit", "auto", "reason", "floor", "cap",
+    #: "history": [[unix time, limit, tok/s, done/s], ...]}`` (synthq.adaptive).
+    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The cost report (synthq.cost.JobCost as a dict).
+    cost: dict[str, Any] = field(default_factory=dict)
 
     @property
     def open(self) -> int:
@@ -70,6 +75,30 @@ class JobStatus:
         return data
 
 
+def server_limits(session: Session, job: Job, *, history: bool = True
+                  ) -> dict[str, dict[str, Any]]:
+    """Each of the job's servers' limit now, and (auto) the reason of its last change."""
+    if not job.inflight_auto:
+        return {url: {"limit": job.inflight_limit, "auto": False, "reason": "fixed (--inflight)",
+                      "floor": None, "cap": job.inflight_limit, "history": []}
+                for url in job.servers}
+    from synthq.adaptive import current_limits, start_limit
+
+    rows = current_limits(session, list(job.servers))
+    result: dict[str, dict[str, Any]] = {}
+    for url in job.servers:
+        row = rows.get(url)
+        limit = row.limit_target if row is not None and row.limit_target is not None else \
+            start_limit(job.min_inflight, job.inflight_limit)
+        result[url] = {"limit": min(limit, job.inflight_limit), "auto": True,
+                       "bound": row.limit if row is not None else None,
+                       "reason": row.limit_reason if row is not None else "not started yet",
+                       "floor": job.min_inflight, "cap": job.inflight_limit,
+                       "history": list(row.limit_history or []) if row is not None and history
+                       else []}
+    return result
+
+
 def _by_key(rows: Any) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": n for key, n in rows}
 
@@ -84,7 +113,9 @@ def state_counts(session: Session, job_id: int) -> dict[str, int]:
     return counts
 
 
-def job_status(session: Session, job: Job) -> JobStatus:
+def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
+    """The job's status; ``cost=False`` leaves out the cost report and limit history (the
+    embedded loop's frequent ticks)."""
     now = utcnow()
     counts = state_counts(session, job.id)
     recent = session.scalar(
@@ -138,6 +169,11 @@ def job_status(session: Session, job: Job) -> JobStatus:
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
          "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
         for w in live(session, now=now, timeout=get_settings().worker_timeout)]
+    status.limits = server_limits(session, job, history=cost)
+    if cost:
+        from synthq.cost import job_cost
+
+        status.cost = job_cost(session, job, remaining=status.open, now=now).to_dict()
     if job.tokenizer:
         from synthq.retokenize import stale_query
 

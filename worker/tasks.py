@@ -172,11 +172,24 @@ def _tick() -> int:
         log.info("sweep returned %d samples to pending", swept)
     _train_tick()
     queued = dispatch(publish)
+    _adapt_tick()  # after the dispatch: the limit's use is measured filled
     with session_scope() as s:
         finished = states.finish_jobs(s, now=utcnow())
     if finished:
         log.info("jobs finished (every sample done, failed or skipped): %s", finished)
     return queued
+
+
+def _adapt_tick() -> None:
+    """Beat: the adaptive in-flight limits of --inflight auto jobs' servers (synthq.adaptive)."""
+    from synthq.adaptive import tick
+
+    try:
+        tick()
+    except DBAPIError:
+        raise
+    except Exception:  # the limits stay as they are; never stop the dispatcher
+        log.exception("adaptive limit tick failed")
 
 
 def publish_retokenize(job_id: int, batches: Sequence[Sequence[int]]) -> None:

@@ -111,6 +111,9 @@ def get_job(job: JobDep, session: SessionDep) -> JobDetail:
     data["servers"] = [safe_url(s) for s in data["servers"]]
     data["inflight"] = {safe_url(k): v for k, v in data["inflight"].items()}
     data["unhealthy"] = {safe_url(k): v and safe_url(v) for k, v in data["unhealthy"].items()}
+    data["limits"] = {safe_url(k): v for k, v in data["limits"].items()}
+    if data["cost"]:
+        data["cost"]["servers"] = {safe_url(k): v for k, v in data["cost"]["servers"].items()}
     return JobDetail(**{k: v for k, v in data.items() if k in JobDetail.model_fields
                         and k != "workers"},
                      workers=[asdict(w) for w in workers])
@@ -144,6 +147,19 @@ def cancel(job: JobRef) -> JobStateChange:
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,
              summary="Failed samples (all, of some classes, or by id) back to pending")
 def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
+    limits = None
+    if body.inflight is not None or body.max_inflight is not None or \
+            body.min_inflight is not None:
+        from synthq import states
+        from synthq.enqueue import inflight_settings
+        from synthq.errors import UserError
+
+        if body.inflight is None:
+            raise UserError("max_inflight and min_inflight go with inflight=auto")
+        limits = inflight_settings(body.inflight, body.max_inflight, body.min_inflight)
     with session_scope() as s:
-        return RequeueResult(requeued=service.requeue(
-            s, job_or_404(s, job), classes=body.classes, sample_ids=body.sample_ids))
+        j = job_or_404(s, job)
+        n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids)
+        if limits is not None:
+            states.update_job(s, j, limits, now=utcnow())
+        return RequeueResult(requeued=n)

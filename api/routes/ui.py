@@ -79,7 +79,33 @@ def job_page(request: Request, job: JobRef, session: SessionDep,
     workers = live(session, now=utcnow(), timeout=get_settings().worker_timeout)
     return _page(request, "job.html", job=st, chart=chart, peak=max(n for _, n in chart) or 1,
                  failed=failed, recent=recent, workers=workers, message=message,
-                 states=[s.value for s in JobState])
+                 states=[s.value for s in JobState], limit_charts=_limit_charts(st.limits))
+
+
+def _limit_charts(limits: dict[str, dict[str, object]]) -> list[dict[str, object]]:
+    """Per server: its limit and reason, and SVG polylines (600×100) of the adaptive
+    limit and of tokens/s over the stored history (synthq.adaptive.HISTORY points)."""
+    charts = []
+    for url, lim in limits.items():
+        history = lim.get("history") or []
+        assert isinstance(history, list)
+        entry: dict[str, object] = {"url": safe_url(url), "limit": lim.get("limit"),
+                                    "auto": lim.get("auto"), "reason": lim.get("reason"),
+                                    "limit_points": "", "tps_points": ""}
+        if len(history) >= 2:
+            t0, t1 = history[0][0], history[-1][0]
+            span = max(t1 - t0, 1e-9)
+            top_limit = max(p[1] for p in history) or 1
+            top_tps = max(p[2] for p in history) or 1
+            entry["limit_points"] = " ".join(
+                f"{600 * (p[0] - t0) / span:.1f},{100 - 95 * p[1] / top_limit:.1f}"
+                for p in history)
+            entry["tps_points"] = " ".join(
+                f"{600 * (p[0] - t0) / span:.1f},{100 - 95 * p[2] / top_tps:.1f}"
+                for p in history)
+            entry.update(top_limit=top_limit, top_tps=round(top_tps), span_s=round(span))
+        charts.append(entry)
+    return charts
 
 
 def _back(job: str, message: str) -> Response:

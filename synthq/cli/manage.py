@@ -34,6 +34,12 @@ def requeue(
                      "on; done samples keep their answers.")] = None,
     server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Send the job's "
                       "remaining work to these servers from now on. Repeatable.")] = None,
+    inflight: Annotated[str | None, typer.Option(help="The servers' in-flight limit from now "
+                        "on: a number, or `auto` (adaptive per server).")] = None,
+    max_inflight: Annotated[int | None, typer.Option(help="With --inflight auto: the hard cap "
+                            "[default: 256].")] = None,
+    min_inflight: Annotated[int | None, typer.Option(help="With --inflight auto: the floor "
+                            "[default: 4].")] = None,
 ) -> None:
     """Move failed samples back to pending with a fresh attempt budget.
 
@@ -55,6 +61,16 @@ def requeue(
     except UserError as exc:
         raise fail(str(exc)) from None
     servers = [u.rstrip("/") for u in server] if server else None
+    limits = None
+    if inflight is not None or max_inflight is not None or min_inflight is not None:
+        from synthq.enqueue import inflight_settings
+
+        try:
+            if inflight is None:
+                raise UserError("--max-inflight and --min-inflight go with --inflight auto")
+            limits = inflight_settings(inflight, max_inflight, min_inflight)
+        except UserError as exc:
+            raise fail(str(exc)) from None
     if model is not None or servers is not None:
         current_model, current_servers = with_job(job, lambda s, j: (j.model, list(j.servers)))
         try:
@@ -71,6 +87,8 @@ def requeue(
         n = service.requeue(s, j, classes=error_class or [], sample_ids=sample or [])
         if model is not None or servers is not None:
             states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
+        if limits is not None:
+            states.update_job(s, j, limits, now=now)
         done = 0
         if model is not None and model != old_model:
             done = s.scalar(select(func.count()).select_from(Sample).where(
@@ -84,6 +102,10 @@ def requeue(
                       f"{escape(old_model)}")
     if servers is not None:
         console.print(f"job {escape(job)}: servers now {escape(', '.join(servers))}")
+    if limits is not None:
+        what = (f"auto ({limits['min_inflight']}–{limits['inflight_limit']})"
+                if limits["inflight_auto"] else str(limits["inflight_limit"]))
+        console.print(f"job {escape(job)}: in-flight limit now {what}")
     console.print(f"requeued {n:,} failed samples" + ("" if n else
                   " (nothing matched: see `synthq status`)"))
 

@@ -29,8 +29,17 @@ AttemptsOpt = Annotated[int, typer.Option(help="Calls per sample before it is fa
 BackoffBaseOpt = Annotated[float, typer.Option(help="Backoff base seconds (doubles per attempt, "
                            "full jitter).")]
 BackoffCapOpt = Annotated[float, typer.Option(help="Backoff ceiling in seconds.")]
-InflightOpt = Annotated[int, typer.Option(help="Most requests in flight per server (set it to "
-                        "what the server batches, e.g. vLLM's max_num_seqs).")]
+InflightOpt = Annotated[str, typer.Option(help="Most requests in flight per server (set it to "
+                        "what the server batches, e.g. vLLM's max_num_seqs), or `auto`: each "
+                        "server's limit follows its latency and errors (see `synthq status`).")]
+MaxInflightOpt = Annotated[int | None, typer.Option(help="With --inflight auto: the hard cap "
+                           "per server [default: 256].")]
+MinInflightOpt = Annotated[int | None, typer.Option(help="With --inflight auto: the floor per "
+                           "server [default: 4].")]
+GpusOpt = Annotated[int, typer.Option(help="GPUs behind each server (cost report).")]
+GpuPriceOpt = Annotated[float | None, typer.Option(help="Dollars per GPU-hour: status shows "
+                        "dollars spent, $/1M generated tokens and the projected cost "
+                        "[default: SYNTHQ_GPU_HOUR_PRICE].")]
 KeepTruncOpt = Annotated[bool, typer.Option("--keep-truncated/--drop-truncated", help="Keep "
                          "answers cut by max_tokens (finish_reason=length) as done.")]
 TemplateKwOpt = Annotated[str | None, typer.Option(help="JSON object sent as "
@@ -62,7 +71,7 @@ ThinkCloseOpt = Annotated[str, typer.Option(help="Closes kept reasoning where th
 
 def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
     """A JobSpec from the options shared by `enqueue` and `run`."""
-    from synthq.enqueue import JobSpec
+    from synthq.enqueue import JobSpec, inflight_settings
 
     sampling: dict[str, Any] = {}
     if opts["temperature"] is not None:
@@ -85,7 +94,10 @@ def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
                    max_tokens=opts["max_tokens"], sampling=sampling, extra_body=body,
                    total_timeout=opts["timeout"], stall_timeout=opts["stall_timeout"],
                    max_attempts=opts["max_attempts"], backoff_base=opts["backoff_base"],
-                   backoff_cap=opts["backoff_cap"], inflight_limit=opts["inflight"],
+                   backoff_cap=opts["backoff_cap"],
+                   **inflight_settings(opts["inflight"], opts.get("max_inflight"),
+                                       opts.get("min_inflight")),
+                   gpus=opts.get("gpus", 1), gpu_hour_price=opts.get("gpu_hour_price"),
                    keep_truncated=opts["keep_truncated"], tokenizer=opts["tokenizer"],
                    chat_template=template, chat_template_kwargs=kwargs,
                    max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],

@@ -87,6 +87,13 @@ def print_status(status: JobStatus) -> None:
     if status.inflight:
         console.print("in flight: " + ", ".join(f"{escape(k)} {v}"
                                                 for k, v in status.inflight.items()))
+    for url, lim in status.limits.items():
+        if lim.get("auto"):
+            console.print(f"limit {escape(url)}: {lim['limit']} (auto {lim['floor']}–"
+                          f"{lim['cap']}; last change: {escape(str(lim.get('reason') or '-'))})",
+                          highlight=False)
+    if status.cost:
+        console.print(cost_line(status.cost), highlight=False)
     if status.workers:
         console.print("workers: " + ", ".join(
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))
@@ -95,3 +102,28 @@ def print_status(status: JobStatus) -> None:
     if status.finished:
         console.print(f"[green]finished[/]: {c['done']:,} done, {c['failed']:,} failed, "
                       f"{c['skipped']:,} skipped")
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    """One line of the cost report (synthq.cost): busy GPU time, tokens, dollars."""
+    parts = [f"cost: {_duration(cost['busy_s'])} busy × {cost['gpus']} GPU "
+             f"= {cost['gpu_hours']:.3f} GPU-h, {cost['tokens']:,} tokens generated, "
+             f"{cost['tokens_per_s']:,.0f} tok/s while busy"]
+    if cost.get("dollars") is not None:
+        parts.append(f"${cost['dollars']:,.2f} so far at ${cost['gpu_hour_price']:g}/GPU-h")
+    if cost.get("dollars_per_mtok") is not None:
+        parts.append(f"${cost['dollars_per_mtok']:,.2f} per 1M tokens")
+    if cost.get("remaining_s"):
+        more = f"{_duration(cost['remaining_s'])} to go"
+        if cost.get("remaining_dollars") is not None:
+            more += f" (≈ ${cost['remaining_dollars']:,.2f} more)"
+        parts.append(more)
+    return "; ".join(parts)

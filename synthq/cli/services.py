@@ -128,6 +128,13 @@ def simulate(
     retry_after: Annotated[float, typer.Option(help="Retry-After seconds sent with "
                            "429s.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Random seed for the fault draws.")] = None,
+    knee: Annotated[int, typer.Option(help="Knee mode: the total token rate grows with the "
+                    "streams running up to this many, then falls (0: off; needs "
+                    "--tokens-per-second).")] = 0,
+    knee_falloff: Annotated[float, typer.Option(help="How steeply the rate falls past the "
+                            "knee (1: total ∝ 1/running).")] = 1.0,
+    vllm_metrics: Annotated[bool, typer.Option(help="Serve vLLM's gauges on /metrics "
+                            "(requests running/waiting, KV-cache usage).")] = False,
 ) -> None:
     """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
 
@@ -154,8 +161,13 @@ def simulate(
                     "--tokens-per-second >= 0")
     if not 0 < port < 65536:
         raise fail("--port must be 1..65535")
+    if knee < 0 or knee_falloff < 0 or (knee and tokens_per_second <= 0):
+        raise fail("--knee and --knee-falloff must be >= 0, and --knee needs "
+                   "--tokens-per-second > 0")
     config = SimConfig(capacity=capacity, latency=latency, tokens_per_second=tokens_per_second,
                        response_tokens=response_tokens, reasoning=reasoning, model=model,
-                       retry_after=retry_after, seed=seed, **rates)  # type: ignore[arg-type]
+                       retry_after=retry_after, seed=seed, knee=knee,
+                       knee_falloff=knee_falloff, vllm_metrics=vllm_metrics,
+                       **rates)  # type: ignore[arg-type]
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)

@@ -26,6 +26,12 @@ Run it from another process (it blocks)::
     python -c "from synthq.testing.simulator import SimConfig, serve; serve(SimConfig(), port=8000)"
     python -m synthq.testing.simulator --port 8000 --capacity 16 --latency 0.2 --error-rate 0.05
 
+Modes for adaptive concurrency (``--inflight auto``): **slots** is ``capacity``
+(at most N requests run, the rest wait in a FIFO queue, as in vLLM); **knee**
+(``--knee N --tokens-per-second R``) makes the total token rate grow with the
+streams running up to N, then fall; ``--vllm-metrics`` serves vLLM's gauges
+on ``/metrics``.
+
 Besides the OpenAI routes it serves ``GET /sim/stats`` (counters, see
 :class:`_Stats`), ``POST /sim/reset`` (zero the counters), ``GET /sim/config``
 and ``POST /sim/overload`` (``{"seconds": 30, "status": 503, "retry_after": 5}``:
@@ -155,6 +161,15 @@ class SimConfig:
     """A truncated answer with finish_reason "length"."""
     retry_after: float = 1.0
     """Seconds sent in the Retry-After header of 429 responses."""
+    knee: int = 0
+    """Knee mode (0: off): the server's total token rate grows with the streams running
+    up to this many (each at ``tokens_per_second``), then falls as
+    ``knee × tokens_per_second × (knee / running) ** knee_falloff`` (preemption)."""
+    knee_falloff: float = 1.0
+    """How steeply the total rate falls past the knee (1: total ∝ 1 / running)."""
+    vllm_metrics: bool = False
+    """Serve vLLM's gauges on ``GET /metrics`` (requests running and waiting, KV-cache
+    usage = running / capacity); otherwise ``/metrics`` is a 404, as on servers without."""
     model: str = "sim-model"
     """Model id reported by /v1/models and in every response; a request naming another
     model gets vLLM's 404 ("The model `X` does not exist.")."""
@@ -165,6 +180,10 @@ class SimConfig:
             raise ValueError("capacity must be >= 1")
         if self.latency < 0 or self.tokens_per_second < 0 or self.retry_after < 0:
             raise ValueError("latency, tokens_per_second and retry_after must be >= 0")
+        if self.knee < 0 or self.knee_falloff < 0:
+            raise ValueError("knee and knee_falloff must be >= 0")
+        if self.knee and self.tokens_per_second <= 0:
+            raise ValueError("knee mode needs tokens_per_second > 0")
         if self.response_tokens < 0 or self.reasoning_tokens < 0:
             raise ValueError("response_tokens and reasoning_tokens must be >= 0")
         rates = self.fault_rates()
@@ -536,10 +555,25 @@ class _Simulator:
             finally:
                 stats.running -= 1
 
+    def stream_rate(self) -> float:
+        """Tokens per second of one stream now (knee mode: shared by those running)."""
+        rate = self.config.tokens_per_second
+        knee = self.config.knee
+        running = self.stats.running
+        if knee and running > knee:
+            # Past the knee the total falls: each stream gets its share of less.
+            total = knee * rate * (knee / running) ** self.config.knee_falloff
+            return total / running
+        return rate
+
     async def generation_delay(self, tokens: int) -> None:
         """Sleep as long as generating ``tokens`` takes at the configured rate."""
         if self.config.tokens_per_second > 0 and tokens > 0:
-            await asyncio.sleep(tokens / self.config.tokens_per_second)
+            if not self.config.knee:
+                await asyncio.sleep(tokens / self.config.tokens_per_second)
+                return
+            for _ in range(tokens):
+                await asyncio.sleep(1.0 / self.stream_rate())
 
     def completion_body(self, plan: _Plan) -> bytes:
         """The non-streamed ``chat.completion`` document."""
@@ -721,7 +755,7 @@ class _ChatCompletions:
         else:
             await send({"type": "http.response.body", "body": events[0], "more_body": True})
             for event in events[1 : 1 + n_tokens]:
-                await asyncio.sleep(1.0 / rate)
+                await asyncio.sleep(1.0 / self.sim.stream_rate())
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             tail = b"".join(events[1 + n_tokens :])
             await send({"type": "http.response.body", "body": tail, "more_body": partial})
@@ -799,8 +833,23 @@ def build_app(config: SimConfig) -> Starlette:
         """The running configuration."""
         return JSONResponse(asdict(config))
 
+    async def metrics(request: Request) -> Response:
+        """vLLM's scheduler gauges in Prometheus text (with ``vllm_metrics`` on)."""
+        if not config.vllm_metrics:
+            return Response("Not Found", status_code=404)
+        st = sim.stats
+        waiting = max(0, st.active - st.running)
+        labels = f'{{model_name="{config.model}"}}'
+        body = "".join(
+            f"# TYPE vllm:{name} gauge\nvllm:{name}{labels} {value}\n" for name, value in (
+                ("num_requests_running", float(st.running)),
+                ("num_requests_waiting", float(waiting)),
+                ("kv_cache_usage_perc", min(1.0, st.running / config.capacity))))
+        return Response(body, media_type="text/plain; version=0.0.4")
+
     routes = [
         Route("/v1/chat/completions", _ChatCompletions(sim), methods=["POST"]),
+        Route("/metrics", metrics),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/sim/stats", stats),

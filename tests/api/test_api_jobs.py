@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import settle
+from conftest import TOKEN, settle
 from support import counts
 
 pytestmark = pytest.mark.integration
@@ -178,3 +179,40 @@ def test_metrics_follow_prometheus_conventions(client: Any, simulator: Callable[
     count = next(s.value for s in families["synthq_request_duration_seconds"].samples
                  if s.name.endswith("_count"))
     assert count == 3
+
+
+def test_auto_limit_and_cost_in_the_api_metrics_and_job_page(
+        client: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from synthq.adaptive import tick
+
+    sim = simulator("--latency", "0.05", "--vllm-metrics")
+    report = job_factory([f"q{i}" for i in range(6)], servers=[sim.url], inflight_limit=64,
+                         inflight_auto=True, min_inflight=2, gpus=4, gpu_hour_price=2.0)
+    settle(report.job_id)
+    assert sim.http.get("/metrics").text.count("vllm:num_requests_waiting") == 2
+    decided = tick([report.job_id])[sim.url]
+    assert 2 <= decided.limit <= 64
+    detail = client.get(f"/api/jobs/{report.job_id}").json()
+    lim = detail["limits"][sim.url]
+    assert lim["auto"] and lim["limit"] == decided.limit and lim["cap"] == 64
+    assert lim["reason"] and len(lim["history"]) == 1
+    cost = detail["cost"]
+    assert cost["tokens"] > 0 and cost["gpus"] == 4 and cost["busy_s"] > 0
+    assert cost["dollars"] == pytest.approx(cost["busy_s"] * 4 / 3600 * 2.0)
+    text = client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [s.value for s in families["synthq_server_limit"].samples] == [decided.limit]
+    assert families["synthq_job_dollars"].samples[0].labels["job"] == report.job_name
+    time.sleep(1.0)
+    tick([report.job_id])  # a second point: the chart has a line
+    client.post("/ui/login", data={"token": TOKEN})
+    page = client.get(f"/ui/jobs/{report.job_id}").text
+    assert "In-flight limit and throughput" in page and "<polyline" in page and "GPU-hours" in page
+    bad = client.post(f"/api/jobs/{report.job_id}/requeue", json={"inflight": 0})
+    assert bad.status_code == 422 and "--inflight must be positive" in bad.json()["detail"]
+    ok = client.post(f"/api/jobs/{report.job_id}/requeue",
+                     json={"inflight": "auto", "max_inflight": 16})
+    assert ok.status_code == 200
+    assert client.get(f"/api/jobs/{report.job_id}").json()["limits"][sim.url]["cap"] == 16

@@ -1,0 +1,458 @@
+"""Adaptive in-flight limits (``--inflight auto``): one controller per server.
+
+The dispatcher's limit stays exact (DESIGN invariant 5); the controller only
+changes the number its room computation reads, in SQL (``servers``), so
+every dispatcher and worker sees one value. About once a second the scheduler
+(Celery beat's tick, or the embedded loop) calls :func:`tick`, which
+
+1. reads what the server did in the last window from ``attempts`` (completed
+   calls, generated tokens, time to first token, latency per token, 429/5xx,
+   timeouts and stalls) and, when the server serves them, vLLM's gauges from
+   its ``/metrics`` (requests waiting and running, KV-cache usage);
+2. hands that :class:`Window` and the controller's memory to :func:`decide`,
+   a pure function that returns the new limit and the reason;
+3. writes the new target (``servers.limit_target``, what the dispatcher
+   fills up to) under the dispatcher's lock, and the bound ``servers.limit``:
+   the target, or while a lowered target drains, what was in flight, lowered
+   further on the next ticks as calls end. So queued + running never exceeds
+   ``servers.limit``, even while it moves.
+
+The algorithm is a latency gradient (Netflix's Gradient / Vegas family) with
+a slow start and multiplicative cuts on errors:
+
+* **slow start**: from 8 (or the floor), ×1.3 a tick while the latency per
+  generated token stays at its low-load baseline and the limit is in use;
+* **gradient**: ``new = limit × baseline / current + √limit``, smoothed by half.
+  Past a server's knee, each stream gets slower (or waits in the server's
+  queue) and the latency per token rises in proportion: the limit settles a
+  few √limit above the knee, where throughput is within ~10 % of its peak;
+* **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
+  first token of 3× its baseline and over a second (×0.75), a KV cache over
+  97 % (×0.9); then three ticks without growth;
+* **holds**: vLLM reports requests waiting, or the limit is not in use (too
+  little work to tell whether more would help).
+
+It never goes above the cap (``--max-inflight``) nor below the floor
+(``--min-inflight``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from synthq.db import session_scope, utcnow
+from synthq.enums import INFLIGHT, JobState
+from synthq.models import Attempt, Job, Sample, Server
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["Window", "Decision", "decide", "tick", "auto_servers", "start_limit",
+           "parse_vllm_gauges", "metrics_url", "TICK_SECONDS", "WINDOW_SECONDS"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two runs of one server's controller.
+TICK_SECONDS = 1.0
+#: Calls that ended this many seconds back make a window.
+WINDOW_SECONDS = 2.0
+#: Points of history kept per server (one a tick: five minutes).
+HISTORY = 300
+#: The controller forgets what it learned about a server idle this long.
+FORGET_AFTER = timedelta(minutes=10)
+#: Growth per tick in slow start, and the cuts.
+SLOW_START = 1.5
+CUT_ERRORS = 0.7
+CUT_TIMEOUTS = 0.5
+CUT_TTFT = 0.75
+CUT_KV = 0.9
+#: Ticks without growth after a cut (calls started before it still report).
+COOLDOWN = 3
+#: Outcomes that mean "too much load" and cut sharply.
+OVERLOAD = ("rate_limited", "server_error")
+TIMEOUTS = ("timeout", "stalled")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What one server did over the last window, and its state now.
+
+    Latency figures come from the calls that *started* after the limit last
+    changed (``fresh``): they measure the current limit, not an older one.
+    """
+
+    #: The limit the dispatcher fills up to now, and samples queued + running on the server.
+    limit: int
+    inflight: int
+    #: Calls that ended ok in the window, and their completion tokens (the throughput).
+    ok: int = 0
+    tokens: int = 0
+    #: Of those, the calls that started after the limit last changed.
+    fresh: int = 0
+    #: Their mean time to first token and time per output token (None: unknown).
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    #: Their seconds of call per generated token (sum of latencies / sum of tokens);
+    #: the mean latency per call when the server reports no token counts.
+    latency_per_token: float | None = None
+    #: 429 / 5xx calls, and timeouts + stalls, in the window.
+    overload: int = 0
+    timeouts: int = 0
+    #: vLLM's gauges (None: the server does not serve them).
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    seconds: float = WINDOW_SECONDS
+    #: Unix time of the tick.
+    now: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def done_per_s(self) -> float:
+        return self.ok / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class Decision:
+    limit: int
+    #: Why it changed ("48 ↓ ttft 4.1 s = 3× baseline"); None when it did not.
+    reason: str | None
+    #: The controller's memory for the next tick (JSON-ready).
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def start_limit(floor: int, cap: int) -> int:
+    """Where a server's limit starts: 8, within the floor and the cap."""
+    return max(floor, min(cap, 8))
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds * 1000:.0f} ms"
+
+
+def _drift(old: Any, new: float) -> float:
+    # The lowest seen, drifting up slowly (0.2 % a tick) so that a server that got
+    # slower for good (longer prompts, another tenant) is not chased forever.
+    return new if old is None else min(float(old) * 1.002, new)
+
+
+def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> Decision:
+    """The new limit for one server from one window: a pure function.
+
+    ``state`` is what the previous call returned (None the first time); its
+    ``changed_at`` (unix time of the last change) tells :func:`tick` which calls
+    are fresh.
+    """
+    st: dict[str, Any] = dict(state or {})
+    st.setdefault("phase", "start")
+    st.setdefault("changed_at", w.now)
+    st["ticks"] = int(st.get("ticks", 0)) + 1
+    cooldown = int(st.get("cooldown", 0))
+    st["cooldown"] = max(0, cooldown - 1)
+    limit = max(floor, min(cap, w.limit))
+
+    def out(new: float, why: str) -> Decision:
+        value = max(floor, min(cap, int(round(new))))
+        if value == w.limit:
+            return Decision(value, None, st)
+        st["changed_at"] = w.now
+        arrow = "↑" if value > w.limit else "↓"
+        return Decision(value, f"{value} {arrow} {why}", st)
+
+    # -- sharp cuts: the server says it is overloaded -----------------------------------------
+    if (w.timeouts or w.overload) and not cooldown:
+        st["phase"], st["cooldown"] = "steady", COOLDOWN
+        if w.timeouts:
+            return out(limit * CUT_TIMEOUTS, f"{w.timeouts} timed out or stalled")
+        return out(limit * CUT_ERRORS, f"{w.overload}× 429/5xx")
+    if w.kv_usage is not None and w.kv_usage >= 0.97 and not cooldown:
+        st["phase"], st["cooldown"] = "steady", COOLDOWN
+        return out(limit * CUT_KV, f"kv cache {w.kv_usage * 100:.0f} %")
+    waiting = w.waiting is not None and w.waiting > 0
+    if waiting and st["phase"] == "start":
+        st["phase"] = "steady"  # the server queues: no more doubling
+
+    # -- wait for calls that started at this limit to tell how it does -------------------------
+    lpt = w.latency_per_token
+    if lpt is None or w.fresh < 2:
+        return out(limit, "")
+    base = st["base_lpt"] = _drift(st.get("base_lpt"), lpt)
+    if w.ttft_s is not None:
+        st["base_ttft"] = _drift(st.get("base_ttft"), w.ttft_s)
+    if w.tpot_s is not None:
+        st["base_tpot"] = _drift(st.get("base_tpot"), w.tpot_s)
+    ratio = lpt / base if base > 0 else 1.0
+    gradient = max(0.5, min(1.0, 1.0 / ratio))
+    in_use = w.inflight >= 0.7 * limit
+    base_ttft = st.get("base_ttft")
+    ttft_ratio = w.ttft_s / base_ttft if w.ttft_s is not None and base_ttft else 1.0
+
+    # -- time to first token blow-up: requests wait in the server's queue ------------------
+    if (w.ttft_s is not None and base_ttft and ttft_ratio >= 3
+            and w.ttft_s - base_ttft >= 1.0 and not cooldown):
+        st["phase"], st["cooldown"] = "steady", COOLDOWN
+        return out(limit * CUT_TTFT, f"ttft {_fmt_s(w.ttft_s)} = {ttft_ratio:.0f}× baseline")
+
+    def why_latency() -> str:
+        bp = st.get("base_tpot")
+        if w.ttft_s is not None and base_ttft and ttft_ratio > 1.2 and \
+                (w.ttft_s - base_ttft) / max(lpt, 1e-9) > 1:
+            return f"ttft {_fmt_s(w.ttft_s)} = {ttft_ratio:.1f}× baseline"
+        if w.tpot_s is not None and bp and w.tpot_s / bp > 1.2:
+            return f"time per token {_fmt_s(w.tpot_s)} = {w.tpot_s / bp:.1f}× baseline"
+        return f"latency per token {ratio:.2f}× baseline"
+
+    # -- slow start: grow fast while nothing degrades ------------------------------------------
+    if st["phase"] == "start":
+        # Requests starting to wait in the server show in the time to first token first.
+        queueing = base_ttft is not None and w.ttft_s is not None and \
+            ttft_ratio >= 1.5 and w.ttft_s - base_ttft >= 0.2
+        if gradient >= 0.9 and not queueing:
+            if not in_use:
+                return out(limit, "")
+            return out(max(limit + 1, limit * SLOW_START),
+                       f"latency at baseline ({ratio:.2f}×), {w.tokens_per_s:.0f} tok/s")
+        st["phase"] = "steady"
+
+    # -- steady: the gradient ---------------------------------------------------------------
+    queue = math.sqrt(limit)
+    target = limit * gradient + queue
+    if target > limit and (waiting or not in_use or cooldown):
+        target = limit  # requests wait in the server / the limit is not used / just cut
+    new = math.floor(target) if target > limit else math.ceil(target)
+    if new > limit:
+        return out(new, f"latency per token {ratio:.2f}× baseline, {w.tokens_per_s:.0f} tok/s")
+    if new < limit:
+        return out(new, why_latency())
+    return out(limit, "")
+
+
+# -- signals --------------------------------------------------------------------------------
+
+
+def metrics_url(base_url: str) -> str:
+    """``http://host:8000/v1`` → ``http://host:8000/metrics``."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return f"{root}/metrics"
+
+
+_GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+           "vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage"}
+
+
+def parse_vllm_gauges(body: str) -> dict[str, float]:
+    """The vLLM gauges in a Prometheus text page, summed over label sets (KV usage: max)."""
+    found: dict[str, float] = {}
+    for line in body.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _GAUGES.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if key == "kv_usage":
+            found[key] = max(found.get(key, 0.0), value)
+        else:
+            found[key] = found.get(key, 0.0) + value
+    return found
+
+
+#: Servers found without vLLM gauges, and when (monotonic): asked again after a minute.
+_no_gauges: dict[str, float] = {}
+_client: httpx.Client | None = None
+
+
+def _scrape(url: str) -> dict[str, float]:
+    global _client
+    import httpx
+
+    if time.monotonic() - _no_gauges.get(url, -1e9) < 60.0:
+        return {}
+    if _client is None:
+        _client = httpx.Client()
+    try:
+        response = _client.get(metrics_url(url), timeout=0.5)
+        gauges = parse_vllm_gauges(response.text) if response.status_code == 200 else {}
+    except httpx.HTTPError:
+        gauges = {}
+    if not gauges:
+        _no_gauges[url] = time.monotonic()
+    return gauges
+
+
+def _window(session: Session, url: str, now: datetime, limit: int, inflight: int,
+            since: float, seconds: float = WINDOW_SECONDS) -> Window:
+    """The server's last ``seconds`` of calls, from ``attempts`` (newest first, by id);
+    latency figures from the calls that started at or after ``since`` (unix time)."""
+    cutoff = now - timedelta(seconds=seconds)
+    rows = session.execute(
+        select(Attempt.started_at, Attempt.ended_at, Attempt.outcome, Attempt.latency_s,
+               Attempt.ttft_s, Attempt.completion_tokens)
+        .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(2000)).all()
+    ok = tokens = overload = timeouts = fresh = 0
+    latency = 0.0
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    latency_known = 0.0
+    tokens_known = 0
+    for started, ended, outcome, lat, ttft, ntok in rows:
+        if ended is None or ended < cutoff:
+            continue
+        if outcome in OVERLOAD:
+            overload += 1
+        elif outcome in TIMEOUTS:
+            timeouts += 1
+        if outcome != "ok":
+            continue
+        ok += 1
+        tokens += ntok or 0
+        if started.timestamp() < since:
+            continue
+        fresh += 1
+        if lat is not None:
+            latency += lat
+            if ntok:
+                latency_known += lat
+                tokens_known += ntok
+        if ttft is not None:
+            ttfts.append(ttft)
+            if lat is not None and ntok and ntok > 1:
+                tpots.append(max(0.0, lat - ttft) / (ntok - 1))
+    lpt = None
+    if tokens_known:
+        lpt = latency_known / tokens_known
+    elif fresh:
+        lpt = latency / fresh
+    return Window(limit=limit, inflight=inflight, ok=ok, tokens=tokens, fresh=fresh,
+                  ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+                  tpot_s=sum(tpots) / len(tpots) if tpots else None,
+                  latency_per_token=lpt, overload=overload, timeouts=timeouts,
+                  seconds=seconds, now=now.timestamp())
+
+
+def auto_servers(session: Session, job_ids: Sequence[int] | None = None
+                 ) -> dict[str, tuple[int, int]]:
+    """Servers of active ``--inflight auto`` jobs: url → (floor, cap)."""
+    query = select(Job.servers, Job.min_inflight, Job.inflight_limit).where(
+        Job.state == JobState.ACTIVE, Job.inflight_auto.is_(True))
+    if job_ids is not None:
+        query = query.where(Job.id.in_(job_ids))
+    result: dict[str, tuple[int, int]] = {}
+    for urls, floor, cap in session.execute(query):
+        for url in urls:
+            old = result.get(url)
+            result[url] = (floor, cap) if old is None else (min(old[0], floor), min(old[1], cap))
+    return {u: (min(f, c), c) for u, (f, c) in result.items()}
+
+
+def _inflight(session: Session, url: str) -> int:
+    return session.scalar(select(func.count()).select_from(Sample).where(
+        Sample.server == url, Sample.state.in_(INFLIGHT))) or 0
+
+
+#: A file each tick's window and decision are appended to (for benchmarks; unset: none).
+_TRACE = os.environ.get("SYNTHQ_ADAPTIVE_TRACE")
+#: This process's last tick per server (monotonic), so a loop that wakes often ticks once a second.
+_last_tick: dict[str, float] = {}
+
+
+def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[str, Decision]:
+    """Run the controller of each server of the active auto jobs that is due; returns what
+    each decided. Called by the beat tick and the embedded loop, as often as they like."""
+    from synthq.dispatch import _LOCK_KEY  # one lock with the dispatcher's room computation
+
+    mono = time.monotonic()
+    with session_scope() as s:
+        servers = auto_servers(s, job_ids)
+    due = [u for u in servers if mono - _last_tick.get(u, -1e9) >= TICK_SECONDS * 0.9]
+    decisions: dict[str, Decision] = {}
+    for url in due:
+        _last_tick[url] = mono
+        floor, cap = servers[url]
+        gauges = _scrape(url) if scrape else {}
+        with session_scope() as s:
+            if s.get_bind().dialect.name == "postgresql":
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+            now = utcnow()
+            row = s.get(Server, url)
+            if row is not None and row.limit_at is not None and \
+                    (now - row.limit_at).total_seconds() < TICK_SECONDS * 0.9:
+                continue  # another scheduler ran it a moment ago
+            fresh = row is None or row.limit_target is None or row.limit_at is None or \
+                now - row.limit_at > FORGET_AFTER
+            limit = start_limit(floor, cap) if fresh or row is None or \
+                row.limit_target is None else row.limit_target
+            bound = limit if fresh or row is None or row.limit is None else row.limit
+            state = None if fresh or row is None else row.limit_state
+            inflight = _inflight(s, url)
+            since = float((state or {}).get("changed_at", 0.0))
+            window = _window(s, url, now, limit, inflight, since)
+            if gauges:
+                window = replace(window, waiting=gauges.get("waiting"),
+                                 running=gauges.get("running"), kv_usage=gauges.get("kv_usage"))
+            decision = decide(window, state, floor=floor, cap=cap)
+            if _TRACE:
+                with open(_TRACE, "a") as fh:
+                    fh.write(f"{time.time():.1f} {window} -> {decision.limit} "
+                             f"{decision.reason} {decision.state}\n")
+            target = decision.limit
+            # The dispatcher queues up to the target at once; the bound on queued +
+            # running comes down only as the calls above the target end, so that it
+            # holds at every moment, even while the limit moves.
+            applied = max(target, min(bound, inflight))
+            reason = decision.reason
+            history = list(row.limit_history or []) if row is not None and not fresh else []
+            history.append([round(now.timestamp(), 1), target, round(window.tokens_per_s, 1),
+                            round(window.done_per_s, 2)])
+            stored: str | None
+            if reason:
+                stored = reason
+            elif fresh or row is None:
+                stored = f"{applied} start (slow start)"
+            else:
+                stored = row.limit_reason
+            _save(s, url, now, target, applied, stored, decision.state, history[-HISTORY:])
+            decisions[url] = decision
+            if reason:
+                log.info("server %s: limit %s", url, reason)
+    return decisions
+
+
+def _save(session: Session, url: str, now: datetime, target: int, bound: int,
+          reason: str | None, state: dict[str, Any], history: list[Any]) -> None:
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    values = {"limit_target": target, "limit": bound, "limit_reason": reason,
+              "limit_at": now, "limit_state": state, "limit_history": history}
+    # A server the health probe has not met yet: a row that asks for a probe at once.
+    stmt = insert(Server).values(url=url, healthy=True, checked_at=datetime(2000, 1, 1, tzinfo=UTC),
+                                 failures=0, **values)
+    session.execute(stmt.on_conflict_do_update(index_elements=["url"], set_=values))
+
+
+def current_limits(session: Session, urls: Sequence[str]) -> dict[str, Server]:
+    """The ``servers`` rows of ``urls`` that carry an adaptive limit."""
+    if not urls:
+        return {}
+    return {r.url: r for r in session.scalars(select(Server).where(
+        Server.url.in_(list(urls)), Server.limit_target.is_not(None)))}

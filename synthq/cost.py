@@ -1,0 +1,179 @@
+"""What a job cost on self-hosted GPUs: busy server time, tokens, dollars.
+
+* **Busy time** of a job on a server: the wall time with at least one call of
+  the job in flight on it (the union of its calls' intervals, from
+  ``attempts`` plus the samples running now), times the GPUs behind the
+  server (``--gpus``): GPU-seconds.
+* **Tokens**: completion tokens of the job's successful calls; tokens/s over
+  the busy time.
+* With a price (``--gpu-hour-price``, or ``SYNTHQ_GPU_HOUR_PRICE``): dollars
+  so far = GPU-hours × price; dollars per 1M generated tokens = $/h ÷ (tok/s ×
+  3600) × 10⁶; projected remaining time = remaining samples × mean tokens per
+  sample ÷ current tokens/s (the last minute), and its cost at the job's GPUs.
+
+Where it misleads: a server shared with other jobs (or other users) is billed
+to each job for the whole time the job had a call on it, so shared time is
+counted once per job; an idle server between calls is not counted at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import case, func, or_, select
+from sqlalchemy.orm import Session
+
+from synthq.db import utcnow
+from synthq.enums import SampleState
+from synthq.models import Attempt, Job, Sample
+
+__all__ = ["ServerCost", "JobCost", "job_cost", "busy_intervals", "merge", "price_of"]
+
+#: Window of the "current" token rate the projection uses.
+CURRENT_WINDOW = timedelta(seconds=60)
+
+
+@dataclass
+class ServerCost:
+    busy_s: float = 0.0
+    gpu_hours: float = 0.0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    dollars: float | None = None
+    dollars_per_mtok: float | None = None
+
+
+@dataclass
+class JobCost:
+    gpus: int
+    gpu_hour_price: float | None
+    busy_s: float = 0.0
+    gpu_hours: float = 0.0
+    tokens: int = 0
+    #: Generated tokens per busy second (per server, summed over servers busy at once
+    #: it is the job's rate while it runs).
+    tokens_per_s: float = 0.0
+    #: Tokens per second over the last minute (the projection's rate).
+    current_tokens_per_s: float = 0.0
+    mean_tokens_per_sample: float | None = None
+    dollars: float | None = None
+    dollars_per_mtok: float | None = None
+    remaining_s: float | None = None
+    remaining_dollars: float | None = None
+    servers: dict[str, ServerCost] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def merge(intervals: list[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
+    """The union of intervals, as disjoint ones in order."""
+    out: list[tuple[datetime, datetime]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def busy_intervals(session: Session, job_id: int, now: datetime
+                   ) -> dict[str, list[tuple[datetime, datetime]]]:
+    """Per server, the disjoint intervals with a call of the job in flight.
+
+    The database merges overlapping calls (a running maximum of end times over
+    the calls ordered by start: a call that starts after every earlier call
+    ended opens a new interval), so a long busy stretch comes back as one row.
+    """
+    a = (select(Attempt.server.label("server"), Attempt.started_at.label("s"),
+                Attempt.ended_at.label("e"))
+         .join(Sample, Sample.id == Attempt.sample_id)
+         .where(Sample.job_id == job_id, Attempt.ended_at.is_not(None)).subquery())
+    prev = func.max(a.c.e).over(partition_by=a.c.server, order_by=(a.c.s, a.c.e),
+                                rows=(None, -1))
+    b = select(a.c.server, a.c.s, a.c.e, prev.label("p")).subquery()
+    opens = case((or_(b.c.p.is_(None), b.c.s > b.c.p), 1), else_=0)
+    c = select(b.c.server, b.c.s, b.c.e,
+               func.sum(opens).over(partition_by=b.c.server, order_by=(b.c.s, b.c.e),
+                                    rows=(None, 0)).label("g")).subquery()
+    rows = session.execute(select(c.c.server, func.min(c.c.s), func.max(c.c.e))
+                           .group_by(c.c.server, c.c.g)).all()
+    found: dict[str, list[tuple[datetime, datetime]]] = {}
+    for server, start, end in rows:
+        found.setdefault(server, []).append((start, end))
+    # Calls running now: from their start until now.
+    for server, start in session.execute(
+            select(Sample.server, Sample.started_at).where(
+                Sample.job_id == job_id, Sample.state == SampleState.RUNNING,
+                Sample.started_at.is_not(None), Sample.server.is_not(None))):
+        if server is not None and start is not None:
+            found.setdefault(server, []).append((start, max(start, now)))
+    return {server: merge(spans) for server, spans in found.items()}
+
+
+def price_of(job: Job) -> float | None:
+    """The job's GPU-hour price, else SYNTHQ_GPU_HOUR_PRICE, else None."""
+    if job.gpu_hour_price is not None:
+        return job.gpu_hour_price
+    from synthq.config import get_settings
+
+    return get_settings().gpu_hour_price
+
+
+def job_cost(session: Session, job: Job, *, remaining: int,
+             now: datetime | None = None) -> JobCost:
+    """The cost report of ``job`` (``remaining``: samples not yet in a final state)."""
+    now = now or utcnow()
+    price = price_of(job)
+    gpus = max(1, job.gpus or 1)
+    cost = JobCost(gpus=gpus, gpu_hour_price=price)
+    busy = busy_intervals(session, job.id, now)
+    tokens = {server: int(n or 0) for server, n in session.execute(
+        select(Attempt.server, func.sum(Attempt.completion_tokens))
+        .join(Sample, Sample.id == Attempt.sample_id)
+        .where(Sample.job_id == job.id, Attempt.outcome == "ok")
+        .group_by(Attempt.server))}
+    ok_calls = session.scalar(
+        select(func.count()).select_from(Attempt).join(Sample, Sample.id == Attempt.sample_id)
+        .where(Sample.job_id == job.id, Attempt.outcome == "ok")) or 0
+    recent, first = session.execute(
+        select(func.coalesce(func.sum(Attempt.completion_tokens), 0), func.min(Attempt.ended_at))
+        .join(Sample, Sample.id == Attempt.sample_id)
+        .where(Sample.job_id == job.id, Attempt.outcome == "ok",
+               Attempt.ended_at >= now - CURRENT_WINDOW)).one()
+    for server in sorted(set(busy) | set(tokens)):
+        seconds = sum((e - s).total_seconds() for s, e in busy.get(server, []))
+        n = tokens.get(server, 0)
+        sc = ServerCost(busy_s=seconds, gpu_hours=seconds * gpus / 3600.0, tokens=n,
+                        tokens_per_s=n / seconds if seconds > 0 else 0.0)
+        if price is not None:
+            sc.dollars = sc.gpu_hours * price
+            if sc.tokens_per_s > 0:
+                sc.dollars_per_mtok = price * gpus / (sc.tokens_per_s * 3600.0) * 1e6
+        cost.servers[server] = sc
+    cost.busy_s = sum(x.busy_s for x in cost.servers.values())
+    cost.gpu_hours = sum(x.gpu_hours for x in cost.servers.values())
+    cost.tokens = sum(x.tokens for x in cost.servers.values())
+    cost.tokens_per_s = cost.tokens / cost.busy_s if cost.busy_s > 0 else 0.0
+    if recent and first is not None:
+        span = max(1.0, min(CURRENT_WINDOW.total_seconds(), (now - first).total_seconds()))
+        cost.current_tokens_per_s = int(recent) / span
+    if ok_calls:
+        cost.mean_tokens_per_sample = cost.tokens / ok_calls
+    if price is not None:
+        cost.dollars = cost.gpu_hours * price
+        if cost.tokens:
+            # $/h of GPUs ÷ (tokens/s × 3600) × 10⁶, over all servers at once.
+            cost.dollars_per_mtok = cost.dollars / cost.tokens * 1e6
+    if remaining and cost.mean_tokens_per_sample and cost.current_tokens_per_s > 0:
+        cost.remaining_s = remaining * cost.mean_tokens_per_sample / cost.current_tokens_per_s
+        if price is not None:
+            servers = max(1, len(job.servers))
+            cost.remaining_dollars = cost.remaining_s / 3600.0 * price * gpus * servers
+    elif not remaining:
+        cost.remaining_s = 0.0
+        cost.remaining_dollars = 0.0 if price is not None else None
+    return cost

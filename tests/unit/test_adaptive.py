@@ -1,0 +1,155 @@
+"""The adaptive limit's controller (synthq.adaptive.decide), a pure function, on signal
+traces: one recorded from a real embedded run against the knee simulator, and
+windows made by a small model of a server (slots or knee) fed back in a loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from synthq.adaptive import Window, decide, parse_vllm_gauges, start_limit
+
+FLOOR, CAP = 4, 256
+
+
+def quiet(limit: int, *, now: float, lpt: float = 0.1, ttft: float = 0.4) -> Window:
+    """A window at the low-load baseline, with the limit in use."""
+    return Window(limit=limit, inflight=limit, ok=20, tokens=320, fresh=20, ttft_s=ttft,
+                  tpot_s=lpt, latency_per_token=lpt, now=now)
+
+
+def run(windows: list[Window]) -> list[tuple[int, str | None]]:
+    """Feed windows in order, each with the limit the previous decision set."""
+    state: dict[str, Any] | None = None
+    limit = windows[0].limit
+    out = []
+    for w in windows:
+        used = limit if w.inflight == w.limit else w.inflight  # a used limit stays used
+        d = decide(replace(w, limit=limit, inflight=used), state, floor=FLOOR, cap=CAP)
+        state, limit = d.state, d.limit
+        out.append((limit, d.reason))
+    return out
+
+
+def test_rises_on_a_quiet_server_up_to_the_cap_and_no_further() -> None:
+    limits = [lim for lim, _ in run([quiet(8, now=float(t)) for t in range(40)])]
+    assert limits[0] > 8  # grows from the first window that shows baseline latency
+    assert all(b >= a for a, b in zip(limits, limits[1:], strict=False))
+    assert limits[-1] == CAP and max(limits) == CAP
+    # Slow start: from 8 to the cap in a handful of windows.
+    assert limits.index(CAP) <= 10
+
+
+def test_holds_while_the_limit_is_not_used() -> None:
+    windows = [replace(quiet(8, now=float(t)), inflight=2) for t in range(10)]
+    assert {lim for lim, _ in run(windows)} == {8}
+
+
+def test_falls_sharply_on_429_and_5xx_then_cools_down() -> None:
+    warm = [quiet(64, now=float(t)) for t in range(3)]
+    bad = [replace(quiet(64, now=3.0 + t), overload=3) for t in range(3)]
+    out = run([*warm, *bad])
+    before = out[2][0]
+    cut, reason = out[3]
+    assert cut == round(before * 0.7)
+    assert reason is not None and reason.startswith(f"{cut} ↓") and "429" in reason
+    # Calls that started before the cut still report errors: no second cut at once.
+    assert out[4][0] == cut and out[5][0] == cut
+
+
+def test_falls_on_timeouts_down_to_the_floor_never_below() -> None:
+    windows = [replace(quiet(64, now=float(t)), timeouts=5) for t in range(60)]
+    limits = [lim for lim, _ in run(windows)]
+    assert limits[0] == 32
+    assert min(limits) == FLOOR and limits[-1] == FLOOR
+
+
+def test_falls_on_a_ttft_blow_up_and_says_so() -> None:
+    out = run([quiet(48, now=0.0), quiet(48, now=1.0),
+               replace(quiet(48, now=2.0), ttft_s=4.1, latency_per_token=0.1 + 3.7 / 16)])
+    limit, reason = out[-1]
+    assert limit < out[-2][0]
+    assert reason is not None and "↓ ttft 4.1 s = 10× baseline" in reason
+
+
+def test_vllm_gauges_waiting_stops_growth_and_full_kv_cache_shrinks() -> None:
+    out = run([replace(quiet(32, now=float(t)), waiting=5.0) for t in range(5)])
+    assert max(lim for lim, _ in out) <= 32 + math.isqrt(32)  # no slow start past it
+    out = run([quiet(32, now=0.0), replace(quiet(32, now=1.0), kv_usage=0.99)])
+    assert out[-1][0] < out[0][0] and "kv cache 99 %" in (out[-1][1] or "")
+
+
+def test_recorded_knee_trace() -> None:
+    """Windows recorded by SYNTHQ_ADAPTIVE_TRACE from `synthq run --inflight auto` on
+    `synthq simulate --knee 32 --knee-falloff 1`: rises at baseline, then falls when
+    the latency per token passes its baseline (streams past the knee)."""
+    trace = json.loads((Path(__file__).parent / "data" / "adaptive_knee_trace.json")
+                       .read_text())
+    state: dict[str, Any] | None = None
+    limits = []
+    for entry in trace:
+        d = decide(Window(**entry["window"]), state, floor=FLOOR, cap=CAP)
+        state = d.state
+        limits.append(d.limit)
+        assert FLOOR <= d.limit <= CAP
+        assert d.limit == entry["decided"]  # the controller is deterministic
+    assert limits[0] == 8 and max(limits[:12]) == 40
+    assert limits[12] < 40  # latency per token 1.2× baseline past the knee
+
+
+# -- closed loop: a model server, one window per tick, one call-length of lag ------------------
+
+
+def model_window(limit: int, history: list[int], now: float, kind: str) -> Window:
+    """What a server with a knee or 32 slots reports for calls that started 2 ticks ago."""
+    n = history[-2] if len(history) >= 2 else history[0]
+    if kind == "slots":
+        wait = max(0.0, (n - 32) / 32 * 2.0)
+        ttft, lpt = 0.4 + wait, (2.0 + wait) / 16
+    else:  # knee at 32, total rate ∝ 32/n past it
+        ttft, lpt = 0.4, 0.1 * max(1.0, (n / 32) ** 2)
+    done = min(n, 32) / 2.0 * 2
+    return Window(limit=limit, inflight=limit, ok=int(done), tokens=int(done) * 16,
+                  fresh=int(done), ttft_s=ttft, tpot_s=lpt, latency_per_token=lpt, now=now)
+
+
+def closed_loop(kind: str, ticks: int = 60) -> list[int]:
+    state: dict[str, Any] | None = None
+    limit = start_limit(FLOOR, CAP)
+    history = [limit]
+    changed = 0.0
+    for t in range(ticks):
+        w = model_window(limit, history, float(t), kind)
+        # Calls that started after the last change report only a call-length later.
+        if t - changed < 2:
+            w = replace(w, fresh=0)
+        d = decide(w, state, floor=FLOOR, cap=CAP)
+        if d.limit != limit:
+            changed = float(t)
+        state, limit = d.state, d.limit
+        history.append(limit)
+    return history
+
+
+def test_converges_near_the_knee_within_30_ticks_and_holds() -> None:
+    for kind in ("slots", "knee"):
+        history = closed_loop(kind)
+        settled = history[30:]
+        assert all(32 * 0.85 <= x <= 32 * 1.6 for x in settled), (kind, history)
+        mid = sorted(settled)[len(settled) // 2]
+        assert all(abs(x - mid) <= 0.25 * mid for x in settled), (kind, history)
+        assert max(history) <= CAP
+
+
+def test_parse_vllm_gauges() -> None:
+    body = ("# HELP vllm:num_requests_waiting x\n"
+            'vllm:num_requests_waiting{model_name="m",engine="0"} 3.0\n'
+            'vllm:num_requests_waiting{model_name="m",engine="1"} 2.0\n'
+            'vllm:num_requests_running{model_name="m"} 30.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.42\n'
+            'vllm:generation_tokens_total{model_name="m"} 1e6\n')
+    assert parse_vllm_gauges(body) == {"waiting": 5.0, "running": 30.0, "kv_usage": 0.42}
+    assert parse_vllm_gauges("nothing here\n") == {}
