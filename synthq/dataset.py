@@ -16,9 +16,15 @@ Three row forms are understood (see :func:`normalize`):
 The prompt is the conversation up to and including its last user turn: the
 last turn the model must answer. Assistant turns after it are dropped (they are
 what the inference server regenerates); a row that ends in a user turn is sent
-whole. (Tool messages are not accepted yet, so a row holding one is skipped;
-a tool result is also a turn the model must answer, and the rule would end the
-prompt there.)
+whole. A tool result is also a turn the model must answer: a prompt may end
+with a ``tool`` message.
+
+Tool conversations come in OpenAI form: the row's ``tools`` (and optional
+``tool_choice``), assistant messages with ``tool_calls``, and ``tool``
+messages with ``tool_call_id``; they are kept on :attr:`Row.tools` and in the
+messages. With ``regenerate="all"`` the whole conversation is kept (every
+assistant turn is regenerated on the regenerated history, see
+:mod:`synthq.turns`).
 
 That rule is *key version* 2 (:data:`KEY_VERSION`). Jobs created before it,
 key version 1, cut the prompt before the last assistant turn instead, which
@@ -59,6 +65,8 @@ __all__ = [
     "iter_rows",
     "normalize",
     "raw_key",
+    "REGENERATE_MODES",
+    "row_tools",
     "source_id",
 ]
 
@@ -96,7 +104,11 @@ _ROLE_ALIASES: dict[str, str] = {
     "assistant": "assistant",
     "gpt": "assistant",
     "chatgpt": "assistant",
+    "tool": "tool",
 }
+
+#: ``--regenerate`` modes: the last assistant turn, or every one on regenerated history.
+REGENERATE_MODES = ("last", "all")
 
 # Conversation-list fields, in order of precedence.
 _LIST_FIELDS = ("messages", "conversations", "conversation")
@@ -135,6 +147,8 @@ class Row:
     raw: str | None = None
     source_id: str | None = None
     where: str = dataclasses.field(default="", compare=False)
+    #: The row's ``{"tools": [...], "tool_choice": ...}`` when it declares tools.
+    tools: dict[str, Any] | None = None
 
     @property
     def skipped(self) -> bool:
@@ -148,19 +162,29 @@ class Row:
 
 
 def normalize(obj: Mapping[str, Any], *, max_chars: int = MAX_ROW_CHARS,
-              key_version: int = KEY_VERSION) -> list[dict[str, str]]:
+              key_version: int = KEY_VERSION, regenerate: str = "last") -> list[dict[str, Any]]:
     """Turn one row object into an OpenAI-style prompt.
 
-    Returns a fresh list of ``{"role", "content"}`` dicts: the conversation up
-    to and including its last user turn (``key_version`` 1: up to, not
-    including, its last assistant turn). Raises :class:`InvalidRow` with a
-    short reason otherwise.
+    Returns a fresh list of ``{"role", "content"}`` dicts (assistant messages
+    may carry ``tool_calls``, tool messages ``tool_call_id``): the
+    conversation up to and including its last user or tool turn (``key_version``
+    1: up to, not including, its last assistant turn; ``regenerate="all"``: the
+    whole conversation, whose assistant turns are all regenerated). Raises
+    :class:`InvalidRow` with a short reason otherwise.
     """
     if not isinstance(obj, Mapping):
         raise InvalidRow("row is not a JSON object")
     conversation = _extract_conversation(obj)
     if not conversation:
         raise InvalidRow("empty conversation")
+    if regenerate == "all":
+        _check_tool_pairs(conversation)
+        _check_prompt(conversation, max_chars=max_chars, whole=True)
+        from synthq.turns import turn_positions
+
+        if not turn_positions(conversation):
+            raise InvalidRow("no assistant turn to regenerate")
+        return conversation
     if key_version == 1:
         prompt = _trim_last_answer(conversation)
     else:
@@ -219,7 +243,59 @@ def _pick(item: Mapping[str, Any], keys: tuple[str, str]) -> tuple[bool, Any]:
     return any(key in item for key in keys), None
 
 
-def _parse_message(item: Any, number: int) -> dict[str, str]:
+def row_tools(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The row's ``{"tools": [...], "tool_choice": ...}``, or None when it declares none.
+
+    Raises :class:`InvalidRow` for tools that are not a list of function objects.
+    """
+    tools = obj.get("tools") if isinstance(obj, Mapping) else None
+    if tools is None or (isinstance(tools, (list, tuple)) and not tools):
+        return None
+    if isinstance(tools, str):  # Parquet / HF columns often hold it as JSON text
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise InvalidRow("tools is not a list") from None
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRow("tools is not a list")
+    for number, tool in enumerate(tools, 1):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRow(f"tool {number} has no function name")
+    found: dict[str, Any] = {"tools": [dict(t) for t in tools]}
+    if obj.get("tool_choice") is not None:
+        found["tool_choice"] = obj["tool_choice"]
+    return found
+
+
+def _parse_tool_calls(value: Any, number: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked: ``[{id, type, function}, ...]``."""
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRow(f"message {number} tool_calls is not a list")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRow(f"message {number} has a tool call without a function name")
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, (str, Mapping)):
+            raise InvalidRow(f"message {number} tool call arguments are not text or an object")
+        calls.append({"id": str(call.get("id") or ""), "type": call.get("type") or "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _check_tool_pairs(conversation: list[dict[str, Any]]) -> None:
+    """Every tool message follows an assistant turn with tool calls (or another tool message)."""
+    for number, message in enumerate(conversation, 1):
+        if message["role"] != "tool":
+            continue
+        before = conversation[number - 2] if number > 1 else None
+        if before is None or not (before["role"] == "tool" or before.get("tool_calls")):
+            raise InvalidRow(f"message {number} is a tool result without a tool call before it")
+
+
+def _parse_message(item: Any, number: int) -> dict[str, Any]:
     """Parse one message in either role/content or from/value style."""
     if not isinstance(item, Mapping):
         raise InvalidRow(f"message {number} is not an object")
@@ -232,10 +308,24 @@ def _parse_message(item: Any, number: int) -> dict[str, str]:
     if canonical is None:
         raise InvalidRow(f"unknown role {role!r} in message {number}")
     has_content, content = _pick(item, ("content", "value"))
+    tool_calls = item.get("tool_calls") if canonical == "assistant" else None
+    if tool_calls is not None and not (isinstance(tool_calls, (list, tuple)) and
+                                       not tool_calls):
+        message: dict[str, Any] = {"role": canonical, "content": content or ""}
+        if content is not None and not isinstance(content, str):
+            raise InvalidRow(f"message {number} content is not a string")
+        message["tool_calls"] = _parse_tool_calls(tool_calls, number)
+        return message
     if not has_content:
         raise InvalidRow(f"message {number} has no content")
     if not isinstance(content, str):
         raise InvalidRow(f"message {number} content is not a string")
+    if canonical == "tool":
+        message = {"role": "tool", "content": content}
+        for key in ("tool_call_id", "name"):
+            if isinstance(item.get(key), str):
+                message[key] = item[key]
+        return message
     return {"role": canonical, "content": content}
 
 
@@ -261,11 +351,16 @@ def _trim_last_answer(conversation: list[dict[str, str]]) -> list[dict[str, str]
     return conversation
 
 
-def _check_prompt(prompt: list[dict[str, str]], *, max_chars: int) -> None:
-    """Reject prompts that a chat server could not sensibly answer."""
+def _check_prompt(prompt: list[dict[str, Any]], *, max_chars: int, whole: bool = False) -> None:
+    """Reject prompts that a chat server could not sensibly answer (``whole``: a
+    conversation whose every assistant turn is regenerated)."""
     if not any(message["role"] == "user" for message in prompt):
         raise InvalidRow("no user turn")
-    if prompt[-1]["role"] not in _ANSWERED_ROLES:
+    if whole:
+        first_user = next(i for i, m in enumerate(prompt) if m["role"] == "user")
+        if any(m["role"] == "assistant" for m in prompt[:first_user]):
+            raise InvalidRow("an assistant turn comes before the first user turn")
+    elif prompt[-1]["role"] not in _ANSWERED_ROLES:
         raise InvalidRow("prompt does not end with a user turn")
     total = 0
     for number, message in enumerate(prompt, 1):
@@ -293,8 +388,8 @@ def _is_encodable(text: str) -> bool:
 # --------------------------------------------------------------------------
 
 
-def content_key(messages: list[dict[str, str]], settings: Mapping[str, Any],
-                key_version: int = KEY_VERSION) -> str:
+def content_key(messages: list[dict[str, Any]], settings: Mapping[str, Any],
+                key_version: int = KEY_VERSION, tools: Mapping[str, Any] | None = None) -> str:
     """SHA-256 hex digest identifying a prompt under given generation settings.
 
     The digest is taken over canonical JSON (sorted keys, compact separators,
@@ -305,6 +400,8 @@ def content_key(messages: list[dict[str, str]], settings: Mapping[str, Any],
     body: dict[str, Any] = {"messages": messages, "settings": dict(settings)}
     if key_version != 1:
         body["key_version"] = key_version
+    if tools:  # only rows that declare tools: every other key stays as it was
+        body["tools"] = dict(tools)
     canonical = json.dumps(
         body,
         sort_keys=True,
@@ -330,7 +427,7 @@ def _sha256(text: str) -> str:
 
 
 def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS, id_field: str | None = None,
-              key_version: int = KEY_VERSION) -> Iterator[Row]:
+              key_version: int = KEY_VERSION, regenerate: str = "last") -> Iterator[Row]:
     """Yield every row of ``source`` as a :class:`Row`, in order.
 
     ``source`` may be a JSON-lines file (``.jsonl``, ``.json``, optionally
@@ -361,7 +458,7 @@ def iter_rows(source: str, *, max_chars: int = MAX_ROW_CHARS, id_field: str | No
         raise DatasetError(f"no such file: {source}")
     else:
         records = _iter_hf(source)
-    return _rows_from_objects(records, max_chars, fields, key_version)
+    return _rows_from_objects(records, max_chars, fields, key_version, regenerate)
 
 
 # A parsed record: either an object to normalise or an early skip reason,
@@ -432,18 +529,20 @@ def source_id(obj: Any, fields: tuple[str, ...] = ID_FIELDS) -> str | None:
 
 def _rows_from_objects(records: Iterable[_Record], max_chars: int,
                        fields: tuple[str, ...] = ID_FIELDS,
-                       key_version: int = KEY_VERSION) -> Iterator[Row]:
+                       key_version: int = KEY_VERSION, regenerate: str = "last") -> Iterator[Row]:
     """Number records and normalise them into :class:`Row` objects."""
     for index, (obj, skip_reason, raw, where) in enumerate(records):
         sid = source_id(obj, fields) if skip_reason is None else None
         if skip_reason is None:
             try:
-                messages = normalize(obj, max_chars=max_chars, key_version=key_version)
+                messages = normalize(obj, max_chars=max_chars, key_version=key_version,
+                                     regenerate=regenerate)
+                tools = row_tools(obj)
             except InvalidRow as exc:
                 skip_reason = exc.reason
             else:
                 yield Row(index=index, messages=messages, skip_reason=None, raw=None,
-                          source_id=sid, where=where)
+                          source_id=sid, where=where, tools=tools)
                 continue
         if raw is None:
             raw = _preview(obj)

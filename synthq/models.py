@@ -134,6 +134,13 @@ class Job(Base):
     think_close: Mapped[str] = mapped_column(String(64), default="\n</think>\n\n")
     #: ``last_turn`` (the generated answer) or ``all_assistant_turns``.
     mask: Mapped[str] = mapped_column(String(24), default="last_turn")
+    #: ``last``: regenerate the last assistant turn; ``all``: every assistant turn,
+    #: each on the regenerated history (synthq.turns).
+    regenerate: Mapped[str] = mapped_column(String(8), default="last", server_default="last")
+    #: ``drop``: earlier regenerated turns are sent with their content only; ``keep``:
+    #: with their reasoning_content too.
+    history_reasoning: Mapped[str] = mapped_column(String(8), default="drop",
+                                                   server_default="drop")
     #: Bumped by ``synthq retokenize``; samples tokenized at an older version are stale.
     tokenize_version: Mapped[int] = mapped_column(Integer, default=1)
     #: The prompt rule and content-key form the job's samples were made under
@@ -162,8 +169,12 @@ class Job(Base):
 
     def generation_settings(self) -> dict[str, Any]:
         """What makes two generations of one prompt the same work (part of the content key)."""
-        return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
-                "extra_body": self.extra_body}
+        settings = {"model": self.model, "max_tokens": self.max_tokens,
+                    "sampling": self.sampling, "extra_body": self.extra_body}
+        if self.regenerate == "all":  # absent for last-turn jobs: their keys stay as they were
+            settings["regenerate"] = "all"
+            settings["history_reasoning"] = self.history_reasoning
+        return settings
 
     def key_generation_settings(self) -> dict[str, Any]:
         """The settings new rows' content keys are computed under (those of the job's
@@ -231,6 +242,26 @@ class Sample(Base):
     num_supervised: Mapped[int | None] = mapped_column(Integer)
     #: The job's tokenize_version this result was computed at.
     tokenize_version: Mapped[int | None] = mapped_column(Integer)
+    #: The row's ``{"tools": [...], "tool_choice": ...}``, sent with every call (None: no tools).
+    tools: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    #: The tool calls of the (last) answer, OpenAI form.
+    tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JsonType, nullable=True)
+    # Regenerating every turn (jobs with regenerate=all; synthq.turns).
+    #: The next turn to generate (0-based); the answers of the turns before it are stored.
+    turn: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: Turns of the conversation (None: last-turn jobs, one call).
+    turn_count: Mapped[int | None] = mapped_column(Integer)
+    #: The answers so far, one per turn: ``{"content", "reasoning_content", "tool_calls",
+    #: "finish_reason", "prompt_tokens", "completion_tokens"}``.
+    turns: Mapped[list[dict[str, Any]] | None] = mapped_column(JsonType, nullable=True)
+    #: The conversation ended after this turn (0-based): its answer did not fit the
+    #: dataset's tool results. Why, in ``cut_reason``.
+    cut_at_turn: Mapped[int | None] = mapped_column(Integer)
+    cut_reason: Mapped[str | None] = mapped_column(Text)
+    #: Settings of this sample that differ from its job's (``synthq requeue --max-tokens``
+    #: ...): max_tokens, temperature, top_p, total_timeout, stall_timeout, max_attempts,
+    #: extra_body, chat_template_kwargs.
+    overrides: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
     #: The server's completion token ids differ from ours (None: not compared).
     token_mismatch: Mapped[bool | None] = mapped_column(Boolean)
     created_at: Mapped[datetime]
@@ -266,6 +297,8 @@ class Attempt(Base):
     #: Seconds to the first streamed chunk.
     ttft_s: Mapped[float | None] = mapped_column(Float)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    #: The turn this call generated (0-based; jobs with regenerate=all), None otherwise.
+    turn: Mapped[int | None] = mapped_column(Integer)
 
 
 class Server(Base):
