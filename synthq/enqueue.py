@@ -39,6 +39,7 @@ from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.states import SampleState
+from synthq.turns import turn_positions
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
            "find_job", "inflight_settings", "DEFAULT_MAX_INFLIGHT", "DEFAULT_MIN_INFLIGHT"]
@@ -112,9 +113,18 @@ class JobSpec:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_seq_len: int = 4096
     reasoning: str = "keep"
-    mask: str = "last_turn"
+    #: None: ``all_assistant_turns`` with ``regenerate="all"``, else ``last_turn``.
+    mask: str | None = None
     think_open: str = "<think>\n"
     think_close: str = "\n</think>\n\n"
+    #: ``last`` or ``all`` (every assistant turn, each on the regenerated history).
+    regenerate: str = "last"
+    #: ``drop`` or ``keep``: earlier regenerated turns sent with their reasoning_content.
+    history_reasoning: str = "drop"
+
+    def __post_init__(self) -> None:
+        if self.mask is None:
+            self.mask = "all_assistant_turns" if self.regenerate == "all" else "last_turn"
 
     def check(self) -> None:
         """Raise :class:`UserError` naming the first bad setting."""
@@ -148,6 +158,15 @@ class JobSpec:
         if self.gpu_hour_price is not None and not (0 <= self.gpu_hour_price < 1e6):
             raise UserError(f"--gpu-hour-price must be a price in dollars per GPU-hour, got "
                             f"{self.gpu_hour_price}")
+        from synthq.dataset import REGENERATE_MODES
+        from synthq.turns import HISTORY_REASONING
+
+        if self.regenerate not in REGENERATE_MODES:
+            raise UserError(f"--regenerate must be one of {', '.join(REGENERATE_MODES)}, "
+                            f"got {self.regenerate!r}")
+        if self.history_reasoning not in HISTORY_REASONING:
+            raise UserError(f"--history-reasoning must be one of {', '.join(HISTORY_REASONING)}"
+                            f", got {self.history_reasoning!r}")
         if self.backoff_base < 0:
             raise UserError(f"--backoff-base must not be negative, got {self.backoff_base}")
         if self.backoff_cap < self.backoff_base:
@@ -166,12 +185,17 @@ class JobSpec:
         return TokenizeSettings(
             tokenizer=self.tokenizer, chat_template=self.chat_template,
             chat_template_kwargs=json.dumps(self.chat_template_kwargs, sort_keys=True),
-            max_seq_len=self.max_seq_len, reasoning=self.reasoning, mask=self.mask,
-            think_open=self.think_open, think_close=self.think_close)
+            max_seq_len=self.max_seq_len, reasoning=self.reasoning,
+            mask=self.mask or "last_turn", think_open=self.think_open,
+            think_close=self.think_close)
 
     def generation_settings(self) -> dict[str, Any]:
-        return {"model": self.model, "max_tokens": self.max_tokens, "sampling": self.sampling,
-                "extra_body": self.extra_body}
+        settings = {"model": self.model, "max_tokens": self.max_tokens,
+                    "sampling": self.sampling, "extra_body": self.extra_body}
+        if self.regenerate == "all":  # as Job.generation_settings
+            settings["regenerate"] = "all"
+            settings["history_reasoning"] = self.history_reasoning
+        return settings
 
 
 @dataclass
@@ -270,7 +294,7 @@ def _insert_stmt(dialect: str):  # type: ignore[no-untyped-def]
 #: Columns a new sample is inserted with (the rest take their defaults).
 _COPY_COLUMNS = ("job_id", "content_key", "dataset_index", "source_id", "prompt", "state",
                  "attempts", "next_attempt_at", "created_at", "updated_at", "finished_at",
-                 "error_class", "error_message")
+                 "error_class", "error_message", "tools", "turn_count")
 
 
 def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
@@ -283,24 +307,26 @@ def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
     cursor = conn.connection.driver_connection.cursor()
     with cursor:
         cursor.execute(
-            "CREATE TEMP TABLE IF NOT EXISTS synthq_enqueue2 (job_id bigint, content_key text, "
+            "CREATE TEMP TABLE IF NOT EXISTS synthq_enqueue3 (job_id bigint, content_key text, "
             "dataset_index integer, source_id text, prompt jsonb, state text, attempts integer, "
             "next_attempt_at timestamptz, created_at timestamptz, updated_at timestamptz, "
-            "finished_at timestamptz, error_class text, error_message text) "
-            "ON COMMIT DELETE ROWS")
-        with cursor.copy(f"COPY synthq_enqueue2 ({cols}) FROM STDIN") as copy:
+            "finished_at timestamptz, error_class text, error_message text, tools jsonb, "
+            "turn_count integer) ON COMMIT DELETE ROWS")
+        with cursor.copy(f"COPY synthq_enqueue3 ({cols}) FROM STDIN") as copy:
             for values in batch:
-                prompt = values["prompt"]
+                prompt, tools = values["prompt"], values["tools"]
                 copy.write_row([
                     values["job_id"], values["content_key"], values["dataset_index"],
                     values["source_id"],
                     None if prompt is None else json.dumps(prompt, ensure_ascii=False),
                     str(values["state"]), values["attempts"], values["next_attempt_at"],
                     values["created_at"], values["updated_at"], values["finished_at"],
-                    values["error_class"], values["error_message"]])
+                    values["error_class"], values["error_message"],
+                    None if tools is None else json.dumps(tools, ensure_ascii=False),
+                    values["turn_count"]])
         # Dataset order becomes id order, which is dispatch order.
         cursor.execute(
-            f"INSERT INTO samples ({cols}) SELECT {cols} FROM synthq_enqueue2 "
+            f"INSERT INTO samples ({cols}) SELECT {cols} FROM synthq_enqueue3 "
             "ORDER BY dataset_index ON CONFLICT (job_id, content_key) DO NOTHING")
         return int(cursor.rowcount)
 
@@ -308,7 +334,7 @@ def _copy_batch(conn: Any, batch: list[dict[str, Any]]) -> int:
 def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
                 report: EnqueueReport,
                 progress: Callable[[EnqueueReport], None] | None = None, *,
-                key_version: int = KEY_VERSION) -> None:
+                key_version: int = KEY_VERSION, regenerate: str = "last") -> None:
     """Insert ``rows`` as samples of ``job_id`` in batches, updating ``report``.
 
     ``key_version`` must be the job's: the rows' prompts were cut under it, and
@@ -340,7 +366,8 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
         report.rows += 1
         # executemany needs the same keys in every row.
         values: dict[str, Any] = dict(job_id=job_id, dataset_index=row.index, attempts=0,
-                                      source_id=row.source_id, created_at=now, updated_at=now)
+                                      source_id=row.source_id, created_at=now, updated_at=now,
+                                      tools=row.tools, turn_count=None)
         if row.source_id is not None:
             report.source_ids += 1
         if row.messages is None:
@@ -357,8 +384,9 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
                                                       else ""))
         else:
             values.update(
-                content_key=content_key(row.messages, settings, key_version),
+                content_key=content_key(row.messages, settings, key_version, row.tools),
                 prompt=row.messages,
+                turn_count=len(turn_positions(row.messages)) if regenerate == "all" else None,
                 state=SampleState.PENDING, next_attempt_at=now, finished_at=None,
                 error_class=None, error_message=None)
         batch.append(values)
@@ -429,7 +457,7 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
         known = s.scalar(select(Job.key_version).where(Job.name == spec.name))
     try:
         rows = iter_rows(source, max_chars=max_chars, id_field=id_field,
-                         key_version=known or KEY_VERSION)
+                         key_version=known or KEY_VERSION, regenerate=spec.regenerate)
         # Read up to the first valid row before making the job: a source that
         # is unreadable or holds no valid row leaves nothing behind.
         head = _read_to_first_valid(rows)
@@ -449,7 +477,7 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                                f"{', '.join(changed)}")
     try:
         insert_rows(job_id, settings, itertools.chain(head, rows), report, progress,
-                    key_version=key_version)
+                    key_version=key_version, regenerate=spec.regenerate)
     except DatasetError as exc:
         raise UserError(str(exc)) from exc
     if report.rows == report.skipped:

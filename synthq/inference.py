@@ -51,6 +51,8 @@ class ChatRequest:
     extra_body: dict[str, Any] = field(default_factory=dict)
     #: Bytes of streamed body after which the call fails as ``response_too_large``.
     max_response_bytes: int = 4 << 20
+    #: The row's ``{"tools": [...], "tool_choice": ...}``, sent as request fields.
+    tools: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +70,9 @@ class ChatResult:
     #: Characters repaired so the text can be stored: ``{"invalid_utf8": n, "nul": n,
     #: "surrogate": n}`` (each replaced by U+FFFD), or None when nothing was.
     repairs: dict[str, int] | None = None
+    #: The answer's tool calls, OpenAI form (``[{"id", "type", "function": {"name",
+    #: "arguments"}}]``), or None.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -168,7 +173,8 @@ def storable(text: str | None, repairs: dict[str, int]) -> str | None:
 class _Accumulator:
     """Builds the answer from SSE chunk payloads."""
 
-    __slots__ = ("content", "reasoning", "finish_reason", "usage", "token_ids", "prompt_token_ids")
+    __slots__ = ("content", "reasoning", "finish_reason", "usage", "token_ids", "prompt_token_ids",
+                 "calls")
 
     def __init__(self) -> None:
         self.content: list[str] = []
@@ -177,6 +183,8 @@ class _Accumulator:
         self.usage: dict[str, Any] | None = None
         self.token_ids: list[int] | None = None
         self.prompt_token_ids: list[int] | None = None
+        #: Streamed tool calls by index: id, name and the argument pieces.
+        self.calls: dict[int, dict[str, Any]] | None = None
 
     def add(self, chunk: dict[str, Any]) -> None:
         if chunk.get("usage"):
@@ -190,12 +198,36 @@ class _Accumulator:
             # vLLM: reasoning_content; some versions and SGLang: reasoning.
             if piece := delta.get("reasoning_content") or delta.get("reasoning"):
                 self.reasoning.append(piece)
+            if calls := delta.get("tool_calls"):
+                self._add_calls(calls)
             if ids := choice.get("token_ids"):
                 if self.token_ids is None:
                     self.token_ids = []
                 self.token_ids.extend(ids)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+
+    def _add_calls(self, calls: list[dict[str, Any]]) -> None:
+        if self.calls is None:
+            self.calls = {}
+        for piece in calls:
+            at = self.calls.setdefault(int(piece.get("index") or 0),
+                                       {"id": "", "name": "", "arguments": []})
+            if piece.get("id"):
+                at["id"] = piece["id"]
+            function = piece.get("function") or {}
+            if function.get("name"):
+                at["name"] += function["name"]
+            if function.get("arguments"):
+                at["arguments"].append(function["arguments"])
+
+    def tool_calls(self, repairs: dict[str, int]) -> list[dict[str, Any]] | None:
+        if not self.calls:
+            return None
+        return [{"id": storable(c["id"], repairs) or f"call_{i}", "type": "function",
+                 "function": {"name": storable(c["name"], repairs) or "",
+                              "arguments": storable("".join(c["arguments"]), repairs) or ""}}
+                for i, c in sorted(self.calls.items())]
 
 
 class InferenceClient:
@@ -239,6 +271,8 @@ class InferenceClient:
         timeout = httpx2.Timeout(read_timeout, connect=min(CONNECT_TIMEOUT, total_timeout),
                                  read=read_timeout, pool=read_timeout)
         body = dict(request.extra_body)
+        if request.tools:
+            body.update(request.tools)
         acc = _Accumulator()
         repairs: dict[str, int] = {}
         ttft: float | None = None
@@ -306,5 +340,6 @@ class InferenceClient:
             completion_token_ids=acc.token_ids,
             latency_s=time.monotonic() - start,
             ttft_s=ttft,
+            tool_calls=acc.tool_calls(repairs),
             repairs=repairs or None,
         )

@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from synthq import errors, states
+from synthq import errors, states, turns
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
@@ -41,7 +41,7 @@ from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 from synthq.writer import Writer
 
 __all__ = ["Outcome", "run_claimed", "process_sample", "tokenize_response", "get_job",
-           "lease_seconds"]
+           "lease_seconds", "OVERRIDABLE", "effective"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,41 @@ class Outcome(StrEnum):
     SKIPPED = "skipped"
     #: The lease was lost (the sweep gave the sample to someone else).
     LOST = "lost"
+    #: A turn of a conversation regenerated turn by turn is stored; the sample is
+    #: pending again for its next turn.
+    TURN = "turn"
+
+
+#: Per-sample settings ``synthq requeue`` may set (``samples.overrides``).
+OVERRIDABLE = ("max_tokens", "temperature", "top_p", "total_timeout", "stall_timeout",
+               "max_attempts", "extra_body", "chat_template_kwargs")
+
+
+class Effective:
+    """A job's settings with one sample's overrides on top (read-only view)."""
+
+    def __init__(self, job: Any, overrides: dict[str, Any]) -> None:
+        self._job = job
+        o = overrides
+        self.max_tokens = o.get("max_tokens", job.max_tokens)
+        self.total_timeout = o.get("total_timeout", job.total_timeout)
+        self.stall_timeout = o.get("stall_timeout", job.stall_timeout)
+        self.max_attempts = o.get("max_attempts", job.max_attempts)
+        self.sampling = {**(job.sampling or {}),
+                         **{k: o[k] for k in ("temperature", "top_p") if k in o}}
+        self.extra_body = {**(job.extra_body or {}), **(o.get("extra_body") or {})}
+        self.chat_template_kwargs = job.chat_template_kwargs
+        if "chat_template_kwargs" in o:
+            self.chat_template_kwargs = o["chat_template_kwargs"]
+            self.extra_body["chat_template_kwargs"] = o["chat_template_kwargs"]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._job, name)
+
+
+def effective(job: Any, overrides: dict[str, Any] | None) -> Any:
+    """``job`` itself, or a view of it with the sample's ``overrides`` applied."""
+    return Effective(job, overrides) if overrides else job
 
 
 # -- jobs, cached per process --------------------------------------------------------
@@ -99,7 +134,7 @@ def _check_result(job: Job, result: ChatResult) -> None:
         raise errors.Truncated(
             f"the answer hit max_tokens={job.max_tokens} (finish_reason=length) and the job "
             "does not keep truncated answers")
-    if not result.content.strip():
+    if not result.content.strip() and not result.tool_calls:
         raise errors.EmptyResponse(
             f"the server returned no content (finish_reason={result.finish_reason!r})")
 
@@ -110,16 +145,39 @@ def _response_columns(result: ChatResult) -> dict[str, Any]:
                 completion_tokens=result.completion_tokens,
                 prompt_token_ids=pack_ids(result.prompt_token_ids),
                 completion_token_ids=pack_ids(result.completion_token_ids),
-                repairs=result.repairs)
+                repairs=result.repairs, tool_calls=result.tool_calls)
 
 
-def tokenize_response(job: Job, prompt: list[dict[str, str]], content: str,
-                      reasoning: str | None, server_ids: list[int] | None) -> dict[str, Any]:
-    """The example's columns for one response; raises a tokenization error class."""
+def _answer(result: ChatResult) -> dict[str, Any]:
+    """One turn's stored answer (``samples.turns`` item)."""
+    return dict(content=result.content, reasoning_content=result.reasoning_content,
+                tool_calls=result.tool_calls, finish_reason=result.finish_reason,
+                prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+
+
+def _multi(job: Any, c: Claimed) -> bool:
+    """Whether the sample is regenerated turn by turn."""
+    return job.regenerate == "all" and bool(c.turn_count)
+
+
+def tokenize_response(job: Job, prompt: list[dict[str, Any]], content: str,
+                      reasoning: str | None, server_ids: list[int] | None, *,
+                      tool_calls: list[dict[str, Any]] | None = None,
+                      tools: dict[str, Any] | None = None,
+                      answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The example's columns for one response; raises a tokenization error class.
+
+    ``answers``: the sample was regenerated turn by turn; ``prompt`` is the dataset's
+    whole conversation and the example is the regenerated one (synthq.turns).
+    """
     settings = TokenizeSettings.from_job(job)
     assert settings is not None
     tok = get_chat_tokenizer(settings)
-    result = tok.tokenize(tok.conversation(prompt, content, reasoning))
+    if answers is not None:
+        messages = [tok.place_reasoning(m) for m in turns.regenerated(prompt, answers)]
+    else:
+        messages = tok.conversation(prompt, content, reasoning, tool_calls)
+    result = tok.tokenize(messages, tools=(tools or {}).get("tools"))
     mismatch = None
     if server_ids is not None:
         mismatch = list(server_ids) != result.completion_ids
@@ -136,7 +194,7 @@ def _stored(c: Claimed) -> ChatResult | None:
                       finish_reason=c.finish_reason, prompt_tokens=None, completion_tokens=None,
                       prompt_token_ids=None,
                       completion_token_ids=ids.tolist() if ids is not None else None,
-                      latency_s=0.0, ttft_s=None)
+                      latency_s=0.0, ttft_s=None, tool_calls=c.tool_calls)
 
 
 class Call:
@@ -168,20 +226,29 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
                       writer: Writer, worker: str, tokenize_pool: ThreadPool) -> Outcome:
     """Run one claimed sample to its outcome; every write committed before it returns."""
     c = call.claimed
+    job = effective(job, c.overrides)
+    multi = _multi(job, c)
     stored = _stored(c)
     if stored is not None:
-        return await _finish(c, job, stored, None, writer, tokenize_pool)
+        return await _finish(c, job, stored, None, writer, tokenize_pool,
+                             answers=c.turns if multi else None)
 
     def attempt(outcome: str, message: str | None, result: ChatResult | None) -> dict[str, Any]:
         return dict(sample_id=c.sample_id, server=c.server, worker=worker,
                     started_at=call.started_at, ended_at=utcnow(), outcome=outcome,
                     error_message=message, latency_s=time.monotonic() - call.started_mono,
                     ttft_s=result.ttft_s if result else None,
-                    completion_tokens=result.completion_tokens if result else None)
+                    completion_tokens=result.completion_tokens if result else None,
+                    turn=c.turn if multi else None)
 
-    request = ChatRequest(model=job.model, messages=c.prompt, max_tokens=job.max_tokens,
+    if multi:
+        messages = turns.history(c.prompt, c.turns or [], c.turn,
+                                 reasoning=job.history_reasoning)
+    else:
+        messages = c.prompt
+    request = ChatRequest(model=job.model, messages=messages, max_tokens=job.max_tokens,
                           sampling=dict(job.sampling), extra_body=dict(job.extra_body),
-                          max_response_bytes=job.max_response_bytes)
+                          max_response_bytes=job.max_response_bytes, tools=c.tools)
     result: ChatResult | None = None
     call.calling = True
     try:
@@ -207,13 +274,38 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         call.calling = False
         return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
     call.calling = False
-    return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
+    if not multi:
+        return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
+    return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
 
 
-async def _finish(c: Claimed, job: Job, result: ChatResult, attempt: dict[str, Any] | None,
-                  writer: Writer, tokenize_pool: ThreadPool) -> Outcome:
+async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
+                     writer: Writer, tokenize_pool: ThreadPool) -> Outcome:
+    """A turn of a conversation regenerated turn by turn has its answer: store it and
+    send the sample back for its next turn, or finish it after its last (or a cut)."""
+    answer = _answer(result)
+    answers = [*(c.turns or []), answer]
+    count = c.turn_count or 1
+    extra: dict[str, Any] = dict(turns=answers, turn=len(answers))
+    if c.turn + 1 < count:
+        positions = turns.turn_positions(c.prompt)
+        reason = turns.cut_reason(c.prompt[positions[c.turn]], answer)
+        if reason is None:
+            won = await _write(writer, c, lambda s, now: states.advance_turn(
+                s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
+                attempt=attempt))
+            return Outcome.TURN if won else Outcome.LOST
+        extra.update(cut_at_turn=c.turn, cut_reason=reason)
+    return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
+                         extra=extra)
+
+
+async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
+                  writer: Writer, tokenize_pool: ThreadPool, *,
+                  answers: list[dict[str, Any]] | None = None,
+                  extra: dict[str, Any] | None = None) -> Outcome:
     """Store the response, tokenize it if the job says so, and mark the sample."""
-    columns = _response_columns(result) if attempt is not None else {}
+    columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
@@ -225,9 +317,10 @@ async def _finish(c: Claimed, job: Job, result: ChatResult, attempt: dict[str, A
         return Outcome.LOST
     loop = asyncio.get_running_loop()
     try:
-        example = await loop.run_in_executor(
-            tokenize_pool, tokenize_response, job, c.prompt, result.content,
-            result.reasoning_content, result.completion_token_ids)
+        example = await loop.run_in_executor(tokenize_pool, lambda: tokenize_response(
+            job, c.prompt, result.content, result.reasoning_content,
+            result.completion_token_ids, tool_calls=result.tool_calls, tools=c.tools,
+            answers=answers))
     except errors.PermanentError as exc:
         return await _tokenization_failed(c, exc, writer)
     except Exception as exc:  # a bug or a tokenizer surprise: fail it, never loop on it
@@ -270,9 +363,11 @@ async def _tokenization_failed(c: Claimed, exc: errors.PermanentError, writer: W
     return Outcome.SKIPPED if skip else Outcome.FAILED
 
 
-async def _failure(c: Claimed, job: Job, exc: errors.SampleError, attempt: dict[str, Any],
+async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
                    writer: Writer) -> Outcome:
     message = str(exc)
+    if _multi(job, c):  # which turn, for the person who requeues it
+        message = f"turn {c.turn + 1} of {c.turn_count}: {message}"
     # An overload answer (Retry-After) is not charged to the budget, within a cap on
     # the sample's calls in all (counted in the write's transaction).
     overload = isinstance(exc, errors.RetryableError) and exc.overload

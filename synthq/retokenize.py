@@ -106,16 +106,18 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         s.expunge(job)
         rows = s.execute(
             select(Sample.id, Sample.prompt, Sample.response_content, Sample.reasoning_content,
-                   Sample.completion_token_ids)
+                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turns)
             .where(Sample.id.in_(sample_ids), stale_query(job_id, job.tokenize_version))
         ).all()
     result = BatchResult(unchanged=len(sample_ids) - len(rows))
     updates: list[tuple[int, dict[str, Any]]] = []
-    for sid, prompt, content, reasoning, server_ids in rows:
+    for sid, prompt, content, reasoning, server_ids, tool_calls, tools, answers in rows:
         ids = unpack_ids(server_ids)
         try:
             values = tokenize_response(job, prompt or [], content or "", reasoning,
-                                       ids.tolist() if ids is not None else None)
+                                       ids.tolist() if ids is not None else None,
+                                       tool_calls=tool_calls, tools=tools,
+                                       answers=answers if job.regenerate == "all" else None)
             values.update(state=SampleState.DONE, error_class=None, error_message=None)
             result.done += 1
         except Exception as exc:  # noqa: BLE001 - recorded on the sample, like the worker does

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -19,8 +20,8 @@ from synthq.enums import JobState
 from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLASSES, UserError
 from synthq.models import Job
 
-__all__ = ["KNOWN_CLASSES", "check_classes", "requeue", "set_job_state", "data_path",
-           "enqueue_file", "bad_rows"]
+__all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "set_job_state",
+           "data_path", "enqueue_file", "bad_rows"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
@@ -33,11 +34,67 @@ def check_classes(classes: Sequence[str]) -> None:
 
 
 def requeue(session: Session, job: Job, *, classes: Sequence[str] = (),
-            sample_ids: Sequence[int] = ()) -> int:
-    """Failed samples (of ``classes``, or ``sample_ids``, or all) back to pending."""
+            sample_ids: Sequence[int] = (), overrides: dict[str, Any] | None = None) -> int:
+    """Failed samples (of ``classes``, or ``sample_ids``, or all) back to pending.
+
+    ``overrides`` (see :func:`check_overrides`) become the requeued samples' own
+    settings; done samples and the job keep theirs.
+    """
     check_classes(classes)
+    overrides = check_overrides(overrides or {})
     return states.requeue(session, job.id, classes=list(classes), sample_ids=list(sample_ids),
-                          now=utcnow())
+                          now=utcnow(), overrides=overrides or None)
+
+
+#: Request fields an override may not set (synthq sets them itself).
+_RESERVED = frozenset({"model", "messages", "stream", "max_tokens", "tools", "tool_choice"})
+
+
+def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Per-sample settings for ``requeue``, checked; the ``None`` values dropped.
+
+    Keys: max_tokens, temperature, top_p, total_timeout, stall_timeout,
+    max_attempts, extra_body, chat_template_kwargs. Raises :class:`UserError`
+    naming the option (``--max-tokens``) for a bad one.
+    """
+    from synthq.process import OVERRIDABLE
+
+    out = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(out) - set(OVERRIDABLE)
+    if unknown:
+        raise UserError(f"unknown settings {sorted(unknown)}; known: {', '.join(OVERRIDABLE)}")
+
+    def flag(key: str) -> str:
+        return "--" + {"total_timeout": "timeout"}.get(key, key).replace("_", "-")
+
+    for key in ("max_tokens", "max_attempts"):
+        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int)
+                           or out[key] < 1):
+            raise UserError(f"{flag(key)} must be a positive integer, got {out[key]!r}")
+    for key in ("temperature", "top_p", "total_timeout", "stall_timeout"):
+        if key not in out:
+            continue
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise UserError(f"{flag(key)} must be a number, got {value!r}")
+        low_ok = value >= 0 if key == "temperature" else value > 0
+        if not low_ok or (key == "top_p" and value > 1):
+            raise UserError(f"{flag(key)} is out of range: {value!r}")
+        out[key] = float(value)
+    if "total_timeout" in out:
+        from synthq.config import get_settings
+
+        visibility = get_settings().visibility_timeout
+        if out["total_timeout"] >= visibility:
+            raise UserError(f"--timeout {out['total_timeout']:g} s is not below the broker's "
+                            f"visibility timeout ({visibility:g} s)")
+    for key in ("extra_body", "chat_template_kwargs"):
+        if key in out and not isinstance(out[key], dict):
+            raise UserError(f"{flag(key)} must be a JSON object")
+    reserved = _RESERVED & set(out.get("extra_body") or {})
+    if reserved:
+        raise UserError(f"--extra-body may not set {sorted(reserved)}")
+    return out
 
 
 def set_job_state(session: Session, job: Job, target: JobState) -> str:

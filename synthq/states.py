@@ -15,6 +15,7 @@ outcome, in the same transaction.
        │  └──expire (deadline)─────────────│─┘                       │  new settings)
        │                                   └──fail──▶ failed ────────┘
        └──retry / expire (lease, dead worker)──┘        │
+       └──advance_turn (a turn stored, the next one due)─┘ │
        └──────────────────────requeue───────────────────┘
     (malformed rows are inserted as skipped by enqueue)
 
@@ -25,12 +26,13 @@ outcome, in the same transaction.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, event, exists, insert, select, tuple_, update
+from sqlalchemy import and_, case, event, exists, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -41,7 +43,7 @@ from synthq.models import Attempt, Job, Sample, Worker
 __all__ = [
     "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
-    "complete", "store_response", "skip", "retry", "fail", "lose",
+    "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose",
     "requeue", "expire", "retokenized", "set_job_state",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job",
 ]
@@ -70,6 +72,15 @@ class Claimed:
     reasoning_content: str | None
     finish_reason: str | None
     completion_token_ids: bytes | None
+    #: The stored answer's tool calls; the row's tools (sent with every call).
+    tool_calls: list[dict[str, Any]] | None = None
+    tools: dict[str, Any] | None = None
+    #: Regenerating every turn: the next turn, how many there are, the answers so far.
+    turn: int = 0
+    turn_count: int | None = None
+    turns: list[dict[str, Any]] | None = None
+    #: This sample's settings over its job's (``synthq requeue --max-tokens`` ...).
+    overrides: dict[str, Any] | None = None
 
 
 def _exec(session: Session, statement: Any, params: Any = None) -> Any:
@@ -167,13 +178,15 @@ def claim_batch(session: Session, items: Sequence[Item], *, new_token: str,
                               else_=Sample.attempts))
         .returning(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
                    Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
-                   Sample.completion_token_ids)
+                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turn,
+                   Sample.turn_count, Sample.turns, Sample.overrides)
     ).all()
     if len(rows) < len(items):
         won = {r[0] for r in rows}
         release(session, [i for i in items if i[0] not in won], now=now)
     # A queued sample always has its server (queue() sets it).
-    return [Claimed(r[0], r[1], r[2], r[3] or [], r[4] or "", new_token, r[5], r[6], r[7], r[8])
+    return [Claimed(r[0], r[1], r[2], r[3] or [], r[4] or "", new_token, r[5], r[6], r[7], r[8],
+                    r[9], r[10], r[11] or 0, r[12], r[13], r[14])
             for r in rows]
 
 
@@ -241,6 +254,22 @@ def store_response(session: Session, sample_id: int, token: str, *, now: datetim
     return won
 
 
+def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
+                 turns: list[dict[str, Any]], now: datetime,
+                 attempt: dict[str, Any] | None = None) -> bool:
+    """running → pending with the turn's answer stored and the next turn due now.
+
+    A conversation regenerated turn by turn goes round the usual states once per
+    turn (DESIGN, "Regenerating every turn"); each turn gets a fresh attempt budget.
+    """
+    won = _cas(session, sample_id, [SampleState.RUNNING],
+               dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+                    next_attempt_at=now, attempts=0, turn=turn, turns=turns,
+                    error_class=None, error_message=None, updated_at=now), token=token)
+    _attempt(session, attempt, won=won)
+    return won
+
+
 def skip(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
          now: datetime) -> bool:
     """running → skipped: the sample is fine but yields no training example."""
@@ -288,25 +317,77 @@ def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
 # -- repair ---------------------------------------------------------------------------
 
 
+#: Columns of a generated answer and its example, cleared when a kept truncated
+#: sample is requeued to be generated again.
+_ANSWER_COLUMNS = ("response_content", "reasoning_content", "finish_reason", "prompt_tokens",
+                   "completion_tokens", "prompt_token_ids", "completion_token_ids", "tool_calls",
+                   "repairs", "input_ids", "loss_mask", "num_tokens", "num_supervised",
+                   "tokenize_version", "token_mismatch", "cut_at_turn", "cut_reason")
+
+
 def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
-            sample_ids: Sequence[int] = (), now: datetime) -> int:
+            sample_ids: Sequence[int] = (), now: datetime,
+            overrides: dict[str, Any] | None = None) -> int:
     """failed → pending with a fresh attempt budget. Returns how many moved.
 
-    A finished job becomes active again in the same transaction.
+    Class ``truncated`` also takes the done samples whose answer hit max_tokens
+    (a job that keeps truncated answers): done → pending, their answer cleared
+    (for a conversation regenerated turn by turn, its last turn's). ``overrides``
+    (max_tokens, temperature, ...) are merged into each requeued sample's own
+    settings; the others keep theirs. A finished job becomes active again in the
+    same transaction.
     """
     conds = [Sample.job_id == job_id, Sample.state == SampleState.FAILED]
     if classes:
         conds.append(Sample.error_class.in_(classes))
     if sample_ids:
         conds.append(Sample.id.in_(sample_ids))
-    result = session.execute(
-        update(Sample).where(*conds)
-        .values(state=SampleState.PENDING, attempts=0, next_attempt_at=now, claim=None,
+    base = dict(state=SampleState.PENDING, attempts=0, next_attempt_at=now, claim=None,
                 server=None, finished_at=None, updated_at=now)
-        .execution_options(synchronize_session=False))
-    moved = int(result.rowcount)  # type: ignore[attr-defined]
+    kept: list[Any] = []
+    if "truncated" in classes:
+        kept = [Sample.job_id == job_id, Sample.state == SampleState.DONE,
+                Sample.finish_reason == "length",
+                *([Sample.id.in_(sample_ids)] if sample_ids else [])]
+    if not overrides and not kept:
+        result = session.execute(
+            update(Sample).where(*conds).values(**base)
+            .execution_options(synchronize_session=False))
+        moved = int(result.rowcount)  # type: ignore[attr-defined]
+    else:
+        moved = _requeue_rows(session, conds, kept, base, overrides or {})
     if moved:
         reactivate(session, job_id, now=now)
+    return moved
+
+
+def _requeue_rows(session: Session, conds: list[Any], kept: list[Any], base: dict[str, Any],
+                  overrides: dict[str, Any]) -> int:
+    """:func:`requeue` row by row: each sample's own overrides merged, answers cleared."""
+    where = or_(and_(*conds), and_(*kept)) if kept else and_(*conds)
+    rows = session.execute(
+        select(Sample.id, Sample.state, Sample.overrides, Sample.turns)
+        .where(where).with_for_update()).all()
+    groups: dict[str, list[int]] = {}
+    moved = 0
+    for sid, state, own, answers in rows:
+        merged = {**(own or {}), **overrides} or None
+        if str(state) == SampleState.DONE:  # a kept truncated answer: generate it again
+            values: dict[str, Any] = {**base, **dict.fromkeys(_ANSWER_COLUMNS),
+                                      "overrides": merged}
+            if answers:
+                values.update(turns=answers[:-1], turn=len(answers) - 1)
+            moved += _cas(session, sid, [SampleState.DONE], values)
+            continue
+        groups.setdefault(json.dumps(merged, sort_keys=True), []).append(sid)
+    for key, ids in groups.items():
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start:start + 1000]
+            result = session.execute(
+                update(Sample).where(Sample.id.in_(chunk), Sample.state == SampleState.FAILED)
+                .values(**base, overrides=json.loads(key))
+                .execution_options(synchronize_session=False))
+            moved += int(result.rowcount)  # type: ignore[attr-defined]
     return moved
 
 

@@ -167,13 +167,15 @@ class ChatTokenizer:
 
     # -- rendering -----------------------------------------------------------------
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], *, generation_prompt: bool,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
+        extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             text = self.tok.apply_chat_template(
                 [dict(m) for m in messages], chat_template=self.template, tokenize=False,
-                add_generation_prompt=generation_prompt, **self.kwargs)
+                add_generation_prompt=generation_prompt, **extra, **self.kwargs)
         except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
             raise errors.InvalidInput(f"the chat template refused this conversation: "
                                       f"{exc}") from exc
@@ -225,23 +227,38 @@ class ChatTokenizer:
             "#45488): use a transformers version under which it round-trips (the README says "
             "which versions synthq's tests run)")
 
-    def conversation(self, prompt: Sequence[Mapping[str, str]], content: str,
-                     reasoning: str | None) -> list[dict[str, str]]:
+    def conversation(self, prompt: Sequence[Mapping[str, Any]], content: str,
+                     reasoning: str | None,
+                     tool_calls: Sequence[Mapping[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
         """The prompt plus the generated answer, reasoning placed per the settings."""
-        answer: dict[str, str] = {"role": "assistant", "content": content}
-        if reasoning and self.settings.reasoning == "keep":
-            if self.reasoning_field:
-                answer["reasoning_content"] = reasoning
-            else:
-                answer["content"] = (self.settings.think_open + reasoning
-                                     + self.settings.think_close + content)
-        return [dict(m) for m in prompt] + [answer]
+        answer: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            answer["tool_calls"] = [dict(c) for c in tool_calls]
+        if reasoning:
+            answer["reasoning_content"] = reasoning
+        return [dict(m) for m in prompt] + [self.place_reasoning(answer)]
+
+    def place_reasoning(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """An assistant message with its ``reasoning_content`` rendered the way the
+        settings say: as the template's field, wrapped in think markers, or dropped."""
+        out = dict(message)
+        reasoning = out.pop("reasoning_content", None)
+        if out.get("role") != "assistant" or not reasoning or self.settings.reasoning != "keep":
+            return out
+        if self.reasoning_field:
+            out["reasoning_content"] = reasoning
+        else:
+            out["content"] = (self.settings.think_open + reasoning + self.settings.think_close
+                              + (out.get("content") or ""))
+        return out
 
     # -- spans and mask ------------------------------------------------------------
 
-    def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str) -> tuple[int, int]:
-        prefix = self.render(messages[:i], generation_prompt=True)
-        through = self.render(messages[: i + 1], generation_prompt=False)
+    def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, int]:
+        prefix = self.render(messages[:i], generation_prompt=True, tools=tools)
+        through = self.render(messages[: i + 1], generation_prompt=False, tools=tools)
         if not through.startswith(prefix):
             raise errors.BoundaryUnstable(
                 f"assistant turn {i}: rendering the conversation through the turn does not "
@@ -265,15 +282,21 @@ class ChatTokenizer:
             start = empty.end()
         return start, end
 
-    def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> Tokenized:
-        """Render, tokenize once, mask, truncate and self-check one conversation."""
+    def tokenize(self, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> Tokenized:
+        """Render, tokenize once, mask, truncate and self-check one conversation.
+
+        ``tools`` (the row's function definitions) go to the template's ``tools=``
+        argument, so a turn's tool-call tokens render, and are supervised, as the
+        target writes them.
+        """
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not turns:
             raise errors.InvalidInput("the conversation has no assistant turn")
         if self.settings.mask == "last_turn":
             turns = turns[-1:]
-        full = self.render(messages, generation_prompt=False)
-        spans = [self._span(messages, i, full) for i in turns]
+        full = self.render(messages, generation_prompt=False, tools=tools)
+        spans = [self._span(messages, i, full, tools) for i in turns]
 
         # The chat template writes BOS and every marker itself: no special tokens added.
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -286,7 +309,7 @@ class ChatTokenizer:
             inside = (starts >= a) & (ends <= b) & (ends > starts)
             mask |= inside.astype(np.uint8)
             in_span.append(inside)
-        if self.has_generation_blocks:
+        if self.has_generation_blocks and not tools:
             self._cross_check(messages, ids, mask, turns)
         completion_ids = ids[in_span[-1]].tolist()
 
