@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -28,6 +29,7 @@ from synthq.cli.options import (
     ExtraBodyOpt,
     GpuPriceOpt,
     GpusOpt,
+    HistoryReasoningOpt,
     IdFieldOpt,
     InflightOpt,
     JobOpt,
@@ -39,6 +41,7 @@ from synthq.cli.options import (
     MinInflightOpt,
     ModelOpt,
     ReasoningOpt,
+    RegenerateOpt,
     ServerOpt,
     StallOpt,
     TemperatureOpt,
@@ -116,8 +119,9 @@ def enqueue(
     return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
     tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
     as_json: JsonOpt = False,
 ) -> None:
     """Add a dataset's prompts to a job (created if new). Prints the job id.
@@ -142,7 +146,16 @@ def enqueue(
 
 @app.command()
 def run(
-    dataset: DatasetOpt, server: ServerOpt, model: ModelOpt, job: JobOpt = None,
+    dataset: Annotated[str | None, typer.Option("--dataset", "-d", help="JSONL/Parquet file "
+                       "or directory, or a Hugging Face dataset id (`name[:split]`). Without "
+                       "-d/-s/-m, `--job NAME` resumes a stored job with its stored "
+                       "settings.")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Base URL of an "
+                      "OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat for "
+                      "several.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model name the server "
+                     "serves.")] = None,
+    job: JobOpt = None,
     max_tokens: MaxTokensOpt = 4096, temperature: TemperatureOpt = None, top_p: TopPOpt = None,
     timeout: TimeoutOpt = 1800.0, stall_timeout: StallOpt = 300.0, max_attempts: AttemptsOpt = 5,
     backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
@@ -153,15 +166,17 @@ def run(
     return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
     tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = "last_turn",
+    reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
+    regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
     as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 
     The embedded default: a SQLite file under ./synthq-data, no Redis. Kill it
     (Ctrl-C, or kill -9) and run the same command again: it resumes, and done
-    samples are not generated again.
+    samples are not generated again. `synthq run --job NAME` alone resumes a
+    stored job with its stored settings (what `synthq requeue` put back, too).
 
     Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
     """
@@ -174,14 +189,28 @@ def run(
         if not settings.embedded:
             raise UserError("`synthq run` is the embedded mode; unset SYNTHQ_BROKER_URL, or use "
                             "`synthq enqueue` with workers")
-        spec = job_spec(opts)
+        given = [flag for flag, value in (("-d", dataset), ("-s", server), ("-m", model))
+                 if value]
+        resume = not given
+        if resume and not job:
+            raise UserError("give -d/--dataset, -s/--server and -m/--model, or --job NAME to "
+                            "resume a stored job")
+        if not resume and len(given) < 3:
+            missing = [f for f in ("-d", "-s", "-m") if f not in given]
+            raise UserError(f"missing {', '.join(missing)}: give all of -d, -s and -m, or "
+                            "none of them with --job NAME to resume a stored job")
+        spec = None if resume else job_spec(opts)
         with exclusive(settings.data_dir):
-            report = _enqueue(spec, dataset, quiet=as_json, id_field=id_field)
-            if not as_json:
-                _print_report(report)
+            if spec is None:
+                job_id = _stored_job(str(job), quiet=as_json)
+            else:
+                report = _enqueue(spec, str(dataset), quiet=as_json, id_field=id_field)
+                if not as_json:
+                    _print_report(report)
+                job_id = report.job_id
             stop = threading.Event()
             _on_interrupt(stop)
-            status = _run_with_progress(run_job, report.job_id, stop, quiet=as_json)
+            status = _run_with_progress(run_job, job_id, stop, quiet=as_json)
     except UserError as exc:
         raise fail(str(exc)) from None
     if as_json:
@@ -190,6 +219,26 @@ def run(
         print_status(status)
     if stop.is_set():
         raise typer.Exit(130)
+
+
+def _stored_job(ref: str, *, quiet: bool) -> int:
+    """The id of stored job ``ref`` (`synthq run --job NAME`), resumable or a UserError."""
+    from synthq.db import session_scope
+    from synthq.enqueue import find_job
+    from synthq.enums import JobState
+
+    ensure_db()
+    with session_scope() as s:
+        found = find_job(s, ref)
+        if found.state == JobState.CANCELLED:
+            raise UserError(f"job {found.name} is cancelled; it cannot be resumed")
+        if found.state == JobState.PAUSED:
+            raise UserError(f"job {found.name} is paused; `synthq resume {found.name}` first")
+        job_id, name, model = found.id, found.name, found.model
+    if not quiet:
+        console.print(f"job [bold]{escape(name)}[/] (id {job_id}): resuming with its stored "
+                      f"settings (model {escape(model)})")
+    return job_id
 
 
 def _on_interrupt(stop: threading.Event) -> None:

@@ -40,17 +40,37 @@ def requeue(
                             "[default: 256].")] = None,
     min_inflight: Annotated[int | None, typer.Option(help="With --inflight auto: the floor "
                             "[default: 4].")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="max_tokens for the requeued "
+                          "samples only (stored per sample).")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature for the "
+                           "requeued samples only.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="top_p for the requeued samples "
+                     "only.")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Total seconds one call "
+                       "of the requeued samples may take.")] = None,
+    stall_timeout: Annotated[float | None, typer.Option(help="Stall timeout of the requeued "
+                             "samples' calls.")] = None,
+    max_attempts: Annotated[int | None, typer.Option(help="Calls per requeued sample before "
+                            "it is failed.")] = None,
+    extra_body: Annotated[str | None, typer.Option(help="JSON object of extra request fields "
+                          "for the requeued samples (merged over the job's).")] = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(help="JSON object sent as "
+                                    "chat_template_kwargs for the requeued samples.")] = None,
 ) -> None:
     """Move failed samples back to pending with a fresh attempt budget.
 
     With `--model` or `--server`, the job's remaining work moves to a corrected
-    model or server first (recorded on the job; see `synthq status`).
+    model or server first (recorded on the job; see `synthq status`). With
+    `--max-tokens`, `--temperature`, ... the requeued samples (only they) run
+    with those settings from now on; `synthq sample ID` shows them. `--class
+    truncated` also takes the done samples whose answer hit max_tokens.
 
-    Example: `synthq requeue my-job --failed --class timeout --class stalled`
+    Example: `synthq requeue my-job --class truncated --max-tokens 8192`
     """
     from sqlalchemy import func, select
 
     from synthq import service, states
+    from synthq.cli import json_option
     from synthq.db import utcnow
     from synthq.enqueue import JobSpec
     from synthq.health import check_model
@@ -58,6 +78,12 @@ def requeue(
 
     try:
         service.check_classes(error_class or [])
+        overrides = service.check_overrides(dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, total_timeout=timeout,
+            stall_timeout=stall_timeout, max_attempts=max_attempts,
+            extra_body=json_option(extra_body, "--extra-body") if extra_body else None,
+            chat_template_kwargs=json_option(chat_template_kwargs, "--chat-template-kwargs")
+            if chat_template_kwargs else None))
     except UserError as exc:
         raise fail(str(exc)) from None
     servers = [u.rstrip("/") for u in server] if server else None
@@ -84,7 +110,8 @@ def requeue(
     def go(s, j):  # type: ignore[no-untyped-def]
         now = utcnow()
         old_model = j.model
-        n = service.requeue(s, j, classes=error_class or [], sample_ids=sample or [])
+        n = service.requeue(s, j, classes=error_class or [], sample_ids=sample or [],
+                            overrides=overrides)
         if model is not None or servers is not None:
             states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
         if limits is not None:
@@ -106,8 +133,12 @@ def requeue(
         what = (f"auto ({limits['min_inflight']}–{limits['inflight_limit']})"
                 if limits["inflight_auto"] else str(limits["inflight_limit"]))
         console.print(f"job {escape(job)}: in-flight limit now {what}")
-    console.print(f"requeued {n:,} failed samples" + ("" if n else
+    kind = "truncated or failed" if "truncated" in (error_class or []) else "failed"
+    console.print(f"requeued {n:,} {kind} samples" + ("" if n else
                   " (nothing matched: see `synthq status`)"))
+    if n and overrides:
+        shown = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        console.print(f"  with their own settings: {escape(shown)}")
 
 
 def _set_job_state(ref: str, target: str) -> None:

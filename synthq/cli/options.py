@@ -61,8 +61,14 @@ MaxSeqLenOpt = Annotated[int, typer.Option(help="Truncate training examples to t
                          "tokens.")]
 ReasoningOpt = Annotated[str, typer.Option(help="keep: reasoning_content is rendered into the "
                          "assistant turn and supervised; drop: left out.")]
-MaskOpt = Annotated[str, typer.Option(help="last_turn: supervise the generated answer; "
-                    "all_assistant_turns: also the dataset's earlier assistant turns.")]
+MaskOpt = Annotated[str | None, typer.Option(help="last_turn: supervise the generated answer; "
+                    "all_assistant_turns: also the dataset's earlier assistant turns "
+                    "[default: all_assistant_turns with --regenerate all, else last_turn].")]
+RegenerateOpt = Annotated[str, typer.Option(help="last: regenerate the last assistant turn; "
+                          "all: every assistant turn, each on the regenerated history.")]
+HistoryReasoningOpt = Annotated[str, typer.Option(help="With --regenerate all: drop: earlier "
+                                "turns are sent with their content only; keep: with their "
+                                "reasoning_content too.")]
 ThinkOpenOpt = Annotated[str, typer.Option(help="Opens kept reasoning where the template has no "
                          "reasoning_content (escapes like \\n are read).")]
 ThinkCloseOpt = Annotated[str, typer.Option(help="Closes kept reasoning where the template has "
@@ -102,7 +108,9 @@ def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
                    chat_template=template, chat_template_kwargs=kwargs,
                    max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],
                    mask=opts["mask"], think_open=_unescape(opts["think_open"]),
-                   think_close=_unescape(opts["think_close"]))
+                   think_close=_unescape(opts["think_close"]),
+                   regenerate=opts.get("regenerate") or "last",
+                   history_reasoning=opts.get("history_reasoning") or "drop")
 
 
 def _unescape(text: str) -> str:

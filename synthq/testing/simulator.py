@@ -21,6 +21,16 @@ sends bytes that are not UTF-8, ``html`` answers 200 with an HTML page instead
 of an event stream, ``nodone`` ends the stream cleanly without a finish reason
 or ``[DONE]``.
 
+Conversations: with ``history_answers`` on, every answer starts with
+:func:`conversation_tag` of the request's messages (a hash of every message,
+tool calls included), so a test can tell exactly which history a turn was asked
+on. With ``record_requests`` on, ``GET /sim/requests`` returns every request's
+messages, max_tokens, tools and tool_choice. Tools: a request carrying
+``tools`` whose last message is a user message holding ``[[sim-call:NAME]]``
+(or ``[[sim-call:A,B]]``, one call each) is answered with those tool calls
+(``finish_reason`` ``tool_calls``); a request ending with tool results gets a
+text answer.
+
 Run it from another process (it blocks)::
 
     python -c "from synthq.testing.simulator import SimConfig, serve; serve(SimConfig(), port=8000)"
@@ -53,7 +63,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import uvicorn
@@ -62,7 +72,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-__all__ = ["FAULTS", "SimConfig", "build_app", "main", "serve"]
+__all__ = ["FAULTS", "SimConfig", "build_app", "conversation_tag", "main", "serve"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -84,6 +94,7 @@ _ERROR_FAULTS = frozenset({"rate_limit", "error", "context_length"})
 #: Faults in the answer's bytes, forced by directive only (no random rate).
 PAYLOAD_FAULTS: tuple[str, ...] = ("nul", "surrogate", "badutf8", "html", "nodone")
 _DIRECTIVE_RE = re.compile(r"\[\[sim:([A-Za-z0-9_]*)(?:\*(\d+))?\]\]")
+_CALL_RE = re.compile(r"\[\[sim-call:([A-Za-z0-9_,]+)\]\]")
 
 #: Chunks (after the role chunk) a stalled or reset stream sends before it stops.
 _PARTIAL_TOKEN_CHUNKS = 3
@@ -173,6 +184,10 @@ class SimConfig:
     model: str = "sim-model"
     """Model id reported by /v1/models and in every response; a request naming another
     model gets vLLM's 404 ("The model `X` does not exist.")."""
+    history_answers: bool = False
+    """Start every answer with :func:`conversation_tag` of the whole request history."""
+    record_requests: bool = False
+    """Keep each request's messages, max_tokens, tools, tool_choice for ``GET /sim/requests``."""
 
     def __post_init__(self) -> None:
         """Reject settings the simulator cannot honour."""
@@ -246,6 +261,8 @@ class _Stats:
         self.max_running = self.running
         self.faults = dict.fromkeys(FAULTS, 0)
         self.prompts: dict[str, int] = {}
+        #: Requests as received (``record_requests``): messages, max_tokens, tools, tool_choice.
+        self.log: list[dict[str, Any]] = []
 
     def enter(self) -> None:
         """Count a request arriving."""
@@ -291,6 +308,10 @@ class _ChatRequest:
     return_token_ids: bool = False
     #: The ``model`` the request names (None when absent).
     model: str | None = None
+    #: The request's messages, as sent.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    #: Function names a ``[[sim-call:...]]`` directive asks to call (tools given).
+    calls: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -302,6 +323,7 @@ class _Plan:
     content: list[str]
     finish_reason: str
     prompt_tokens: int
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -354,6 +376,11 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
         max_tokens = _positive_int(body, "max_tokens")
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
+    calls: list[str] = []
+    if body.get("tools") and messages[-1].get("role") == "user":
+        match = _CALL_RE.search(texts[-1])
+        if match:
+            calls = [n for n in match.group(1).split(",") if n]
     return _ChatRequest(
         last_user=user_texts[-1] if user_texts else texts[-1],
         prompt_text="\n".join(f"{m.get('role')}:{t}" for m, t in zip(messages, texts, strict=True)),
@@ -363,7 +390,22 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
         include_usage=include_usage,
         return_token_ids=bool(body.get("return_token_ids", False)),
         model=body.get("model") if isinstance(body.get("model"), str) else None,
+        messages=messages,
+        calls=calls,
     )
+
+
+def conversation_tag(messages: Sequence[dict[str, Any]]) -> str:
+    """``c`` + 12 hex digits of a hash over every message: role, content, tool calls
+    (names and arguments) and tool_call_id. The first word of every answer with
+    ``history_answers`` on."""
+    canonical = [{"role": m.get("role"), "content": _message_text(m.get("content")),
+                  "calls": [[(c.get("function") or {}).get("name"),
+                             (c.get("function") or {}).get("arguments")]
+                            for c in m.get("tool_calls") or []],
+                  "call_id": m.get("tool_call_id")} for m in messages]
+    digest = hashlib.blake2b(json.dumps(canonical, sort_keys=True).encode(), digest_size=6)
+    return "c" + digest.hexdigest()
 
 
 def _parse_directive(text: str) -> tuple[str, int | None] | None:
@@ -535,12 +577,23 @@ class _Simulator:
         finish = "stop" if n_reasoning + n_content == want_reasoning + want_content else "length"
         if fault == "length":
             n_content, finish = min(n_content, max(1, want_content // 2)), "length"
+        content = _answer_words(request, n_content)
+        if self.config.history_answers and content:
+            content[0] = conversation_tag(request.messages)
+        calls: list[dict[str, Any]] = []
+        if request.calls and finish == "stop":
+            tag = conversation_tag(request.messages)
+            calls = [{"id": f"call_{tag}_{i}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps({"q": tag, "n": i})}}
+                     for i, name in enumerate(request.calls)]
+            content, finish = [], "tool_calls"
         return _Plan(
             fault,
             _reasoning_words(request, n_reasoning),
-            _answer_words(request, n_content),
+            content,
             finish,
             request.prompt_tokens,
+            calls,
         )
 
     @asynccontextmanager
@@ -578,6 +631,8 @@ class _Simulator:
     def completion_body(self, plan: _Plan) -> bytes:
         """The non-streamed ``chat.completion`` document."""
         message: dict[str, Any] = {"role": "assistant", "content": " ".join(plan.content)}
+        if plan.tool_calls:
+            message["tool_calls"] = plan.tool_calls
         if self.config.reasoning:
             message["reasoning_content"] = " ".join(plan.reasoning)
         document = {
@@ -625,6 +680,12 @@ class _Simulator:
             for i, w in enumerate(plan.reasoning)
         ]
         events += [chunk({"content": w if i == 0 else " " + w}) for i, w in enumerate(plan.content)]
+        for i, call in enumerate(plan.tool_calls):  # name first, then the arguments
+            events.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                                 "function": {"name": call["function"]["name"],
+                                                              "arguments": ""}}]}))
+            events.append(chunk({"tool_calls": [{"index": i, "function": {
+                "arguments": call["function"]["arguments"]}}]}))
         n_tokens = len(events) - 1
         events.append(chunk({}, plan.finish_reason))
         if include_usage:
@@ -658,6 +719,10 @@ class _ChatCompletions:
         try:
             request = _parse_chat_request(raw)
             stats.prompts[request.last_user] = stats.prompts.get(request.last_user, 0) + 1
+            if sim.config.record_requests:
+                body = json.loads(raw)
+                stats.log.append({k: body.get(k) for k in ("messages", "max_tokens", "tools",
+                                                           "tool_choice")})
             fault = sim.choose_fault(request)
         except _BadRequest as exc:
             stats.rejected += 1
@@ -829,6 +894,10 @@ def build_app(config: SimConfig) -> Starlette:
         sim.overload_until = time.monotonic() + seconds
         return JSONResponse({"seconds": seconds, "status": status, "retry_after": retry})
 
+    async def requests_log(request: Request) -> JSONResponse:
+        """Every request received since the last reset (``record_requests``)."""
+        return JSONResponse(sim.stats.log)
+
     async def show_config(request: Request) -> JSONResponse:
         """The running configuration."""
         return JSONResponse(asdict(config))
@@ -856,6 +925,7 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/sim/reset", reset, methods=["POST"]),
         Route("/sim/config", show_config),
         Route("/sim/overload", overload, methods=["POST"]),
+        Route("/sim/requests", requests_log),
     ]
     return Starlette(routes=routes)
 
