@@ -177,8 +177,8 @@ def normalize(obj: Mapping[str, Any], *, max_chars: int = MAX_ROW_CHARS,
     conversation = _extract_conversation(obj)
     if not conversation:
         raise InvalidRow("empty conversation")
+    _check_tool_pairs(conversation)
     if regenerate == "all":
-        _check_tool_pairs(conversation)
         _check_prompt(conversation, max_chars=max_chars, whole=True)
         from synthq.turns import turn_positions
 

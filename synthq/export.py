@@ -65,18 +65,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Job columns recorded in the manifest: what produced the data.
 SETTINGS = ("model", "max_tokens", "sampling", "extra_body", "keep_truncated", "tokenizer",
             "chat_template_kwargs", "max_seq_len", "reasoning", "think_open", "think_close",
-            "mask", "tokenize_version")
+            "mask", "tokenize_version", "regenerate", "history_reasoning")
 
 
 def parquet_schema() -> Any:
     import pyarrow as pa
 
+    # tool_calls: the OpenAI list as JSON text (arguments may be any JSON).
     message = pa.struct([("role", pa.string()), ("content", pa.string()),
-                         ("reasoning_content", pa.string())])
+                         ("reasoning_content", pa.string()), ("tool_calls", pa.string()),
+                         ("tool_call_id", pa.string())])
     return pa.schema([("id", pa.string()), ("source_id", pa.string()),
                       ("input_ids", pa.list_(pa.int32())),
                       ("loss_mask", pa.list_(pa.int8())),
-                      ("conversations", pa.list_(message))])
+                      ("conversations", pa.list_(message)),
+                      # The row's {"tools": [...], "tool_choice": ...} as JSON text, or null.
+                      ("tools", pa.string())])
 
 
 @dataclass
@@ -108,6 +112,14 @@ class Manifest:
     chat_template_source: str | None
     #: The job's cost report when exported (synthq.cost: busy GPU time, tokens, dollars).
     cost: dict[str, Any] | None = None
+    #: Conversations regenerated turn by turn that were cut after a turn whose tool
+    #: calls did not fit the dataset's results: ``{"samples": n, "reasons": {reason: n}}``
+    #: over the exported rows.
+    cut: dict[str, Any] = field(default_factory=lambda: {"samples": 0, "reasons": {}})
+    #: Exported rows per distinct settings of their own (``synthq requeue --max-tokens``
+    #: ...): ``[{"overrides": {...}, "samples": n}]``; rows on the job's settings are
+    #: not listed.
+    overrides: list[dict[str, Any]] = field(default_factory=list)
     synthq_version: str = synthq.__version__
     created_at: str = field(default_factory=lambda: utcnow().isoformat())
 
@@ -228,6 +240,7 @@ class _Plan:
     tokenized: bool  # parquet: rows carry input_ids / loss_mask
     reasoning: bool  # put reasoning_content into the answer
     include_truncated: bool
+    regenerate_all: bool = False  # conversations regenerated turn by turn
 
     def filters(self) -> list[Any]:
         conds: list[Any] = [Sample.job_id == self.job_id, Sample.state == SampleState.DONE]
@@ -240,7 +253,8 @@ class _Plan:
 
 def _columns(plan: _Plan) -> list[Any]:
     cols: list[Any] = [Sample.id, Sample.source_id, Sample.prompt, Sample.response_content,
-                       Sample.num_tokens, Sample.num_supervised,
+                       Sample.num_tokens, Sample.num_supervised, Sample.tools, Sample.tool_calls,
+                       Sample.turns, Sample.cut_at_turn, Sample.cut_reason, Sample.overrides,
                        (Sample.input_ids.is_not(None)
                         & (Sample.tokenize_version == plan.version)).label("current")]
     if plan.reasoning:
@@ -267,12 +281,36 @@ def _pages(sessions: Callable[[], AbstractContextManager[Session]],
         last = rows[-1].id
 
 
+def _message(m: dict[str, Any], reasoning: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content")}
+    if reasoning and m.get("reasoning_content"):
+        out["reasoning_content"] = m["reasoning_content"]
+    if m.get("tool_calls"):
+        out["tool_calls"] = m["tool_calls"]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
 def _conversation(row: Any, plan: _Plan) -> list[dict[str, Any]]:
-    messages = [{"role": m.get("role"), "content": m.get("content")} for m in row.prompt or []]
+    if plan.regenerate_all and row.turns:
+        from synthq.turns import regenerated
+
+        return [_message(m, plan.reasoning) for m in regenerated(row.prompt or [], row.turns)]
+    messages = [_message(m, False) for m in row.prompt or []]
     answer: dict[str, Any] = {"role": "assistant", "content": row.response_content or ""}
     if plan.reasoning and row.reasoning_content:
         answer["reasoning_content"] = row.reasoning_content
+    if row.tool_calls:
+        answer["tool_calls"] = row.tool_calls
     return [*messages, answer]
+
+
+def _parquet_message(m: dict[str, Any]) -> dict[str, Any]:
+    out = {"reasoning_content": None, "tool_call_id": None, **m}
+    out["tool_calls"] = json.dumps(m["tool_calls"], ensure_ascii=False) if m.get(
+        "tool_calls") else None
+    return out
 
 
 def _tokens(row: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -351,8 +389,7 @@ def _table(rows: list[Any], plan: _Plan) -> Any:
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum([len(i) for i in ids], out=offsets[1:])
     schema = parquet_schema()
-    conversations = [[{"reasoning_content": None, **m} for m in _conversation(r, plan)]
-                     for r in rows]
+    conversations = [[_parquet_message(m) for m in _conversation(r, plan)] for r in rows]
     return pa.Table.from_arrays([
         pa.array([str(r.id) for r in rows], pa.string()),
         pa.array([r.source_id for r in rows], pa.string()),
@@ -360,6 +397,8 @@ def _table(rows: list[Any], plan: _Plan) -> Any:
         pa.ListArray.from_arrays(pa.array(offsets),
                                  pa.array(np.concatenate(masks).astype(np.int8), pa.int8())),
         pa.array(conversations, schema.field("conversations").type),
+        pa.array([json.dumps(r.tools, ensure_ascii=False) if r.tools else None for r in rows],
+                 pa.string()),
     ], schema=schema)
 
 
@@ -432,7 +471,8 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                                 "jsonl or set one with synthq retokenize")
             plan = _Plan(job_id=job.id, job_name=job.name, version=job.tokenize_version,
                          tokenized=fmt == "parquet", reasoning=job.reasoning == "keep",
-                         include_truncated=include_truncated)
+                         include_truncated=include_truncated,
+                         regenerate_all=job.regenerate == "all")
             info = {"id": job.id, "name": job.name, "dataset": job.dataset}
             has_tokenizer = bool(job.tokenizer)
             settings = {k: getattr(job, k) for k in SETTINGS}
@@ -463,7 +503,17 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
         shards = _Shards(tmp, fmt, shard_size)
         try:
             written = tokens = supervised = 0
+            cut: dict[str, Any] = {"samples": 0, "reasons": {}}
+            overridden: dict[str, int] = {}
             for rows in _pages(sessions, plan):
+                for r in rows:
+                    if r.cut_at_turn is not None:
+                        cut["samples"] += 1
+                        reason = str(r.cut_reason or "")
+                        cut["reasons"][reason] = cut["reasons"].get(reason, 0) + 1
+                    if r.overrides:
+                        key = json.dumps(r.overrides, sort_keys=True)
+                        overridden[key] = overridden.get(key, 0) + 1
                 current = [r for r in rows if r.current]
                 tokens += sum(r.num_tokens or 0 for r in current)
                 supervised += sum(r.num_supervised or 0 for r in current)
@@ -471,7 +521,8 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                     shards.write(_table(rows, plan))
                 else:
                     shards.write([{"id": str(r.id), "source_id": r.source_id,
-                                   "conversations": _conversation(r, plan)} for r in rows])
+                                   "conversations": _conversation(r, plan),
+                                   **({"tools": r.tools} if r.tools else {})} for r in rows])
                 written += len(rows)
                 if progress:
                     progress(written, total)
@@ -479,7 +530,9 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                 format=fmt, job=info, settings=settings, counts=counts, exported=written,
                 excluded={"stale": stale, "truncated": truncated}, shards=shards.finish(),
                 num_tokens=tokens if has_tokenizer else None,
-                num_supervised=supervised if has_tokenizer else None, cost=cost,
+                num_supervised=supervised if has_tokenizer else None, cost=cost, cut=cut,
+                overrides=[{"overrides": json.loads(k), "samples": n}
+                           for k, n in sorted(overridden.items(), key=lambda x: -x[1])],
                 **fingerprint)
             (tmp / MANIFEST).write_text(manifest.to_json(indent=2) + "\n", encoding="utf-8")
             _install(tmp, out, overwrite)

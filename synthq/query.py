@@ -131,6 +131,17 @@ class SampleDetail:
     attempt_log: list[dict[str, Any]] = field(default_factory=list)
     #: The example's tokens in runs of supervised / not supervised.
     mask: list[MaskSegment] = field(default_factory=list)
+    #: The row's tools and the answer's tool calls (None: none).
+    tools: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    #: Regenerating every turn: the next turn, how many, the answers so far, a cut.
+    turn: int = 0
+    turn_count: int | None = None
+    turns: list[dict[str, Any]] | None = None
+    cut_at_turn: int | None = None
+    cut_reason: str | None = None
+    #: Settings of this sample over its job's (``synthq requeue --max-tokens`` ...).
+    overrides: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,8 +169,12 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
         attempt_log=[{"id": a.id, "server": _url(a.server), "worker": a.worker,
                       "started_at": a.started_at, "ended_at": a.ended_at, "outcome": a.outcome,
                       "error_message": a.error_message, "latency_s": a.latency_s,
-                      "ttft_s": a.ttft_s, "completion_tokens": a.completion_tokens}
-                     for a in attempts])
+                      "ttft_s": a.ttft_s, "completion_tokens": a.completion_tokens,
+                      "turn": a.turn}
+                     for a in attempts],
+        tools=smp.tools, tool_calls=smp.tool_calls, turn=smp.turn or 0,
+        turn_count=smp.turn_count, turns=smp.turns, cut_at_turn=smp.cut_at_turn,
+        cut_reason=smp.cut_reason, overrides=smp.overrides or None)
     if smp.input_ids is not None and smp.loss_mask is not None and smp.num_tokens:
         detail.mask = mask_segments(smp.input_ids, smp.loss_mask, smp.num_tokens,
                                     job.tokenizer if decode else None)

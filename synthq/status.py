@@ -56,6 +56,12 @@ class JobStatus:
     limits: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: The cost report (synthq.cost.JobCost as a dict).
     cost: dict[str, Any] = field(default_factory=dict)
+    #: Jobs with regenerate=all: turns answered and turns to answer (a cut
+    #: conversation counts only the turns it kept), and conversations cut short.
+    regenerate: str = "last"
+    turns_done: int = 0
+    turns_total: int = 0
+    cut: int = 0
 
     @property
     def open(self) -> int:
@@ -159,6 +165,17 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     )
     if rate > 0:
         status.eta_s = status.open / rate
+    status.regenerate = job.regenerate or "last"
+    if status.regenerate == "all":
+        from sqlalchemy import case
+
+        kept = case((Sample.cut_at_turn.is_not(None), Sample.turn), else_=Sample.turn_count)
+        done_turns, total_turns, cut = session.execute(
+            select(func.coalesce(func.sum(Sample.turn), 0), func.coalesce(func.sum(kept), 0),
+                   func.count(Sample.cut_at_turn))
+            .where(Sample.job_id == job.id, Sample.turn_count.is_not(None))).one()
+        status.turns_done, status.turns_total = int(done_turns), int(total_turns)
+        status.cut = int(cut)
     from synthq.health import unhealthy
 
     status.unhealthy = unhealthy(session, job.servers)

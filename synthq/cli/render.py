@@ -64,6 +64,11 @@ def print_status(status: JobStatus) -> None:
     console.print(table)
     eta = f", ETA {status.eta_s:,.0f} s" if status.eta_s else ""
     console.print(f"{status.done_per_s:.2f} done/s over the last minutes{eta}")
+    if status.regenerate == "all":
+        cut = (f", {status.cut:,} conversations cut where a regenerated tool call did not "
+               "match the dataset's" if status.cut else "")
+        console.print(f"turns: {status.turns_done:,} / {status.turns_total:,} done "
+                      f"(every assistant turn regenerated){cut}")
     if status.failures:
         console.print("failed by class: " + ", ".join(
             f"{k or '?'} {v:,}" for k, v in sorted(status.failures.items(), key=lambda x: -x[1])))

@@ -151,22 +151,83 @@ def show_sample(
                   f"attempts, server {escape(str(data['server']))}")
     if data["error_class"]:
         console.print(f"[red]{data['error_class']}[/]: {escape(str(data['error_message']))}")
-    for m in data["prompt"] or []:
-        console.print(f"[cyan]{escape(str(m['role']))}:[/] {escape(str(m['content']))}")
-    if data["reasoning_content"]:
-        console.print(f"[magenta]reasoning:[/] {escape(data['reasoning_content'])}")
+    if data["overrides"]:
+        console.print("own settings (requeue): " + escape(", ".join(
+            f"{k}={json.dumps(v)}" for k, v in data["overrides"].items())))
+    if data["tools"]:
+        names = [t.get("function", {}).get("name") for t in data["tools"].get("tools", [])]
+        console.print(f"tools: {escape(', '.join(str(n) for n in names))}")
+    if data["turn_count"]:
+        _print_turns(data)
+    else:
+        for m in data["prompt"] or []:
+            _print_message(m)
+        if data["reasoning_content"]:
+            console.print(f"[magenta]reasoning:[/] {escape(data['reasoning_content'])}")
+        if data["response_content"] is not None:
+            _print_message({"role": "assistant", "content": data["response_content"],
+                            "tool_calls": data["tool_calls"]}, "[green]assistant:[/]")
     if data["response_content"] is not None:
-        console.print(f"[green]assistant:[/] {escape(data['response_content'])}")
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
     if data["num_tokens"] is not None:
         console.print(f"example: {data['num_tokens']} tokens, {data['num_supervised']} "
                       f"supervised (tokenize_version {data['tokenize_version']})")
-    table = Table("#", "server", "started", "outcome", "latency s", "ttft s", "tokens", "message")
+    table = Table("#", "turn", "server", "started", "outcome", "latency s", "ttft s", "tokens",
+                  "message")
     for i, a in enumerate(data["attempt_log"], 1):
-        table.add_row(str(i), escape(str(a["server"])), str(a["started_at"])[:19],
+        table.add_row(str(i), "" if a["turn"] is None else str(a["turn"] + 1),
+                      escape(str(a["server"])), str(a["started_at"])[:19],
                       a["outcome"] or "running",
                       f"{a['latency_s']:.2f}" if a["latency_s"] is not None else "",
                       f"{a['ttft_s']:.2f}" if a["ttft_s"] is not None else "",
                       str(a["completion_tokens"] or ""), escape((a["error_message"] or "")[:80]))
     console.print(table)
+
+
+def _print_message(m: dict, label: str | None = None) -> None:  # type: ignore[type-arg]
+    from rich.markup import escape
+
+    label = label or f"[cyan]{escape(str(m.get('role')))}:[/]"
+    text = escape(str(m.get("content") or ""))
+    for call in m.get("tool_calls") or []:
+        function = call.get("function") or {}
+        text += escape(f" → {function.get('name')}({function.get('arguments')})")
+    if m.get("role") == "tool" and m.get("tool_call_id"):
+        label += escape(f" [{m['tool_call_id']}]")
+    console.print(f"{label} {text}")
+
+
+def _print_turns(data: dict) -> None:  # type: ignore[type-arg]
+    """A conversation regenerated turn by turn: each turn's regenerated answer in place
+    of the dataset's (``synthq.turns``), turns not generated yet marked so."""
+    from rich.markup import escape
+
+    from synthq.turns import turn_positions
+
+    prompt, answers = data["prompt"] or [], data["turns"] or []
+    positions = turn_positions(prompt)
+    console.print(f"turns: {len(answers)} of {len(positions)} generated"
+                  + (f"; cut after turn {data['cut_at_turn'] + 1}: "
+                     f"{escape(str(data['cut_reason']))}" if data["cut_at_turn"] is not None
+                     else ""))
+    for i, m in enumerate([*prompt, None]):
+        if i in positions:
+            k = positions.index(i)
+            if k < len(answers):
+                answer = answers[k]
+                if answer.get("reasoning_content"):
+                    console.print(f"[magenta]turn {k + 1} reasoning:[/] "
+                                  f"{escape(answer['reasoning_content'])}")
+                _print_message({"role": "assistant", **answer},
+                               f"[green]turn {k + 1} (regenerated, "
+                               f"{answer.get('finish_reason')}):[/]")
+            elif m is not None:
+                _print_message(m, f"[dim]turn {k + 1} (dataset, not generated):[/]")
+            else:
+                console.print(f"[dim]turn {k + 1}: not generated yet[/]")
+        elif m is not None:
+            if data["cut_at_turn"] is not None and i > positions[data["cut_at_turn"]]:
+                console.print("[yellow]… cut here[/]")
+                break
+            _print_message(m)

@@ -97,7 +97,7 @@ def test_parquet_shards_read_back_with_datasets(
                                  cache_dir=str(tmp_path / "hf-cache"))
     assert data.num_rows == 7
     assert set(data.column_names) == {"id", "source_id", "input_ids", "loss_mask",
-                                      "conversations"}
+                                      "conversations", "tools"}
     assert data["source_id"] == [None] * 7  # these rows had no id of their own
     assert data["id"] == [str(i) for i in sorted(done)]  # id order across shards
     for row in data:

@@ -26,6 +26,7 @@ from synthq.dataset import (
     iter_rows,
     normalize,
     raw_key,
+    row_tools,
     source_id,
 )
 
@@ -42,6 +43,7 @@ def reason_of(obj: Any, **kwargs: Any) -> str:
     with pytest.raises(InvalidRow) as info:
         normalize(obj, max_chars=kwargs.get("max_chars", MAX_ROW_CHARS),
                   key_version=kwargs.get("key_version", KEY_VERSION))
+        row_tools(obj)
     assert str(info.value) == info.value.reason
     return info.value.reason
 
@@ -268,7 +270,15 @@ def test_no_assistant_turn_keeps_whole_conversation() -> None:
             {"messages": [msg("user", "a"), msg("assistant", "b"), msg("robot", "c")]},
             "unknown role 'robot' in message 3",
         ),
-        ({"messages": [msg("tool", "c")]}, "unknown role 'tool' in message 1"),
+        ({"messages": [msg("tool", "c")]}, "message 1 is a tool result without a tool call "
+                                           "before it"),
+        ({"messages": [msg("user", "q"), msg("assistant", "a"), msg("tool", "c")]},
+         "message 3 is a tool result without a tool call before it"),
+        ({"messages": [msg("user", "q"), {"role": "assistant", "content": None,
+                                          "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+         "message 2 has a tool call without a function name"),
+        ({"messages": [msg("user", "q")], "tools": [{"type": "function"}]},
+         "tool 1 has no function name"),
         ({"conversations": [{"from": "bing", "value": "c"}]}, "unknown role 'bing' in message 1"),
         (
             {"messages": [msg("user", "a"), {"role": "user", "content": ["a", "b"]}]},
@@ -794,3 +804,50 @@ def test_source_ids_from_parquet(tmp_path: Path) -> None:
     pq.write_table(pa.table({"prompt": ["a", "b"], "id": pa.array([10, None], pa.int64())}),
                    tmp_path / "d.parquet")
     assert [r.source_id for r in iter_rows(str(tmp_path / "d.parquet"))] == ["10", None]
+
+
+# -- tool conversations and --regenerate all ------------------------------------------------
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+def tool_row() -> dict[str, Any]:
+    return {"tools": WEATHER_TOOLS, "tool_choice": "auto", "messages": [
+        msg("system", "s"), msg("user", "weather?"),
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "d1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "d1", "content": "sunny"},
+        msg("assistant", "It is sunny."),
+    ]}
+
+
+def test_tool_row_last_turn_prompt_ends_with_the_tool_result() -> None:
+    prompt = normalize(tool_row())
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "tool"]
+    assert prompt[2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert prompt[2]["content"] == ""
+    assert prompt[3] == {"role": "tool", "content": "sunny", "tool_call_id": "d1"}
+    assert row_tools(tool_row()) == {"tools": WEATHER_TOOLS, "tool_choice": "auto"}
+    assert row_tools({"messages": []}) is None
+
+
+def test_tool_rows_are_read_with_their_tools(tmp_path: Path) -> None:
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(tool_row()) + "\n" + json.dumps({"prompt": "plain"}) + "\n")
+    rows = list(iter_rows(str(path)))
+    assert not any(r.skipped for r in rows)
+    assert rows[0].tools == {"tools": WEATHER_TOOLS, "tool_choice": "auto"}
+    assert rows[1].tools is None
+    # The tools are part of the content key, only for rows that have them.
+    settings = {"model": "m"}
+    assert content_key(rows[0].messages or [], settings, tools=rows[0].tools) != content_key(
+        rows[0].messages or [], settings)
+
+
+def test_regenerate_all_keeps_the_whole_conversation() -> None:
+    whole = normalize(tool_row(), regenerate="all")
+    assert [m["role"] for m in whole] == ["system", "user", "assistant", "tool", "assistant"]
+    assert normalize({"messages": [msg("user", "q")]}, regenerate="all") == [msg("user", "q")]
+    with pytest.raises(InvalidRow, match="an assistant turn comes before the first user turn"):
+        normalize({"messages": [msg("assistant", "hi"), msg("user", "q")]}, regenerate="all")
