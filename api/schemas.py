@@ -47,9 +47,15 @@ class JobSettings(BaseModel):
                                       "tokenizer's own.")
     max_seq_len: int = 4096
     reasoning: Literal["keep", "drop"] = "keep"
-    mask: Literal["last_turn", "all_assistant_turns"] = "last_turn"
+    mask: Literal["last_turn", "all_assistant_turns"] | None = Field(
+        None, description="[default: all_assistant_turns with regenerate=all, else last_turn]")
     think_open: str = "<think>\n"
     think_close: str = "\n</think>\n\n"
+    regenerate: Literal["last", "all"] = Field("last", description="last: regenerate the last "
+                                               "assistant turn; all: every assistant turn, "
+                                               "each on the regenerated history.")
+    history_reasoning: Literal["drop", "keep"] = Field(
+        "drop", description="regenerate=all: send earlier turns' reasoning_content too (keep).")
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options."""
@@ -75,7 +81,8 @@ class JobSettings(BaseModel):
             tokenizer=self.tokenizer, chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
             reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
-            think_close=self.think_close)
+            think_close=self.think_close, regenerate=self.regenerate,
+            history_reasoning=self.history_reasoning)
 
 
 class JobCreate(JobSettings):
@@ -158,6 +165,10 @@ class JobDetail(BaseModel):
     #: The cost report: busy_s, gpu_hours, tokens, tokens_per_s, dollars,
     #: dollars_per_mtok, remaining_s, remaining_dollars, servers.
     cost: dict[str, Any] = Field(default_factory=dict)
+    regenerate: str = "last"
+    turns_done: int = 0
+    turns_total: int = 0
+    cut: int = 0
 
 
 class JobStateChange(BaseModel):
@@ -177,6 +188,21 @@ class RequeueRequest(BaseModel):
                                                    "limit from now on: a number or `auto`.")
     max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap.")
     min_inflight: int | None = Field(None, description="With inflight=auto: the floor.")
+    # Settings of the requeued samples only (stored per sample), as `synthq requeue` takes them.
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    timeout: float | None = Field(None, description="Total seconds one call may take.")
+    stall_timeout: float | None = None
+    max_attempts: int | None = None
+    extra_body: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    total_timeout=self.timeout, stall_timeout=self.stall_timeout,
+                    max_attempts=self.max_attempts, extra_body=self.extra_body,
+                    chat_template_kwargs=self.chat_template_kwargs)
 
 
 class RequeueResult(BaseModel):
@@ -216,6 +242,7 @@ class AttemptPublic(BaseModel):
     latency_s: float | None
     ttft_s: float | None
     completion_tokens: int | None
+    turn: int | None = None
 
 
 class MaskSegmentPublic(BaseModel):
@@ -248,6 +275,14 @@ class SampleDetailPublic(BaseModel):
     finished_at: datetime | None
     attempt_log: list[AttemptPublic]
     mask: list[MaskSegmentPublic]
+    tools: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    turn: int = 0
+    turn_count: int | None = None
+    turns: list[dict[str, Any]] | None = None
+    cut_at_turn: int | None = None
+    cut_reason: str | None = None
+    overrides: dict[str, Any] | None = None
 
 
 class ExportRequest(BaseModel):

@@ -122,12 +122,13 @@ def data_path(data_dir: Path, relative: str) -> Path:
 
 
 def bad_rows(source: str, *, limit: int = 1000, id_field: str | None = None,
-             key_version: int | None = None) -> list[tuple[int, str]]:
+             key_version: int | None = None, regenerate: str = "last") -> list[tuple[int, str]]:
     """The first ``limit`` malformed rows of ``source`` with their reasons."""
     from synthq.dataset import KEY_VERSION, iter_rows
 
     found: list[tuple[int, str]] = []
-    for row in iter_rows(source, id_field=id_field, key_version=key_version or KEY_VERSION):
+    for row in iter_rows(source, id_field=id_field, key_version=key_version or KEY_VERSION,
+                         regenerate=regenerate):
         if row.skip_reason is not None:
             found.append((row.index, row.skip_reason))
             if len(found) >= limit:
@@ -145,4 +146,4 @@ def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
     if not report.skipped:
         return report, []
     return report, bad_rows(source, limit=limit, id_field=id_field,
-                            key_version=report.key_version)
+                            key_version=report.key_version, regenerate=spec.regenerate)

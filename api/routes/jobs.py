@@ -159,7 +159,8 @@ def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
         limits = inflight_settings(body.inflight, body.max_inflight, body.min_inflight)
     with session_scope() as s:
         j = job_or_404(s, job)
-        n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids)
+        n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids,
+                            overrides=body.overrides())
         if limits is not None:
             states.update_job(s, j, limits, now=utcnow())
         return RequeueResult(requeued=n)
