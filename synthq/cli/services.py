@@ -135,6 +135,10 @@ def simulate(
                             "knee (1: total ∝ 1/running).")] = 1.0,
     vllm_metrics: Annotated[bool, typer.Option(help="Serve vLLM's gauges on /metrics "
                             "(requests running/waiting, KV-cache usage).")] = False,
+    history_answers: Annotated[bool, typer.Option(help="Start every answer with a hash of "
+                               "the whole conversation it was asked on.")] = False,
+    record_requests: Annotated[bool, typer.Option(help="Keep every request for "
+                               "`GET /sim/requests`.")] = False,
 ) -> None:
     """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
 
@@ -168,6 +172,7 @@ def simulate(
                        response_tokens=response_tokens, reasoning=reasoning, model=model,
                        retry_after=retry_after, seed=seed, knee=knee,
                        knee_falloff=knee_falloff, vllm_metrics=vllm_metrics,
+                       history_answers=history_answers, record_requests=record_requests,
                        **rates)  # type: ignore[arg-type]
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)
