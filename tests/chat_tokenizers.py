@@ -121,3 +121,24 @@ def qwen3(root: Path) -> str:
 
 def generation_blocks(root: Path) -> str:
     return _chatml(root, "chatml-generation", GENERATION_TEMPLATE)
+
+
+#: ChatML with tools (in the spirit of Qwen's): the tool definitions in a system
+#: block, calls as ``<tool_call>`` JSON inside the assistant turn, results as
+#: ``tool`` turns.
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for t in tools %}"
+    "{{ t | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' + (m['content'] or '') }}"
+    "{% for c in (m['tool_calls'] or []) %}{{ '<tool_call>\\n{\"name\": \"' + c['function']['name']"
+    " + '\", \"arguments\": ' + c['function']['arguments'] + '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chatml_tools(root: Path) -> str:
+    return _chatml(root, "chatml-tools", TOOLS_TEMPLATE)
