@@ -216,3 +216,30 @@ def test_auto_limit_and_cost_in_the_api_metrics_and_job_page(
                      json={"inflight": "auto", "max_inflight": 16})
     assert ok.status_code == 200
     assert client.get(f"/api/jobs/{report.job_id}").json()["limits"][sim.url]["cap"] == 16
+
+
+def test_requeue_with_settings_of_their_own(
+        client: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
+    sim = simulator("--latency", "0", "--record-requests", "--response-tokens", "20")
+    # Two answers are cut once by the server (finish_reason=length): failed, truncated.
+    report = job_factory([f"q{i} [[sim:length*1]]" for i in range(2)] + ["fine"],
+                         servers=[sim.url], max_tokens=30)
+    settle(report.job_id)
+    assert counts(report.job_id)["failed"] == 2
+    url = f"/api/jobs/{report.job_id}/requeue"
+    bad = client.post(url, json={"classes": ["truncated"], "max_tokens": 0})
+    assert bad.status_code == 422 and "--max-tokens must be a positive integer" in bad.json()[
+        "detail"]
+    assert client.post(url, json={"classes": ["truncated"], "top_p": 2}).status_code == 422
+    r = client.post(url, json={"classes": ["truncated"], "max_tokens": 64, "temperature": 0.5})
+    assert r.json() == {"requeued": 2}
+    settle(report.job_id)
+    assert counts(report.job_id)["done"] == 3
+    sent = sorted((r["messages"][-1]["content"], r["max_tokens"])
+                  for r in sim.http.get("/sim/requests").json())
+    assert sent == [("fine", 30), ("q0 [[sim:length*1]]", 30), ("q0 [[sim:length*1]]", 64),
+                    ("q1 [[sim:length*1]]", 30), ("q1 [[sim:length*1]]", 64)]
+    items = client.get(f"/api/jobs/{report.job_id}/samples").json()["items"]
+    own = [client.get(f"/api/samples/{i['id']}").json()["overrides"] for i in items]
+    assert sorted(own, key=str) == [None, {"max_tokens": 64, "temperature": 0.5},
+                                    {"max_tokens": 64, "temperature": 0.5}]

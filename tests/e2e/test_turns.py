@@ -254,3 +254,45 @@ def test_run_job_without_a_stored_job_or_with_half_the_flags_says_so(tmp_path: P
     bad = synthq(env, "requeue", "j", "--max-tokens", "0")
     assert bad.returncode != 0 and "--max-tokens must be a positive integer" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_turn_retries_and_fails_on_its_own_and_requeue_continues_from_it(
+        simulator: Callable[..., Any], tmp_path: Path) -> None:
+    sim = simulator("--latency", "0", "--history-answers", "--record-requests")
+    rows = three_turn_rows(3)
+    # Row 0: turn 2 fails once (HTTP 500) and is retried; row 1: turn 2 fails twice, more
+    # than its one retry: the sample fails there; row 2 runs through.
+    rows[0]["messages"][3]["content"] += " [[sim:error*1]]"
+    rows[1]["messages"][3]["content"] += " [[sim:error*2]]"
+    dataset = write_jsonl(tmp_path / "conv.jsonl", rows)
+    env = embedded_env(tmp_path)
+    flags = ("--regenerate", "all", "--max-attempts", "2", "--backoff-base", "0.05",
+             "--backoff-cap", "0.1", "--json")
+    first = synthq(env, *run_args(dataset, sim.url, *flags))
+    assert first.returncode == 0, first.stderr
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["counts"]["done"] == 2 and summary["failures"] == {"server_error": 1}
+    db = tmp_path / "data" / "synthq.db"
+    failed = sqlite_rows(db, "select source_id, turn, json_array_length(turns), error_message "
+                             "from samples where state = 'failed'")
+    assert [f[:3] for f in failed] == [("r1", 1, 1)]  # turn 1 kept, turn 2 failed
+    assert failed[0][3].startswith("turn 2 of 3: HTTP 500")
+    calls = sqlite_rows(db, "select s.source_id, a.turn, a.outcome from attempts a join "
+                            "samples s on s.id = a.sample_id order by a.id")
+    assert [(t, o) for sid, t, o in calls if sid == "r0"] == [
+        (0, "ok"), (1, "server_error"), (1, "ok"), (2, "ok")]
+
+    requeued = synthq(env, "requeue", "conv", "--class", "server_error")
+    assert requeued.returncode == 0, requeued.stderr
+    again = synthq(env, "run", "--job", "conv", "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["counts"]["done"] == 3
+    # Continued from turn 2: turn 1 was not asked again.
+    r1 = [(t, o) for sid, t, o in sqlite_rows(
+        db, "select s.source_id, a.turn, a.outcome from attempts a join samples s on "
+            "s.id = a.sample_id order by a.id") if sid == "r1"]
+    assert r1 == [(0, "ok"), (1, "server_error"), (1, "server_error"), (1, "ok"), (2, "ok")]
+    prompt, answers = (json.loads(v) for v in sqlite_rows(
+        db, "select prompt, turns from samples where source_id = 'r1'")[0])
+    for k in range(3):
+        assert answers[k]["content"].split()[0] == conversation_tag(history(prompt, answers, k))
