@@ -170,7 +170,7 @@ def job_factory(pg: str) -> Callable[..., Any]:
         report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created)
         if rows is None:
             rows = [Row(i, [{"role": "user", "content": p}]) for i, p in enumerate(prompts or [])]
-        insert_rows(job_id, settings, rows, report)
+        insert_rows(job_id, settings, rows, report, regenerate=spec.regenerate)
         return report
 
     return make

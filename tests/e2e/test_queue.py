@@ -166,3 +166,44 @@ def test_flower_shows_generate_tasks_behind_basic_auth(workers: Any, simulator: 
     done = wait_for(ran_all, 30, flower.log())
     ids = sorted(i for t in done for i, _tok, _job in ast.literal_eval(t["args"])[0])
     assert ids == [1, 2, 3, 4, 5]
+
+
+def test_every_turn_regenerated_through_celery_workers(
+        workers: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
+    """--regenerate all on the Celery path: each turn a call within the limit, each on the
+    regenerated history; turns of different conversations interleave."""
+    import json
+
+    from synthq.dataset import Row
+    from synthq.testing.simulator import conversation_tag
+    from synthq.turns import history
+
+    sim = simulator("--latency", "0.1", "--history-answers")
+    n = 20
+    rows = []
+    for i in range(n):
+        messages = []
+        for t in range(3):
+            messages += [{"role": "user", "content": f"conv {i} q{t}"},
+                         {"role": "assistant", "content": f"dataset {t}"}]
+        rows.append(Row(i, messages))
+    report = job_factory(rows=rows, servers=[sim.url], inflight_limit=6, regenerate="all")
+    workers.worker(concurrency=4)
+    workers.worker(concurrency=4)
+    workers.beat()
+    wait_for(lambda: counts(report.job_id)["done"] == n, 90,
+             f"not all done: {counts(report.job_id)}\n{workers.logs()}")
+    assert sim.stats()["max_active"] <= 6
+    with session_scope() as s:
+        samples = s.execute(select(Sample.id, Sample.prompt, Sample.turns)
+                            .where(Sample.job_id == report.job_id)).all()
+        calls = dict(s.execute(
+            select(Attempt.turn, func.count()).join(Sample, Sample.id == Attempt.sample_id)
+            .where(Sample.job_id == report.job_id, Attempt.outcome == "ok")
+            .group_by(Attempt.turn)).tuples().all())
+    assert calls == {0: n, 1: n, 2: n}
+    for _, prompt, answers in samples:
+        assert len(answers) == 3, json.dumps(answers)
+        for k in range(3):
+            assert answers[k]["content"].split()[0] == conversation_tag(
+                history(prompt, answers, k))
