@@ -176,3 +176,58 @@ def test_a_tokenizer_crash_fails_the_sample_once_and_keeps_the_response(
         rt.configure(s, s.get_one(Job, report.job_id), {})
     assert rt.run_in_process(report.job_id).done == 1
     assert sim.stats()["requests"] == 1
+
+
+def test_every_turn_job_tokenizes_the_regenerated_conversation_with_its_tools(
+        simulator: Callable[..., Any], job_factory: Callable[..., Any],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    import json
+
+    from synthq import states
+    from synthq.dataset import Row
+    from synthq.db import utcnow
+
+    tools_dir = ct.chatml_tools(tmp_path_factory.mktemp("tools"))
+    sim = simulator("--latency", "0", "--record-requests")
+    tools = {"tools": [{"type": "function", "function": {"name": "get_weather",
+                                                         "parameters": {"type": "object"}}}]}
+    call = {"id": "d1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    weather = [{"role": "user", "content": "Weather in Oslo? [[sim-call:get_weather]]"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "d1", "content": "sunny"},
+               {"role": "assistant", "content": "Sunny."}]
+    plain = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
+             {"role": "user", "content": "second"}, {"role": "assistant", "content": "b"}]
+    report = job_factory(rows=[Row(0, weather, tools=tools), Row(1, plain)],
+                         servers=[sim.url], tokenizer=tools_dir, regenerate="all")
+    status = run_job(report.job_id)
+    assert status.counts["done"] == 2 and status.turns_done == status.turns_total == 4
+    tok = ChatTokenizer(TokenizeSettings(tools_dir, mask="all_assistant_turns"))
+
+    def rendered(answer: dict[str, Any]) -> str:
+        calls = "".join('<tool_call>\n{"name": "' + c["function"]["name"] + '", "arguments": '
+                        + c["function"]["arguments"] + "}\n</tool_call>"
+                        for c in answer.get("tool_calls") or [])
+        return (answer["content"] or "") + calls + "<|im_end|>"
+
+    examples = {}
+    with session_scope() as s:
+        for smp in s.scalars(select(Sample).order_by(Sample.id)):
+            assert len(smp.turns) == 2 and smp.cut_at_turn is None
+            assert supervised(tok, smp) == "".join(rendered(a) for a in smp.turns)
+            examples[smp.id] = smp.input_ids
+        tool_sample = s.scalars(select(Sample).where(Sample.dataset_index == 0)).one()
+        assert tool_sample.turns[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert json.loads(tool_sample.turns[0]["tool_calls"][0]["function"]["arguments"])["n"] == 0
+        # A tokenization failure requeued: tokenized again from the stored turns, no call.
+        s.execute(update(Sample).values(state="failed", error_class="mask_mismatch",
+                                        input_ids=None, loss_mask=None))
+    requests = len(sim.http.get("/sim/requests").json())
+    assert requests == 4
+    with session_scope() as s:
+        assert states.requeue(s, report.job_id, now=utcnow()) == 2
+    assert run_job(report.job_id).counts["done"] == 2
+    assert len(sim.http.get("/sim/requests").json()) == requests
+    with session_scope() as s:
+        assert {smp.id: smp.input_ids for smp in s.scalars(select(Sample))} == examples
