@@ -243,3 +243,28 @@ def test_requeue_with_settings_of_their_own(
     own = [client.get(f"/api/samples/{i['id']}").json()["overrides"] for i in items]
     assert sorted(own, key=str) == [None, {"max_tokens": 64, "temperature": 0.5},
                                     {"max_tokens": 64, "temperature": 0.5}]
+
+
+def test_upload_with_regenerate_all_keeps_tool_conversations_whole(client: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    row = {"tools": tools, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}
+    r = client.post("/api/jobs/upload", files={"file": ("conv.jsonl", io.BytesIO(
+        (json.dumps(row) + "\n").encode()))}, data={"spec": json.dumps(spec(
+            "http://127.0.0.1:9/v1", regenerate="all", history_reasoning="keep"))})
+    assert r.status_code == 201, r.text
+    job = client.get(f"/api/jobs/{r.json()['job_id']}").json()
+    assert (job["regenerate"], job["turns_done"], job["turns_total"]) == ("all", 0, 3)
+    sample = client.get(f"/api/jobs/{job['id']}/samples").json()["items"][0]
+    detail = client.get(f"/api/samples/{sample['id']}").json()
+    assert detail["turn_count"] == 3 and detail["tools"] == {"tools": tools}
+    assert [m["role"] for m in detail["prompt"]] == ["user", "assistant", "tool", "assistant",
+                                                     "user"]
+    bad = client.post("/api/jobs/upload", files={"file": ("x.jsonl", io.BytesIO(b"{}\n"))},
+                      data={"spec": json.dumps(spec("http://127.0.0.1:9/v1",
+                                                    regenerate="every"))})
+    assert bad.status_code == 422
