@@ -296,3 +296,21 @@ def test_a_turn_retries_and_fails_on_its_own_and_requeue_continues_from_it(
         db, "select prompt, turns from samples where source_id = 'r1'")[0])
     for k in range(3):
         assert answers[k]["content"].split()[0] == conversation_tag(history(prompt, answers, k))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_history_reasoning_drop_or_keep(simulator: Callable[..., Any], tmp_path: Path,
+                                        keep: bool) -> None:
+    sim = simulator("--latency", "0", "--reasoning", "--record-requests")
+    rows = three_turn_rows(2)
+    dataset = write_jsonl(tmp_path / "conv.jsonl", rows)
+    env = embedded_env(tmp_path)
+    flags = ["--regenerate", "all", "--json"]
+    if keep:
+        flags[2:2] = ["--history-reasoning", "keep"]
+    done = synthq(env, *run_args(dataset, sim.url, *flags))
+    assert done.returncode == 0, done.stderr
+    requests = sim.http.get("/sim/requests").json()
+    history_turns = [m for r in requests for m in r["messages"] if m["role"] == "assistant"]
+    assert len(history_turns) == 2 * (1 + 2)  # turn 2 sees one answer, turn 3 two
+    assert all(bool(m.get("reasoning_content")) is keep for m in history_turns)
