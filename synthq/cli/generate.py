@@ -199,6 +199,8 @@ def run(
             missing = [f for f in ("-d", "-s", "-m") if f not in given]
             raise UserError(f"missing {', '.join(missing)}: give all of -d, -s and -m, or "
                             "none of them with --job NAME to resume a stored job")
+        if resume:
+            _check_resume_flags(opts)
         spec = None if resume else job_spec(opts)
         with exclusive(settings.data_dir):
             if spec is None:
@@ -219,6 +221,22 @@ def run(
         print_status(status)
     if stop.is_set():
         raise typer.Exit(130)
+
+
+def _check_resume_flags(opts: dict) -> None:  # type: ignore[type-arg]
+    """`synthq run --job NAME` runs the stored settings: refuse other settings given with it
+    rather than ignore them."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(run).parameters.items()}
+    given = [name for name, value in opts.items()
+             if name not in ("job", "as_json", "settings") and name in defaults
+             and value != defaults[name]]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UserError(f"`synthq run --job NAME` resumes the job with its stored settings; "
+                        f"{flags} would be ignored. To change the settings of samples to "
+                        "redo, use `synthq requeue NAME --max-tokens ...`")
 
 
 def _stored_job(ref: str, *, quiet: bool) -> int:

@@ -249,6 +249,8 @@ def test_run_job_without_a_stored_job_or_with_half_the_flags_says_so(tmp_path: P
     missing = synthq(env, "run", "--job", "nothing")
     assert missing.returncode != 0 and "no job 'nothing'" in missing.stderr
     assert "Traceback" not in missing.stderr
+    ignored = synthq(env, "run", "--job", "j", "--max-tokens", "5")
+    assert ignored.returncode != 0 and "--max-tokens would be ignored" in ignored.stderr
     half = synthq(env, "run", "-d", "x.jsonl", "--job", "j")
     assert half.returncode != 0 and "missing -s, -m" in half.stderr
     bad = synthq(env, "requeue", "j", "--max-tokens", "0")
