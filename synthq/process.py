@@ -177,7 +177,8 @@ def tokenize_response(job: Job, prompt: list[dict[str, Any]], content: str,
         messages = [tok.place_reasoning(m) for m in turns.regenerated(prompt, answers)]
     else:
         messages = tok.conversation(prompt, content, reasoning, tool_calls)
-    result = tok.tokenize(messages, tools=(tools or {}).get("tools"))
+    definitions = (tools or {}).get("tools")
+    result = tok.tokenize(messages, tools=definitions) if definitions else tok.tokenize(messages)
     mismatch = None
     if server_ids is not None:
         mismatch = list(server_ids) != result.completion_ids

@@ -546,7 +546,8 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
              *([Sample.job_id.in_(job_ids)] if job_ids is not None else [])]
     rows = session.execute(
         select(Sample.id, Sample.state, Sample.attempts, Job.max_attempts, Sample.server,
-               Sample.worker, Sample.started_at, Sample.response_content.is_(None))
+               Sample.worker, Sample.started_at, Sample.response_content.is_(None),
+               case((Job.regenerate == "all", Sample.turn), else_=None))
         .join(Job, Job.id == Sample.job_id).where(*where)
         .with_for_update(of=Sample, skip_locked=True)
     ).all()
@@ -575,7 +576,7 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
         moved += [(i, SampleState.FAILED) for i in exhausted]
     # The calls those workers were making never ended: log them as lost.
     lost = [dict(sample_id=r[0], server=r[4], worker=r[5], started_at=r[6] or now,
-                 ended_at=now, outcome="lost",
+                 ended_at=now, outcome="lost", turn=r[8],
                  error_message="the worker stopped reporting during the call")
             for r in rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
     if lost:

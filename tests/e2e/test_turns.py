@@ -116,6 +116,9 @@ def test_every_turn_on_regenerated_history_survives_a_kill(
     by_turn = dict(sqlite_rows(db, "select turn, count(*) from attempts where outcome = 'ok' "
                                    "group by turn"))
     assert by_turn == {0: 30, 1: 30, 2: 30}
+    # The calls cut by the kill are logged as lost, with their turn.
+    lost = sqlite_rows(db, "select turn from attempts where outcome = 'lost'")
+    assert len(lost) <= inflight and all(t is not None for (t,) in lost)
 
 
 def tool_row(i: int, call: str) -> dict[str, Any]:
