@@ -31,6 +31,9 @@ Issue 18's scenarios:
 * ``broker_refuses_writes``: Redis at ``maxmemory`` under ``noeviction`` for
   20 s mid-run. Recovery: from Redis accepting writes until every sample is
   done, on the same worker process (``worker_alive``; before, it exited).
+* ``silent_worker``: a worker SIGSTOPped past its worker timeout (3 s) with its
+  calls hanging, then SIGCONTed. Recovery: from SIGCONT until every sample is
+  done; ``lost_rows`` must equal ``cut_calls`` (before: twice as many).
 * ``disk_full``: ``synthq run`` on a 12 MB tmpfs that a filler file fills
   mid-run (needs root to mount; skipped otherwise). Recovery: from the volume
   filling until ``synthq run`` exited with its one line (target < 60 s);

@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError
 
 from synthq import states
 from synthq.config import get_settings
-from synthq.db import safe_url, session_scope, utcnow
+from synthq.db import disk_full, safe_url, session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, database_trouble, dispatch, sweep
 from synthq.executor import Executor
 from synthq.health import probe_due
@@ -157,9 +157,13 @@ def dispatch_tick() -> int:
     jobs whose samples are all terminal finished. Logs only what it did."""
     try:
         return _tick()
-    except DBAPIError:
+    except DBAPIError as exc:
         database_trouble()  # the sweep waits before judging workers by their heartbeats
-        log.warning("dispatch tick: the database is unreachable; the next tick retries")
+        if disk_full(exc):
+            log.warning("dispatch tick: the database's disk is full (%s); nothing moves "
+                        "until space is freed", str(exc).splitlines()[0][:200])
+        else:
+            log.warning("dispatch tick: the database is unreachable; the next tick retries")
         return 0
 
 

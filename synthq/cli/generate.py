@@ -55,7 +55,7 @@ from synthq.cli.options import (
     job_spec,
 )
 from synthq.cli.render import job_progress, print_status
-from synthq.errors import UserError
+from synthq.errors import DiskFull, UserError
 
 
 def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ignore[no-untyped-def]
@@ -215,6 +215,12 @@ def run(
             status = _run_with_progress(run_job, job_id, stop, quiet=as_json)
     except UserError as exc:
         raise fail(str(exc)) from None
+    except Exception as exc:
+        from synthq.db import database_location, disk_full
+
+        if not disk_full(exc):  # a full disk while enqueueing: the same one line
+            raise
+        raise fail(str(DiskFull(database_location()))) from None
     if as_json:
         print(json.dumps(status.to_dict()))
     else:

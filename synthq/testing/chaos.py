@@ -42,6 +42,7 @@ from synthq.testing.procs import REPO, Proc, free_port
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
            "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full",
+           "silent_worker",
            "can_mount_tmpfs", "REQUIRES"]
 
 
@@ -840,6 +841,63 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 30
                    unrecoverable="Unrecoverable error" in worker.log())
 
 
+def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Result:
+    """Issue 18 E: a worker is SIGSTOPped with its calls hanging, past its
+    ``SYNTHQ_WORKER_TIMEOUT`` (3 s here), then SIGCONTed; a second worker (started
+    first, 2 slots) runs the sweep, which reclaims the stopped worker's samples and
+    logs each cut call ``lost``. The woken worker's calls then stall (5 s, passed while
+    it was stopped) and their results find the lease gone: before the fix each was
+    logged ``lost`` again (2 rows per call).
+
+    Recovery: from SIGCONT until every sample is done.
+    """
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample, Worker
+
+    started = time.monotonic()
+    # One sample a message: the other worker's 2 threads take a few, the victim the rest.
+    cluster.setenv(SYNTHQ_WORKER_TIMEOUT="3", SYNTHQ_BATCH_SIZE="1")
+    sim = cluster.simulator("--latency", "0", "--capacity", "64")
+    cluster.worker(concurrency=2, name="other")
+    cluster.wait_workers(1)
+    victim = cluster.worker(concurrency=n, name="victim")
+    cluster.wait_workers(2)
+    with session_scope() as s:
+        name = s.scalar(select(Worker.name).order_by(Worker.capacity.desc()).limit(1))
+    # Each prompt's first call hangs (until the caller gives up); the next one answers.
+    job_id = create_job([f"{p} [[sim:hang*1]]" for p in prompts(n, "silent")], [sim.url],
+                        inflight_limit=n, stall_timeout=5.0)
+    cluster.beat()
+
+    def on_victim() -> set[int]:
+        with session_scope() as s:
+            return set(s.scalars(select(Sample.id).where(
+                Sample.job_id == job_id, Sample.state == "running", Sample.worker == name)))
+
+    wait_until(lambda: len(on_victim()) >= n - 4 and sim.stats()["active"] >= n - 4, 60,
+               "the calls hanging on the victim", interval=0.05, logs=cluster.logs)
+    victim.proc.send_signal(signal.SIGSTOP)
+    running = on_victim()
+    time.sleep(stopped)
+    victim.proc.send_signal(signal.SIGCONT)
+    woke = time.monotonic()
+    _poll_done(cluster, job_id, n, 90)
+    recovered = time.monotonic() - woke
+    # The woken worker's calls stall at once (their 5 s passed); each result is then lost.
+    wait_until(lambda: sim.stats()["active"] == 0, 30, "the woken worker's calls ended",
+               logs=cluster.logs)
+    time.sleep(1.5)
+    with session_scope() as s:
+        lost_rows = s.scalar(select(func.count()).select_from(Attempt).where(
+            Attempt.sample_id.in_(running), Attempt.outcome == "lost")) or 0
+    return _result("silent_worker", job_id, n, sim.stats()["requests"], started, recovered,
+                   "SIGCONT -> every sample done", stopped_s=stopped,
+                   cut_calls=len(running), lost_rows=lost_rows,
+                   worker_alive=victim.proc.poll() is None)
+
+
 def can_mount_tmpfs() -> str | None:
     """Why a size-limited tmpfs cannot be mounted here (the disk-full scenario), or None."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
@@ -950,6 +1008,7 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "payloads": payloads,
     "overload": overload,
     "broker_refuses_writes": broker_refuses_writes,
+    "silent_worker": silent_worker,
     "disk_full": disk_full,
 }
 

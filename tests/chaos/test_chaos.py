@@ -177,3 +177,15 @@ def test_disk_full_stops_synthq_run_and_the_rerun_finishes(cluster: chaos.Cluste
     assert r.recovery_s < 60, r
     assert r.figures["rerun_exit_code"] == 0 and r.lost == 0, cluster.logs()
     assert r.extra_requests <= r.figures["inflight_limit"], r
+
+
+def test_silent_worker_cut_calls_are_lost_once(cluster: chaos.Cluster) -> None:
+    """Issue 18 E. A worker SIGSTOPped past its worker timeout (3 s here) with its calls
+    hanging, then SIGCONTed: the sweep (on a second worker) reclaims its samples and
+    logs each cut call lost; the woken worker, finding its leases gone, logged each
+    again (2 rows per call). Now one row per cut call, and the job finishes."""
+    r = chaos.silent_worker(cluster)
+    report(r)
+    assert r.lost == 0 and r.doubled == 0 and r.figures["worker_alive"], r
+    assert r.figures["cut_calls"] >= 12, r
+    assert r.figures["lost_rows"] == r.figures["cut_calls"], r

@@ -7,6 +7,7 @@ executor in this process. The slower, multi-process versions are in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -185,3 +186,52 @@ def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
     process._jobs.clear()
     assert process.get_job(report.job_id).id == report.job_id
     assert failures["left"] == 0 and CLAIM_PATH_ATTEMPTS > 10
+
+
+def test_run_job_stops_at_once_on_a_full_sqlite_disk(simulator: Callable[..., Any],
+                                                     tmp_path: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """C without root: SQLite's max_page_count makes the file full as a full volume does
+    ("database or disk is full"). The embedded runner stops within seconds with DiskFull
+    naming the data directory (before: retried as transient, then a crash in sweep());
+    with room again the rerun finishes, redoing at most the calls in flight."""
+    from sqlalchemy import event
+
+    from synthq.config import get_settings
+    from synthq.db import dispose_engines, get_engine
+    from synthq.embedded import run_job
+    from synthq.errors import DiskFull
+    from synthq.migrate import upgrade
+    from synthq.testing.chaos import create_job, prompts
+
+    data = tmp_path / "data"
+    data.mkdir()
+    url = f"sqlite:///{data / 'synthq.db'}"
+    monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
+    monkeypatch.setenv("SYNTHQ_DATA_DIR", str(data))
+    monkeypatch.delenv("SYNTHQ_BROKER_URL", raising=False)
+    get_settings.cache_clear()
+    dispose_engines()
+    upgrade(url)
+    sim = simulator("--latency", "0.05", "--response-tokens", "300")
+    n, limit = 60, 8
+    job_id = create_job(prompts(n, "full"), [sim.url], inflight_limit=limit, max_tokens=400)
+    engine = get_engine()
+    with engine.connect() as conn:
+        pages = int(conn.exec_driver_sql("PRAGMA page_count").scalar() or 0)
+
+    def cap(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 12}")
+
+    event.listen(engine, "connect", cap)
+    engine.dispose()
+    started = time.monotonic()
+    with pytest.raises(DiskFull, match=f"^disk full at {data}: free space and run the same "
+                                       "command again$"):
+        run_job(job_id)
+    assert time.monotonic() - started < 30
+    event.remove(engine, "connect", cap)
+    engine.dispose()
+    status = run_job(job_id)
+    assert status.counts["done"] == n, status
+    assert sim.http.get("/sim/stats").json()["requests"] <= n + limit
