@@ -17,8 +17,8 @@ FLOOR, CAP = 4, 256
 
 def quiet(limit: int, *, now: float, lpt: float = 0.1, ttft: float = 0.4) -> Window:
     """A window at the low-load baseline, with the limit in use."""
-    return Window(limit=limit, inflight=limit, ok=20, tokens=320, fresh=20, ttft_s=ttft,
-                  tpot_s=lpt, latency_per_token=lpt, now=now)
+    return Window(limit=limit, inflight=limit, ok=limit, tokens=16 * limit, fresh=limit,
+                  ttft_s=ttft, tpot_s=lpt, latency_per_token=lpt, now=now)
 
 
 def run(windows: list[Window]) -> list[tuple[int, str | None]]:
@@ -27,8 +27,11 @@ def run(windows: list[Window]) -> list[tuple[int, str | None]]:
     limit = windows[0].limit
     out = []
     for w in windows:
-        used = limit if w.inflight == w.limit else w.inflight  # a used limit stays used
-        d = decide(replace(w, limit=limit, inflight=used), state, floor=FLOOR, cap=CAP)
+        # A used limit stays used, and every call at it ends within the window.
+        used = limit if w.inflight == w.limit else w.inflight
+        fresh = limit if w.fresh == w.limit else w.fresh
+        d = decide(replace(w, limit=limit, inflight=used, fresh=fresh), state, floor=FLOOR,
+                   cap=CAP)
         state, limit = d.state, d.limit
         out.append((limit, d.reason))
     return out
