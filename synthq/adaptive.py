@@ -18,17 +18,21 @@ every dispatcher and worker sees one value. About once a second the scheduler
    ``servers.limit``, even while it moves.
 
 The algorithm is a latency gradient (Netflix's Gradient / Vegas family) with
-a slow start and multiplicative cuts on errors:
+a slow start and multiplicative cuts on errors. It judges a limit only by the
+calls that started after it was set ("fresh" calls), and only once as many of
+them ended as the last raise added (the first to end are those that found a
+free slot, not those that waited for one):
 
-* **slow start**: from 8 (or the floor), ×1.3 a tick while the latency per
-  generated token stays at its low-load baseline and the limit is in use;
-* **gradient**: ``new = limit × baseline / current + √limit``, smoothed by half.
-  Past a server's knee, each stream gets slower (or waits in the server's
-  queue) and the latency per token rises in proportion: the limit settles a
-  few √limit above the knee, where throughput is within ~10 % of its peak;
+* **slow start**: from 16 (within floor and cap), ×1.5 per step while the
+  latency per generated token stays at its low-load baseline, the time to
+  first token does not rise, and the limit is in use;
+* **gradient**: ``new = limit × baseline / current + √limit``. Past a
+  server's knee, each stream gets slower (or waits in the server's queue) and
+  the latency per token rises in proportion: the limit settles a few √limit
+  above the knee, where throughput is within ~10 % of its peak;
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
-  97 % (×0.9); then three ticks without growth;
+  97 % (×0.9); then three ticks without another cut or growth;
 * **holds**: vLLM reports requests waiting, or the limit is not in use (too
   little work to tell whether more would help).
 
@@ -136,9 +140,14 @@ class Decision:
     state: dict[str, Any] = field(default_factory=dict)
 
 
+#: Where a server's limit starts (within the floor and the cap): every OpenAI-compatible
+#: server we know runs 16 requests at once, and slow start doubles it in ~2 call lengths.
+START = 16
+
+
 def start_limit(floor: int, cap: int) -> int:
-    """Where a server's limit starts: 8, within the floor and the cap."""
-    return max(floor, min(cap, 8))
+    """Where a server's limit starts: START, within the floor and the cap."""
+    return max(floor, min(cap, START))
 
 
 def _fmt_s(seconds: float) -> str:
@@ -171,6 +180,9 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         if value == w.limit:
             return Decision(value, None, st)
         st["changed_at"] = w.now
+        # A raise is judged once as many fresh calls ended as it added (plus one): the
+        # first to end are those that found a free slot, not those that waited for one.
+        st["added"] = max(0, value - w.limit)
         arrow = "↑" if value > w.limit else "↓"
         return Decision(value, f"{value} {arrow} {why}", st)
 
@@ -189,7 +201,7 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
 
     # -- wait for calls that started at this limit to tell how it does -------------------------
     lpt = w.latency_per_token
-    if lpt is None or w.fresh < 2:
+    if lpt is None or w.fresh < max(2, int(st.get("added", 0)) + 1):
         return out(limit, "")
     base = st["base_lpt"] = _drift(st.get("base_lpt"), lpt)
     if w.ttft_s is not None:
@@ -221,7 +233,7 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
     if st["phase"] == "start":
         # Requests starting to wait in the server show in the time to first token first.
         queueing = base_ttft is not None and w.ttft_s is not None and \
-            ttft_ratio >= 1.5 and w.ttft_s - base_ttft >= 0.2
+            ttft_ratio >= 1.3 and w.ttft_s - base_ttft >= 0.15
         if gradient >= 0.9 and not queueing:
             if not in_use:
                 return out(limit, "")

@@ -44,10 +44,12 @@ def job_progress(description: str) -> Iterator[Any]:
             failing.update(status.unhealthy)
             c = status.counts
             eta = f" ETA {status.eta_s:,.0f}s" if status.eta_s else ""
+            auto = [str(v["limit"]) for v in status.limits.values() if v.get("auto")]
+            limit = f" limit {'/'.join(auto)}" if auto else ""
             progress.update(bar, total=status.total,
                             completed=sum(c[s] for s in FINISHED),
                             detail=f"done {c['done']:,} failed {c['failed']:,} running "
-                            f"{c['running']:,} {status.done_per_s:.1f}/s{eta}")
+                            f"{c['running']:,} {status.done_per_s:.1f}/s{eta}{limit}")
 
         yield update
 

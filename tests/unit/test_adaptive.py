@@ -17,8 +17,8 @@ FLOOR, CAP = 4, 256
 
 def quiet(limit: int, *, now: float, lpt: float = 0.1, ttft: float = 0.4) -> Window:
     """A window at the low-load baseline, with the limit in use."""
-    return Window(limit=limit, inflight=limit, ok=20, tokens=320, fresh=20, ttft_s=ttft,
-                  tpot_s=lpt, latency_per_token=lpt, now=now)
+    return Window(limit=limit, inflight=limit, ok=limit, tokens=16 * limit, fresh=limit,
+                  ttft_s=ttft, tpot_s=lpt, latency_per_token=lpt, now=now)
 
 
 def run(windows: list[Window]) -> list[tuple[int, str | None]]:
@@ -27,8 +27,11 @@ def run(windows: list[Window]) -> list[tuple[int, str | None]]:
     limit = windows[0].limit
     out = []
     for w in windows:
-        used = limit if w.inflight == w.limit else w.inflight  # a used limit stays used
-        d = decide(replace(w, limit=limit, inflight=used), state, floor=FLOOR, cap=CAP)
+        # A used limit stays used, and every call at it ends within the window.
+        used = limit if w.inflight == w.limit else w.inflight
+        fresh = limit if w.fresh == w.limit else w.fresh
+        d = decide(replace(w, limit=limit, inflight=used, fresh=fresh), state, floor=FLOOR,
+                   cap=CAP)
         state, limit = d.state, d.limit
         out.append((limit, d.reason))
     return out
@@ -82,22 +85,39 @@ def test_vllm_gauges_waiting_stops_growth_and_full_kv_cache_shrinks() -> None:
     assert out[-1][0] < out[0][0] and "kv cache 99 %" in (out[-1][1] or "")
 
 
-def test_recorded_knee_trace() -> None:
-    """Windows recorded by SYNTHQ_ADAPTIVE_TRACE from `synthq run --inflight auto` on
-    `synthq simulate --knee 32 --knee-falloff 1`: rises at baseline, then falls when
-    the latency per token passes its baseline (streams past the knee)."""
-    trace = json.loads((Path(__file__).parent / "data" / "adaptive_knee_trace.json")
-                       .read_text())
+def replay(name: str) -> list[tuple[int, int, int]]:
+    """Feed a recorded trace's windows in order: (limit then, decided now, decided then)."""
+    trace = json.loads((Path(__file__).parent / "data" / name).read_text())
     state: dict[str, Any] | None = None
-    limits = []
+    out = []
     for entry in trace:
         d = decide(Window(**entry["window"]), state, floor=FLOOR, cap=CAP)
         state = d.state
-        limits.append(d.limit)
         assert FLOOR <= d.limit <= CAP
-        assert d.limit == entry["decided"]  # the controller is deterministic
-    assert limits[0] == 8 and max(limits[:12]) == 40
-    assert limits[12] < 40  # latency per token 1.2× baseline past the knee
+        out.append((entry["window"]["limit"], d.limit, entry["decided"]))
+    return out
+
+
+def test_recorded_knee_trace() -> None:
+    """Windows recorded by SYNTHQ_ADAPTIVE_TRACE from `synthq run --inflight auto` on
+    `synthq simulate --knee 32 --knee-falloff 1` (bench/adaptive.py): it rises while the
+    latency per token is at its baseline, then holds a few above the knee."""
+    steps = replay("adaptive_knee_trace.json")
+    assert all(now == then for _, now, then in steps)  # deterministic: same signals, same limit
+    limits = [now for _, now, _ in steps]
+    assert limits[0] == 16 and limits[5] == 36  # ×1.5 per judged step
+    settled = limits[8:]
+    assert all(32 <= x <= 32 * 1.25 for x in settled)
+
+
+def test_recorded_overshoot_trace_falls_when_latency_rises() -> None:
+    """Windows recorded with an earlier, laggier controller that overshot to 40 on the same
+    knee server: when the latency per token reaches 1.2× its baseline, the limit falls."""
+    steps = replay("adaptive_knee_overshoot_trace.json")
+    rose = [i for i, (then, now, _) in enumerate(steps) if now > then]
+    fell = [i for i, (then, now, _) in enumerate(steps) if now < then]
+    assert rose and fell and rose[0] < fell[0]
+    assert steps[fell[0]][0] == 40 and steps[fell[0]][1] < 40
 
 
 # -- closed loop: a model server, one window per tick, one call-length of lag ------------------
