@@ -378,6 +378,10 @@ class TrainingRun(Base):
     total_steps: Mapped[int | None] = mapped_column(Integer)
     #: The step the latest (re)start resumed from (0: from scratch).
     resumed_from: Mapped[int] = mapped_column(Integer, default=0)
+    #: Served acceptance length measured by greedy draft-and-verify on the held-out
+    #: split (the latest evaluation; the final one once done). Trust this, not the
+    #: training estimate in ``metrics``.
+    eval_acceptance_length: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
     #: Random token of the process that holds the run; every write presents it.
     claim: Mapped[str | None] = mapped_column(String(32))

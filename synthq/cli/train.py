@@ -50,7 +50,8 @@ def train(
                                 "frequent supervised ids.")] = 32_000,
     max_len: Annotated[int, typer.Option(help="Cut examples to this many tokens.")] = 2048,
     batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 1,
-    epochs: Annotated[int, typer.Option(help="Passes over the data.")] = 1,
+    epochs: Annotated[int, typer.Option(help="Passes over the data (SpecForge's "
+                      "default).")] = 10,
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: all "
                          "epochs).")] = 0,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 1e-4,
@@ -61,6 +62,17 @@ def train(
     hidden_states: Annotated[str, typer.Option(help="`online` (target runs in each step) "
                              "or `offline` (cached per sample as safetensors).")] = "online",
     seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
+    eval_fraction: Annotated[float, typer.Option(help="Share of the examples held out, never "
+                             "trained on, to measure the served acceptance length (at least "
+                             "50, at most a tenth of the job; 0: no evaluation).")] = 0.02,
+    eval_every: Annotated[int, typer.Option(help="Measure it every N steps (0: only at the "
+                          "end, which always runs).")] = 1000,
+    eval_draft_tokens: Annotated[int, typer.Option(help="Draft tokens per verify round in "
+                                 "the measurement (vLLM's num_speculative_tokens).")] = 4,
+    eval_max_new: Annotated[int, typer.Option(help="At most this many new tokens per "
+                            "held-out prompt.")] = 256,
+    keep_checkpoints: Annotated[int, typer.Option(help="Step checkpoints kept (older ones "
+                                "are deleted).")] = 2,
     as_json: JsonOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter on a job's data, or arm the job to train when ready.
@@ -81,7 +93,10 @@ def train(
                            batch_size=batch_size, epochs=epochs, max_steps=max_steps, lr=lr,
                            warmup_ratio=warmup_ratio, ttt_steps=ttt_steps,
                            save_every=save_every, log_every=log_every,
-                           hidden_states=hidden_states, seed=seed))
+                           hidden_states=hidden_states, seed=seed,
+                           eval_fraction=eval_fraction, eval_every=eval_every,
+                           eval_draft_tokens=eval_draft_tokens, eval_max_new=eval_max_new,
+                           keep_checkpoints=keep_checkpoints))
         threshold = None if when == "now" else parse_when(when)
         if target is not None:
             check_target(target)
@@ -148,11 +163,21 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
     def on_step(step: int, record: dict[str, Any]) -> None:
         if not as_json:
             acc = " ".join(f"{a:.2f}" for a in record["acc"])
+            evaluated = (f" eval_accept {record['eval_accept']:.2f}"
+                         if record.get("eval_accept") is not None else "")
             console.print(f"step {step}: loss {record['loss']:.4f} acc [{acc}] "
-                          f"accept≈{record['accept']:.2f}")
+                          f"accept≈{record['accept']:.2f}{evaluated}")
+
+    def say(line: str) -> None:
+        if as_json:  # stdout carries the JSON only
+            import sys
+
+            print(line, file=sys.stderr)
+        else:
+            console.print(line)
 
     try:
-        state = execute_run(run_id, on_step=on_step)
+        state = execute_run(run_id, on_step=on_step, say=say)
     except KeyboardInterrupt:
         raise fail(f"interrupted: rerun `synthq train {info['job']}` to resume run {run_id} "
                    "from its last checkpoint", code=130) from None
@@ -186,13 +211,16 @@ def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
-    table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈", "checkpoint / error")
+    table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈ (train)",
+                  "eval accept", "checkpoint / error")
     for r in rows:
         total = f"/{r['total_steps']}" if r["total_steps"] else ""
         acc = f"{r['acc'][0]:.2f}" if r["acc"] else ""
+        ev = r.get("eval_acceptance_length")
         table.add_row(str(r["id"]), str(r["job"]), r["state"], f"{r['step']}{total}",
                       f"{r['loss']:.4f}" if r["loss"] is not None else "", acc,
                       f"{r['accept']:.2f}" if r["accept"] is not None else "",
+                      f"{ev:.2f}" if ev is not None else "",
                       r["error"] if r["state"] == "failed" else (r["checkpoint"] or ""))
     return table
 

@@ -26,8 +26,8 @@ import torch
 
 from synthq.training.model import DraftConfig, Eagle3Drafter
 
-__all__ = ["save_state", "latest_state", "save_drafter", "load_drafter", "plot_metrics",
-           "STEP_PREFIX"]
+__all__ = ["save_state", "latest_state", "prune_states", "save_drafter", "load_drafter",
+           "plot_metrics", "STEP_PREFIX"]
 
 STEP_PREFIX = "step-"
 
@@ -98,6 +98,20 @@ def latest_state(root: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def prune_states(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete step directories (and any
+    half-written temporary one of an earlier step); returns what was removed.
+    The newest is always kept, so a resume still finds its state."""
+    if not root.is_dir():
+        return []
+    steps = sorted(p for p in root.iterdir()
+                   if p.name.startswith(STEP_PREFIX) and (p / "state.pt").is_file())
+    gone = steps[:-max(1, keep)]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def load_drafter(directory: Path, target: Any) -> Eagle3Drafter:
     """A drafter from a vLLM-layout directory, with the target's embeddings."""
     from safetensors.torch import load_file
@@ -132,13 +146,20 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path, title: str) -> Path 
     except ImportError:
         return None
     steps = [m["step"] for m in metrics]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     ax1.plot(steps, [m["loss"] for m in metrics])
     ax1.set(title="loss (weighted forward KL)", xlabel="step")
     for k in range(len(metrics[0]["acc"])):
         ax2.plot(steps, [m["acc"][k] for m in metrics], label=f"position {k}")
     ax2.set(title="draft accuracy per position", xlabel="step", ylim=(0, 1))
     ax2.legend(fontsize=7)
+    ax3.plot(steps, [m["accept"] for m in metrics], label="training estimate (teacher-forced)")
+    evals = [(m["step"], m["eval_accept"]) for m in metrics if m.get("eval_accept") is not None]
+    if evals:
+        ax3.plot([e[0] for e in evals], [e[1] for e in evals], "o-",
+                 label="eval: draft-and-verify on held-out prompts (trust this)")
+    ax3.set(title="acceptance length", xlabel="step")
+    ax3.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")

@@ -10,6 +10,7 @@ at j = i+1+k, so its mask is ``loss_mask[i+2+k]`` (:func:`step_mask`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import tempfile
@@ -24,7 +25,10 @@ from synthq.errors import UserError
 from synthq.training.model import aux_layer_ids
 
 __all__ = ["Example", "load_examples", "draft_vocab", "batches", "collate", "TargetFeatures",
-           "target_features", "FeatureCache", "step_mask", "NoSupervisedTokens"]
+           "target_features", "draft_head", "FeatureCache", "Prefetcher", "step_mask",
+           "NoSupervisedTokens", "split_eval", "cache_bytes_per_token"]
+
+log = logging.getLogger(__name__)
 
 
 class NoSupervisedTokens(UserError):
@@ -67,6 +71,26 @@ def load_examples(export_dir: Path, max_len: int) -> list[Example]:
             f"loss-mask token at position 2 or later within max_len={max_len} (check the "
             "job's tokenizer and mask settings with `synthq sample`)")
     return out
+
+
+def split_eval(examples: list[Example], fraction: float, seed: int,
+               minimum: int = 50) -> tuple[list[Example], list[Example]]:
+    """``(train, held_out)``: a validation split never trained on.
+
+    ``max(ceil(fraction * n), minimum)`` examples, but at most a tenth of the job
+    (so a small job still trains on 90 %); none when ``fraction`` is 0. The
+    choice depends on the seed and the example ids only, so a resumed run holds
+    out the same examples.
+    """
+    n = len(examples)
+    if fraction <= 0 or n < 2:
+        return examples, []
+    k = min(max(int(np.ceil(fraction * n)), minimum), max(1, n // 10))
+    order = sorted(range(n), key=lambda i: examples[i].id)
+    random.Random(seed * 1_000_033 + 17).shuffle(order)
+    held = set(order[:k])
+    return ([ex for i, ex in enumerate(examples) if i not in held],
+            [ex for i, ex in enumerate(examples) if i in held])
 
 
 def draft_vocab(examples: list[Example], size: int, vocab_size: int
@@ -140,30 +164,47 @@ def step_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 @dataclass
 class TargetFeatures:
     aux: torch.Tensor  # [B, L, 3H] the three aux hidden states, concatenated
-    logits: torch.Tensor  # [B, L, V] the target's logits on the draft vocabulary
-    top: torch.Tensor  # [B, L] the target's argmax over its full vocabulary (for accuracy)
+    last: torch.Tensor  # [B, L, H] the target's last hidden state (after its final norm)
+    top: torch.Tensor  # [B, L] the target's argmax over its full vocabulary
+
+    def logits(self, head: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] the target's logits on the draft vocabulary, recomputed from its
+        ``lm_head`` rows of the draft vocabulary ``head`` [V, H] (as SpecForge does:
+        the cache never stores them)."""
+        return self.last.to(head.device, head.dtype) @ head.T
+
+
+def draft_head(target: Any, draft_ids: torch.Tensor) -> torch.Tensor:
+    """[V, H] the target's ``lm_head`` rows of the draft vocabulary (a frozen copy)."""
+    w = target.get_output_embeddings().weight.detach()
+    return w[draft_ids.to(w.device)].clone()
 
 
 @torch.no_grad()
-def target_features(target: Any, input_ids: torch.Tensor, draft_ids: torch.Tensor
-                    ) -> TargetFeatures:
+def target_features(target: Any, input_ids: torch.Tensor) -> TargetFeatures:
     """Run the target once: three hidden states (``output_hidden_states`` indices
-    ``[2, N//2, N-3]``) and its logits, restricted to the draft vocabulary."""
+    ``[2, N//2, N-3]``), its last hidden state and its greedy token."""
     device = target.get_input_embeddings().weight.device
     out = target(input_ids=input_ids.to(device), output_hidden_states=True, use_cache=False)
     n = target.config.num_hidden_layers
     aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids(n)], dim=-1)
-    logits = out.logits
-    return TargetFeatures(aux=aux, logits=logits[..., draft_ids.to(logits.device)],
-                          top=logits.argmax(-1))
+    return TargetFeatures(aux=aux, last=out.hidden_states[-1], top=out.logits.argmax(-1))
+
+
+def cache_bytes_per_token(hidden_size: int, itemsize: int) -> int:
+    """What the offline cache stores per token: 3 aux states + the last hidden state
+    (``itemsize`` bytes each value) and the int64 greedy token: ``4H * itemsize + 8``."""
+    return 4 * hidden_size * itemsize + 8
 
 
 class FeatureCache:
     """Offline mode: one safetensors file per example, ``<dir>/<id>.safetensors``.
 
-    Each file is written to a temporary name in the same directory and renamed
-    (atomic): a killed run leaves whole files or none, and a rerun computes
-    only the missing ones. The cache belongs to one run (its draft vocabulary).
+    Each file holds ``aux`` [L, 3H], ``last`` [L, H] (the target's dtype: bf16 on
+    a GPU) and ``top`` [L] int64: ``(3H + H) * 2 + 8`` bytes a token for a bf16
+    target. Each file is written to a temporary name in the same directory and
+    renamed (atomic): a killed run leaves whole files or none, and a rerun
+    computes only the missing ones.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -176,16 +217,42 @@ class FeatureCache:
     def missing(self, examples: list[Example]) -> list[int]:
         return [i for i, ex in enumerate(examples) if not self.path(ex.id).is_file()]
 
-    def fill(self, target: Any, examples: list[Example], draft_ids: torch.Tensor,
-             heartbeat: Any = None) -> int:
-        """Compute and store what is missing; returns how many files were written."""
+    def estimate(self, target: Any, examples: list[Example]) -> int:
+        """Bytes the missing files will take (tensor data; headers are a few hundred bytes)."""
+        itemsize = target.get_input_embeddings().weight.element_size()
+        per_token = cache_bytes_per_token(target.config.hidden_size, itemsize)
+        return sum(len(examples[i].input_ids) * per_token + 512 for i in self.missing(examples))
+
+    def check_space(self, need: int, reserve: int = 1 << 30) -> int:
+        """Raise :class:`UserError` unless ``need`` bytes plus ``reserve`` are free here."""
+        import shutil
+
+        free = shutil.disk_usage(self.directory).free
+        if need + reserve > free:
+            raise UserError(
+                f"the offline cache needs {need / 1e9:.2f} GB in {self.directory} but only "
+                f"{free / 1e9:.2f} GB is free (keeping {reserve / 1e9:.1f} GB spare): free "
+                "disk space, use --hidden-states online, or lower --max-len")
+        return free
+
+    def fill(self, target: Any, examples: list[Example], heartbeat: Any = None,
+             say: Any = None) -> int:
+        """Estimate the size, refuse when the disk is short, then compute and store
+        what is missing; returns how many files were written."""
         from safetensors.torch import save_file
 
         todo = self.missing(examples)
+        if todo:
+            need = self.estimate(target, examples)
+            free = self.check_space(need)
+            msg = (f"offline cache: {len(todo)} examples, "
+                   f"{sum(len(examples[i].input_ids) for i in todo):,} tokens, about "
+                   f"{need / 1e9:.3f} GB in {self.directory} ({free / 1e9:.1f} GB free)")
+            (say or log.info)(msg)
         for n, i in enumerate(todo):
             ids = torch.from_numpy(examples[i].input_ids)[None]
-            f = target_features(target, ids, draft_ids)
-            tensors = {"aux": f.aux[0].cpu().contiguous(), "logits": f.logits[0].cpu().contiguous(),
+            f = target_features(target, ids)
+            tensors = {"aux": f.aux[0].cpu().contiguous(), "last": f.last[0].cpu().contiguous(),
                        "top": f.top[0].cpu().contiguous()}
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             os.close(fd)
@@ -199,17 +266,50 @@ class FeatureCache:
                 heartbeat()
         return len(todo)
 
-    def load(self, examples: list[Example], idx: list[int], L: int) -> TargetFeatures:
-        """The cached features of a batch, right-padded to L."""
+    def read(self, example: Example) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        parts = [load_file(str(self.path(examples[i].id))) for i in idx]
+        return load_file(str(self.path(example.id)))
+
+    def load(self, examples: list[Example], idx: list[int], L: int,
+             parts: list[dict[str, torch.Tensor]] | None = None) -> TargetFeatures:
+        """The cached features of a batch, right-padded to L (``parts``: already read)."""
+        parts = parts if parts is not None else [self.read(examples[i]) for i in idx]
         aux = torch.zeros(len(idx), L, parts[0]["aux"].shape[-1], dtype=parts[0]["aux"].dtype)
-        logits = torch.zeros(len(idx), L, parts[0]["logits"].shape[-1],
-                             dtype=parts[0]["logits"].dtype)
+        last = torch.zeros(len(idx), L, parts[0]["last"].shape[-1], dtype=parts[0]["last"].dtype)
         top = torch.zeros(len(idx), L, dtype=torch.long)
         for row, p in enumerate(parts):
             n = p["aux"].shape[0]
-            aux[row, :n], logits[row, :n], top[row, :n] = p["aux"], p["logits"], p["top"]
-        return TargetFeatures(aux=aux, logits=logits, top=top)
+            aux[row, :n], last[row, :n], top[row, :n] = p["aux"], p["last"], p["top"]
+        return TargetFeatures(aux=aux, last=last, top=top)
 
+
+class Prefetcher:
+    """Reads the next batches' cache files in a background thread while the GPU trains."""
+
+    def __init__(self, cache: FeatureCache, examples: list[Example],
+                 order: list[list[int]], depth: int = 2) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cache, self.examples = cache, examples
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="synthq-prefetch")
+        self.futures = {}
+        self.order = order
+        self.depth = depth
+        for j in range(min(depth, len(order))):
+            self._submit(j)
+
+    def _submit(self, j: int) -> None:
+        idx = self.order[j]
+        self.futures[j] = self.pool.submit(lambda: [self.cache.read(self.examples[i])
+                                                    for i in idx])
+
+    def get(self, j: int, L: int) -> TargetFeatures:
+        if j + self.depth < len(self.order) and j + self.depth not in self.futures:
+            self._submit(j + self.depth)
+        fut = self.futures.pop(j, None)
+        parts = fut.result() if fut is not None else None
+        return self.cache.load(self.examples, self.order[j], L, parts)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

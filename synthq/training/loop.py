@@ -34,15 +34,24 @@ from synthq.db import session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, TrainingRun
 from synthq.training import states
-from synthq.training.checkpoint import latest_state, plot_metrics, save_drafter, save_state
+from synthq.training.checkpoint import (
+    latest_state,
+    plot_metrics,
+    prune_states,
+    save_drafter,
+    save_state,
+)
 from synthq.training.config import TrainConfig
 from synthq.training.data import (
     FeatureCache,
+    Prefetcher,
     TargetFeatures,
     batches,
     collate,
+    draft_head,
     draft_vocab,
     load_examples,
+    split_eval,
     step_mask,
     target_features,
 )
@@ -93,10 +102,12 @@ def _heartbeat(ctx: _Ctx, interval: float, stop: threading.Event) -> None:
 
 
 def execute_run(run_id: int, *, worker: str | None = None,
-                on_step: Callable[[int, dict[str, Any]], None] | None = None) -> str:
+                on_step: Callable[[int, dict[str, Any]], None] | None = None,
+                say: Callable[[str], None] | None = None) -> str:
     """Claim run ``run_id`` and train it to the end. Returns its final state, or
     ``stale`` when another process holds it. Errors end the run ``failed`` with
-    the reason; ``on_step(step, record)`` sees each logged step."""
+    the reason; ``on_step(step, record)`` sees each logged step, ``say(line)``
+    the run's notices (the cache size estimate, each evaluation)."""
     settings = get_settings()
     token = secrets.token_hex(8)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -113,7 +124,7 @@ def execute_run(run_id: int, *, worker: str | None = None,
         if torch.cuda.device_count() > 1 and not os.environ.get("SYNTHQ_NO_DDP"):
             _torchrun(ctx)
             return _state(run_id)
-        _train(ctx, on_step)
+        _train(ctx, on_step, say)
         return "done"
     except _Lost:
         log.warning("training run %d: lost its claim (cancelled or taken over); stopped", run_id)
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ctx = _Ctx(int(run_id), token, rank=rank, world=world)
     try:
-        _train(ctx, None)
+        _train(ctx, None, None)
     except _Lost:
         pass
     except Exception as exc:
@@ -202,27 +213,34 @@ def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def ttt_loss(logits: list[torch.Tensor], feats: TargetFeatures, loss_mask: torch.Tensor,
-             draft_to_target: torch.Tensor, decay: float
-             ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+             draft_to_target: torch.Tensor, decay: float, head: torch.Tensor,
+             t2d: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted forward KL of the unrolled steps, and (correct, counted) per step.
 
     Step k's logits at position i [B, L, V] learn the target's distribution at
     position i+1+k (which predicts token i+2+k), restricted to the draft
-    vocabulary and renormalised; supervised where ``loss_mask[i+2+k]``.
-    Cross-entropy against the target's probabilities equals the forward KL up
-    to the target's entropy, a constant.
+    vocabulary and renormalised (its logits recomputed from the last hidden
+    state and the draft rows ``head`` [V, H] of its lm_head); supervised where
+    ``loss_mask[i+2+k]`` and the target's own choice there is in the draft
+    vocabulary (``t2d`` [T] bool, as SpecForge masks). Accuracy counts every
+    supervised position (an out-of-vocabulary one is a miss: the drafter cannot
+    propose it). Cross-entropy against the target's probabilities equals the
+    forward KL up to the target's entropy, a constant.
     """
     total = torch.zeros((), device=logits[0].device)
+    target_logits = feats.logits(head.to(logits[0].device))  # [B, L, V]
+    in_vocab = t2d.to(feats.top.device)[feats.top]  # [B, L] target argmax in the draft vocab
     stats = []
     for k, lk in enumerate(logits):
         m = step_mask(loss_mask, k).to(lk.device)  # [B, L]
         n = int(m.sum())
         if k == 0 and n == 0:
             raise RuntimeError("a batch with no supervised token reached the loss")
-        p = torch.softmax(_shift(feats.logits, 1 + k).to(lk.device).float(), dim=-1)
+        lm = m & _shift(in_vocab, 1 + k).to(lk.device)  # OOV positions: no loss, no gradient
+        p = torch.softmax(_shift(target_logits, 1 + k).float(), dim=-1)
         logq = torch.log_softmax(lk.float(), dim=-1)
         ce = -(p * logq).sum(-1)  # [B, L]
-        total = total + (decay ** k) * (ce * m).sum() / max(n, 1)
+        total = total + (decay ** k) * torch.where(lm, ce, 0.0).sum() / max(int(lm.sum()), 1)
         with torch.no_grad():
             guess = draft_to_target[lk.argmax(-1)]  # [B, L] target ids
             want = _shift(feats.top, 1 + k).to(guess.device)
@@ -264,7 +282,8 @@ def _prepare_data(ctx: _Ctx, run: dict[str, Any], cfg: TrainConfig) -> Path:
     return data
 
 
-def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
+def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
+           say: Callable[[str], None] | None) -> None:
     with session_scope() as s:
         row = s.get(TrainingRun, ctx.run_id)
         assert row is not None
@@ -278,12 +297,22 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
 
-    examples = load_examples(_prepare_data(ctx, run, cfg), cfg.max_len)
+    def notice(line: str) -> None:
+        log.info("training run %d: %s", ctx.run_id, line)
+        if say is not None and ctx.rank == 0:
+            say(line)
+
+    every = load_examples(_prepare_data(ctx, run, cfg), cfg.max_len)
+    examples, held_out = split_eval(every, cfg.eval_fraction, cfg.seed)
+    if held_out:
+        notice(f"{len(held_out)} of {len(every)} examples held out for evaluation "
+               f"(never trained on)")
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     target = load_target(run["target"], device if ctx.world > 1 else None)
     vocab_size = target.config.vocab_size
     draft_ids, d2t, t2d = draft_vocab(examples, cfg.draft_vocab_size, vocab_size)
+    head = draft_head(target, draft_ids).to(device)  # [V, H] frozen target lm_head rows
     ctx.write()
 
     drafter = Eagle3Drafter(DraftConfig.from_target(target.config, len(draft_ids)))
@@ -319,13 +348,30 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> 
     if cfg.hidden_states == "offline":
         cache = FeatureCache(out / "cache")
         mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
-        cache.fill(target, mine, draft_ids, heartbeat=ctx.check)
+        cache.fill(target, mine, heartbeat=ctx.check, say=notice)
         if ctx.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
-        del target  # the cache replaces it: free its memory for training
-        target = None
+        if not held_out:  # the cache replaces it: free its memory for training
+            del target
+            target = None
+
+    def evaluate(at: int) -> float | None:
+        """Served acceptance on the held-out split (rank 0), stored in SQL and metrics."""
+        if not held_out or ctx.rank != 0:
+            return None
+        from synthq.training.speculate import acceptance_length
+
+        t0 = time.perf_counter()
+        drafter.eval()
+        result = acceptance_length(target, drafter, held_out, cfg.eval_draft_tokens,
+                                   max_new=cfg.eval_max_new, heartbeat=ctx.check)
+        drafter.train()
+        notice(f"step {at}: eval acceptance length {result.mean:.3f} "
+               f"({cfg.eval_draft_tokens} draft tokens, {result.rounds} verify rounds on "
+               f"{len(held_out)} held-out prompts, {time.perf_counter() - t0:.1f} s)")
+        return result.mean
 
     model: torch.nn.Module = drafter
     if ctx.world > 1:
@@ -334,55 +380,81 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None) -> 
         model = DistributedDataParallel(drafter, device_ids=[device.index])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else _nullcontext()
     d2t_ids = drafter.draft_to_target
+    t2d_dev = drafter.t2d
     window: dict[str, Any] = _window(cfg.ttt_steps)
+    eval_accept: float | None = None
     drafter.train()
     while step < total:
         epoch, skip = divmod(step, per_epoch)
         order = batches(examples, cfg.batch_size * ctx.world, cfg.seed, epoch)
-        for global_batch in order[skip:]:
-            if step >= total:
-                break
-            idx = global_batch[ctx.rank::ctx.world] or global_batch[:1]
-            ids, loss_mask, valid = collate(examples, idx)
-            t0 = time.perf_counter()
-            if cache is not None:
-                feats = cache.load(examples, idx, ids.shape[1])
-            else:
-                feats = target_features(target, ids, draft_ids)
-            t1 = time.perf_counter()
-            with autocast:
-                logits = model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
-                loss, stats = ttt_loss(logits, feats, loss_mask, d2t_ids, cfg.ttt_decay)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            _accumulate(window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
-                        time.perf_counter() - t1)
-            if step % cfg.log_every == 0 or step == total:
-                record = _record(window, step, float(scheduler.get_last_lr()[0]))
-                metrics.append(record)
-                window = _window(cfg.ttt_steps)
-                if on_step:
-                    on_step(step, record)
-                ctx.write(step=step, metrics=metrics)
-            if ctx.lost.is_set():
-                raise _Lost()
-            if step % cfg.save_every == 0 and step < total and ctx.rank == 0:
-                path = save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
-                                  {"run_id": ctx.run_id})
-                plot_metrics(metrics, out / "metrics.png", f"run {ctx.run_id} ({run['job']})")
-                ctx.write(step=step, checkpoint=str(path), metrics=metrics)
+        mine_order = [b[ctx.rank::ctx.world] or b[:1] for b in order]
+        prefetch = Prefetcher(cache, examples, mine_order[skip:]) if cache is not None else None
+        try:
+            for j, idx in enumerate(mine_order[skip:]):
+                if step >= total:
+                    break
+                ids, loss_mask, valid = collate(examples, idx)
+                t0 = time.perf_counter()
+                if prefetch is not None:
+                    feats = prefetch.get(j, ids.shape[1])
+                else:
+                    feats = target_features(target, ids)
+                t1 = time.perf_counter()
+                with autocast:
+                    logits = model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
+                    loss, stats = ttt_loss(logits, feats, loss_mask, d2t_ids, cfg.ttt_decay,
+                                           head, t2d_dev)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                _accumulate(window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
+                            time.perf_counter() - t1)
+                evaluated = None
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                    evaluated = evaluate(step)
+                if step % cfg.log_every == 0 or step == total or evaluated is not None:
+                    record = _record(window, step, float(scheduler.get_last_lr()[0]))
+                    if evaluated is not None:
+                        record["eval_accept"] = eval_accept = evaluated
+                    metrics.append(record)
+                    window = _window(cfg.ttt_steps)
+                    if on_step:
+                        on_step(step, record)
+                    ctx.write(step=step, metrics=metrics,
+                              **({"eval_acceptance_length": evaluated}
+                                 if evaluated is not None else {}))
+                if ctx.lost.is_set():
+                    raise _Lost()
+                if step % cfg.save_every == 0 and step < total and ctx.rank == 0:
+                    path = save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
+                                      {"run_id": ctx.run_id})
+                    prune_states(ckpts, cfg.keep_checkpoints)
+                    plot_metrics(metrics, out / "metrics.png", f"run {ctx.run_id} ({run['job']})")
+                    ctx.write(step=step, checkpoint=str(path), metrics=metrics)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
     if ctx.rank != 0:
         return
+    final_accept = evaluate(step)
+    if final_accept is not None:
+        eval_accept = final_accept
+        if metrics and metrics[-1]["step"] == step:
+            metrics[-1]["eval_accept"] = final_accept
+        if on_step and metrics:
+            on_step(step, metrics[-1])
     save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(), {"run_id": ctx.run_id})
+    prune_states(ckpts, cfg.keep_checkpoints)
     final = save_drafter(out / "final", drafter, cfg.to_dict())
     plot_metrics(metrics, final / "metrics.png", f"run {ctx.run_id} ({run['job']})")
     with session_scope() as s:
         if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
-                             step=step, metrics=metrics):
+                             step=step, metrics=metrics,
+                             **({"eval_acceptance_length": eval_accept}
+                                if eval_accept is not None else {})):
             raise _Lost()
 
 

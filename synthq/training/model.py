@@ -28,16 +28,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DraftConfig", "Eagle3Drafter", "aux_layer_ids", "StepCache"]
+__all__ = ["DraftConfig", "Eagle3Drafter", "aux_layer_ids", "sglang_layer_ids", "StepCache",
+           "step_attn_mask"]
 
 
 def aux_layer_ids(num_layers: int) -> list[int]:
     """``output_hidden_states`` indices of the three target features (vLLM's default).
 
     Index i is the input of layer i (the output of layer i-1): ``[2, N//2, N-3]``
-    are the outputs of layers ``[1, N//2-1, N-4]``.
+    are the outputs of layers ``[1, N//2-1, N-4]``. Distinct for N >= 7.
     """
     return [2, num_layers // 2, num_layers - 3]
+
+
+def sglang_layer_ids(num_layers: int) -> list[int]:
+    """The same features in SGLang's and SpecForge's convention (the nested
+    ``eagle_config`` key): the index of the layer whose *output* is captured.
+
+    SGLang captures the input of layer ``val + 1`` (``layers_to_capture = [val + 1
+    ...]``), SpecForge hooks the output of layer ``val``: both land on vLLM's
+    ``output_hidden_states`` index ``val + 1``.
+    """
+    return [i - 1 for i in aux_layer_ids(num_layers)]
 
 
 @dataclass
@@ -71,7 +83,18 @@ class DraftConfig:
                    target_num_layers=cfg.num_hidden_layers)
 
     def vllm_config(self, dtype: str) -> dict[str, Any]:
-        """``config.json`` of the checkpoint, as vLLM's and SGLang's llama_eagle3 read it."""
+        """``config.json`` of the checkpoint, for every engine.
+
+        Each engine reads the aux layers from a different key with a different rule:
+
+        - vLLM: the top-level ``eagle_aux_hidden_state_layer_ids``, used as-is as
+          ``output_hidden_states`` indices (the input of layer i): ``[2, N//2, N-3]``.
+        - SGLang: the nested ``eagle_config.eagle_aux_hidden_state_layer_ids``, plus
+          one (it captures the input of layer ``val + 1``): so the nested key holds
+          ``[1, N//2-1, N-4]``.
+        - SpecForge (training further): the nested key, as the layers whose output
+          it hooks: ``[1, N//2-1, N-4]``, the same features.
+        """
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -90,8 +113,9 @@ class DraftConfig:
             "target_hidden_size": self.hidden_size,
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
+            "eagle_aux_hidden_state_layer_ids": aux_layer_ids(self.target_num_layers),
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": aux_layer_ids(self.target_num_layers),
+                "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(self.target_num_layers),
                 "use_aux_hidden_state": True,
             },
         }
@@ -178,6 +202,16 @@ class StepCache:
     vs: list[torch.Tensor]
 
 
+def step_attn_mask(L: int, P: int, k: int, device: torch.device) -> torch.Tensor:
+    """[P, L + k*P] bool: which keys the queries of draft step k (at the last P of L
+    positions) see. Step 0's keys causally (key j <= query position), and each
+    later step's key at the query's own position only (the diagonal)."""
+    qpos = torch.arange(L - P, L, device=device)
+    causal = torch.arange(L, device=device)[None, :] <= qpos[:, None]  # [P, L]
+    diag = torch.eye(P, dtype=torch.bool, device=device).repeat(1, k)  # [P, k*P]
+    return torch.cat([causal, diag], dim=1)
+
+
 class Eagle3Drafter(nn.Module):
     """fc + one decoder layer over 2H inputs + norm + lm_head over the draft vocabulary."""
 
@@ -239,22 +273,13 @@ class Eagle3Drafter(nn.Module):
         else:
             cache = StepCache(cache.k0, cache.v0, [*cache.ks, kk], [*cache.vs, vv])
         rep = attn.nh // attn.nkv
-        k0 = cache.k0.repeat_interleave(rep, dim=1)  # [B, nh, L, d]
-        v0 = cache.v0.repeat_interleave(rep, dim=1)
-        scale = attn.d ** -0.5
-        # Causal scores against step 0: query at absolute position p sees keys <= p.
-        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, P, L]
-        qpos = torch.arange(L - P, L, device=x.device)
-        causal = torch.arange(L, device=x.device)[None, :] <= qpos[:, None]  # [P, L]
-        s0 = s0.masked_fill(~causal, torch.finfo(s0.dtype).min)
-        # Diagonal scores against steps 1..k at the same position.
-        kd = [kj.repeat_interleave(rep, dim=1) for kj in cache.ks]
-        vd = [vj.repeat_interleave(rep, dim=1) for vj in cache.vs]
-        sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in kd]  # each [B, nh, P, 1]
-        probs = torch.softmax(torch.cat([s0, *sd], dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :L] @ v0  # [B, nh, P, d]
-        for j, vj in enumerate(vd):
-            out = out + probs[..., L + j:L + j + 1] * vj
+        # One SDPA call over [step 0's L keys, step 1's P keys, ..., step k's P keys]
+        # with the step mask: no [P, L] probability matrix is kept per step in Python,
+        # and the fused kernels (flash on CPU, memory-efficient on CUDA) don't build one.
+        keys = torch.cat([cache.k0, *cache.ks], dim=2).repeat_interleave(rep, dim=1)
+        values = torch.cat([cache.v0, *cache.vs], dim=2).repeat_interleave(rep, dim=1)
+        mask = step_attn_mask(L, P, len(cache.ks), x.device)  # [P, L + k*P] bool
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, nh, P, d]
         out = attn.o_proj(out.transpose(1, 2).reshape(B, P, attn.nh * attn.d))
         h = hidden + out  # residual over the hidden input (vLLM: residual = hidden_states)
         h = h + layer.mlp(layer.post_attention_layernorm(h))

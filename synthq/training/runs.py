@@ -54,6 +54,7 @@ def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
         "trigger": run.trigger, "target": run.target, "step": run.step,
         "total_steps": run.total_steps, "resumed_from": run.resumed_from,
         "loss": last.get("loss"), "acc": last.get("acc"), "accept": last.get("accept"),
+        "eval_acceptance_length": run.eval_acceptance_length,
         "checkpoint": run.checkpoint, "output_dir": run.output_dir, "error": run.error,
         "worker": run.worker, "settings": run.settings,
         "created_at": run.created_at.isoformat(),

@@ -10,13 +10,16 @@ says how much the drafter saves. No KV cache: this is a check, not a server.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from synthq.training.model import Eagle3Drafter, aux_layer_ids
 
-__all__ = ["speculative_generate", "greedy_generate", "propose"]
+__all__ = ["speculative_generate", "greedy_generate", "propose", "acceptance_length",
+           "Acceptance", "eos_ids"]
 
 
 def _target(target: Any, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +56,17 @@ def greedy_generate(target: Any, prompt: list[int], max_new: int) -> list[int]:
 
 @torch.no_grad()
 def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int], max_new: int,
-                         k: int = 5) -> tuple[list[int], list[int]]:
-    """Greedy draft-and-verify. Returns the new tokens and the tokens gained per verify round."""
+                         k: int = 5, eos: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Greedy draft-and-verify. Returns the new tokens and the tokens gained per verify
+    round (accepted drafts + the target's own token: vLLM's acceptance length).
+    Generation stops after ``max_new`` tokens or at a token of ``eos``."""
     drafter.eval()
     preds, aux = _target(target, list(prompt))
     seq = [*prompt, int(preds[-1])]
     new = [seq[-1]]
     lengths: list[int] = []
-    while len(new) < max_new:
+    stop = set(eos)
+    while len(new) < max_new and new[-1] not in stop:
         drafts = propose(drafter, seq, aux[:, :len(seq) - 1], k)
         preds, aux = _target(target, seq + drafts)
         t = len(seq) - 1  # preds[t + m] is the target's choice after seq + drafts[:m]
@@ -68,7 +74,59 @@ def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int],
         while m < k and drafts[m] == int(preds[t + m]):
             m += 1
         gained = [*drafts[:m], int(preds[t + m])]
+        for cut, tok in enumerate(gained):
+            if tok in stop:  # the request ends at EOS: what follows is dropped
+                gained = gained[:cut + 1]
+                break
         seq += gained
         new += gained
         lengths.append(len(gained))
     return new[:max_new], lengths
+
+
+def eos_ids(target: Any) -> list[int]:
+    """The target's end-of-sequence ids (generation config first, then its config)."""
+    for cfg in (getattr(target, "generation_config", None), target.config):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return []
+
+
+@dataclass
+class Acceptance:
+    mean: float  # tokens per verify round (1 = nothing accepted), vLLM's mean acceptance length
+    rounds: int
+    tokens: int
+
+
+@torch.no_grad()
+def acceptance_length(target: Any, drafter: Eagle3Drafter, examples: Sequence[Any], k: int,
+                      max_new: int = 256, heartbeat: Callable[[], None] | None = None
+                      ) -> Acceptance:
+    """Served acceptance length on held-out examples: each example's prompt (its
+    tokens before the first supervised one) is continued by greedy draft-and-verify
+    against the target, ``k`` draft tokens a round, for as many tokens as the
+    example's own answer (at most ``max_new``) or until EOS. Not an estimate from
+    training accuracies: the drafter drafts from its own previous tokens."""
+    eos = eos_ids(target)
+    rounds = tokens = 0
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for ex in examples:
+            ids = [int(t) for t in ex.input_ids]
+            first = next((i for i, m in enumerate(ex.loss_mask) if m), len(ids))
+            if first < 2:  # the drafter needs one prefix position with a next token
+                first = 2
+            n = min(max_new, len(ids) - first)
+            if n < 1:
+                continue
+            _, lengths = speculative_generate(target, drafter, ids[:first], n, k=k, eos=eos)
+            rounds += len(lengths)
+            tokens += sum(lengths)
+            if heartbeat is not None:
+                heartbeat()
+    finally:
+        drafter.train(was_training)
+    return Acceptance(mean=tokens / rounds if rounds else 1.0, rounds=rounds, tokens=tokens)

@@ -1,7 +1,9 @@
-"""A tiny Llama target (built from a config, saved, loaded back) and jobs of its greedy output."""
+"""A tiny Llama target (8 layers: distinct aux layer ids [2, 4, 5]; built from a config,
+saved, loaded back) and jobs of its greedy output."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,22 +12,37 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training_support import VOCAB, greedy_examples  # noqa: E402
+# Tiny models on a shared 2-core machine: one thread is several times faster than
+# two fighting the other processes (and training subprocesses inherit it).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from training_support import VOCAB, counting_batch, greedy_examples  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An 8-layer Llama trained (about 10 s) on a counting language: BOS, a marker
+    (3: count by 1, 4: count by 2), then numbers 5..95 counting modulo 91. Its
+    greedy output is learnable, so a drafter that trains right drafts it well and
+    one that trains wrong (a shifted target, wrong layers) does not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, tie_word_embeddings=False,
-                         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     path = tmp_path_factory.mktemp("tiny-llama")
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharp next-token distributions, like a trained model's
-        model.lm_head.weight.mul_(20)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        x = counting_batch(gen, 32, 24)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     model.save_pretrained(path)
     return path
 

@@ -45,17 +45,18 @@ def _get(run_id: int) -> TrainingRun:
 
 def _step0_accuracy(target: Any, drafter: Any, examples: list[Any]) -> float:
     """Position-0 accuracy (draft argmax == target argmax) on supervised positions."""
-    from synthq.training.data import Example, collate, target_features
+    from synthq.training.data import Example, collate, draft_head, target_features
     from synthq.training.loop import ttt_loss
 
     exs = [Example(str(i), np.array(a), np.array(m, dtype=np.uint8))
            for i, (a, m) in enumerate(examples)]
     draft_ids = drafter.draft_to_target
     ids, mask, _ = collate(exs, list(range(len(exs))))
-    feats = target_features(target, ids, draft_ids)
+    feats = target_features(target, ids)
     with torch.no_grad():
         logits = drafter(ids, feats.aux, 1)
-        _, stats = ttt_loss(logits, feats, mask, draft_ids, 0.8)
+        _, stats = ttt_loss(logits, feats, mask, draft_ids, 0.8, draft_head(target, draft_ids),
+                            drafter.t2d)
     return stats[0][0] / stats[0][1]
 
 
@@ -88,7 +89,8 @@ def test_run_trains_a_drafter_that_vllm_layout_loads_and_speculates_exactly(
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (1, 64, 128)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
     assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (96, 64, 64)
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 3, 3],
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM, as-is
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],  # SGLang +1
                                    "use_aux_hidden_state": True}
     assert cfg["rms_norm_eps"] > 0
     H, kv = 64, 2 * 16
@@ -147,12 +149,17 @@ def test_offline_cache_is_written_atomically_and_reused(
     assert execute_run(run_id) == "done", _get(run_id).error
     cache = Path(_get(run_id).output_dir) / "cache"
     files = sorted(cache.iterdir())
-    assert len(files) == 8 and all(p.suffix == ".safetensors" for p in files)
+    # 1 of the 8 is held out for evaluation: never trained on, never cached
+    assert len(files) == 7 and all(p.suffix == ".safetensors" for p in files)
     from safetensors.torch import load_file
 
     t = load_file(str(files[0]))
-    assert t["aux"].shape[1] == 3 * 64 and t["logits"].shape[1] == 64
-    assert t["aux"].shape[0] == t["logits"].shape[0] == t["top"].shape[0]
+    assert set(t) == {"aux", "last", "top"}  # no logits: recomputed from lm_head rows
+    assert t["aux"].shape[1] == 3 * 64 and t["last"].shape[1] == 64
+    assert t["aux"].shape[0] == t["last"].shape[0] == t["top"].shape[0]
+    per_token = files[0].stat().st_size / t["aux"].shape[0]
+    # (3H + H) values of the target's dtype (fp32 on this CPU: 4 bytes) + the int64 token
+    assert per_token <= (3 * 64 + 64) * 4 + 8 + 64, per_token
 
 
 def test_a_job_without_supervised_tokens_fails_its_run(

@@ -9,15 +9,29 @@ import torch
 VOCAB = 96
 
 
+#: Numbers of the counting language are ids FIRST..VOCAB-1, counted modulo NUMBERS.
+FIRST = 5
+NUMBERS = VOCAB - FIRST
+
+
+def counting_batch(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    """[batch, length] counting-language sequences: BOS, marker (3: +1, 4: +2), numbers."""
+    step = torch.randint(0, 2, (batch,), generator=gen)
+    start = torch.randint(0, NUMBERS, (batch,), generator=gen)
+    pos = torch.arange(length - 2)
+    nums = (start[:, None] + (step[:, None] + 1) * pos[None]) % NUMBERS + FIRST
+    return torch.cat([torch.ones(batch, 1, dtype=torch.long), (step + 3)[:, None], nums], 1)
+
+
 def greedy_examples(target: Any, n: int, *, new_tokens: int = 40, seed: int = 0
                     ) -> list[tuple[list[int], list[int]]]:
-    """``n`` (input_ids, loss_mask): a random prompt, then the target's greedy answer
-    (supervised)."""
+    """``n`` (input_ids, loss_mask): a counting-language prompt of 4 to 8 tokens, then
+    the target's greedy answer (supervised)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         plen = int(torch.randint(4, 9, (1,), generator=gen))
-        prompt = torch.randint(3, VOCAB, (1, plen), generator=gen)
+        prompt = counting_batch(gen, 1, plen)
         with torch.no_grad():
             seq = target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=0)
