@@ -16,6 +16,7 @@ from synthq.models import Job, TrainingRun
 torch = pytest.importorskip("torch")
 
 from training_support import greedy_examples  # noqa: E402
+from vllm_reference import RefDrafter, ref_speculate  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -68,10 +69,14 @@ def test_run_trains_a_drafter_that_vllm_layout_loads_and_speculates_exactly(
     from synthq.training.data import Example, draft_vocab
     from synthq.training.loop import execute_run
     from synthq.training.model import DraftConfig, Eagle3Drafter
-    from synthq.training.speculate import greedy_generate, speculative_generate
+    from synthq.training.speculate import (
+        acceptance_length,
+        greedy_generate,
+        speculative_generate,
+    )
 
     job_id = greedy_job(24)
-    run_id = _run(job_id, tiny_target_dir)
+    run_id = _run(job_id, tiny_target_dir, eval_draft_tokens=4)
     assert execute_run(run_id) == "done", _get(run_id).error
     run = _get(run_id)
     assert (run.state, run.step, run.total_steps, run.resumed_from) == ("done", 120, 120, 0)
@@ -126,18 +131,35 @@ def test_run_trains_a_drafter_that_vllm_layout_loads_and_speculates_exactly(
     after = _step0_accuracy(tiny_target, drafter, fresh)
     assert after > before + 0.2, (before, after)
 
-    # Speculative decoding: exactly the target's greedy output, more than one token a round.
-    lengths: list[int] = []
-    for prompt, _ in greedy_examples(tiny_target, 4, seed=11, new_tokens=1):
+    # Served: vLLM's loader (re-implemented in the test) loads every parameter, and its
+    # forward, written from vLLM's semantics, drafts exactly synthq's tokens; draft-and-
+    # verify with it reproduces the target's greedy output.
+    ref = RefDrafter(final, tiny_target)
+    assert ref.unloaded() == []
+    ref_lengths: list[int] = []
+    for prompt, _ in greedy_examples(tiny_target, 6, seed=11, new_tokens=1):
         prompt = prompt[:-1]
-        want = greedy_generate(tiny_target, prompt, 24)
-        got, rounds = speculative_generate(tiny_target, drafter, prompt, 24, k=5)
-        assert got == want
-        lengths += rounds
-    mean_accept = sum(lengths) / len(lengths)
-    print(f"position-0 accuracy {before:.2f} -> {after:.2f}; mean acceptance length "
-          f"{mean_accept:.2f} (k=5); loss {np.mean(losses[:2]):.2f} -> {np.mean(losses[-4:]):.2f}")
-    assert mean_accept > 1.0, lengths
+        want = greedy_generate(tiny_target, prompt, 32)
+        got, rounds = ref_speculate(tiny_target, ref, prompt, 32, k=4)
+        mine, my_rounds = speculative_generate(tiny_target, drafter, prompt, 32, k=4)
+        assert got == want and mine == want
+        assert rounds == my_rounds  # the same drafts, round by round
+        ref_lengths += rounds
+    served = sum(ref_lengths) / len(ref_lengths)
+
+    # Trained beats untrained by 0.3 tokens a round on held-out prompts, and the run's
+    # own eval_acceptance_length (its held-out split) agrees with the reference's figure.
+    untrained_accept = acceptance_length(
+        tiny_target, untrained, [Example(str(i), np.array(a), np.array(m, dtype=np.uint8))
+                                 for i, (a, m) in enumerate(fresh)], 4).mean
+    print(f"position-0 accuracy {before:.2f} -> {after:.2f}; acceptance length (k=4) "
+          f"untrained {untrained_accept:.2f}, trained {served:.2f} (vLLM reference), run's "
+          f"eval {run.eval_acceptance_length}; loss {np.mean(losses[:2]):.2f} -> "
+          f"{np.mean(losses[-4:]):.2f}")
+    assert served >= untrained_accept + 0.3, (untrained_accept, served)
+    assert run.eval_acceptance_length is not None
+    assert abs(run.eval_acceptance_length - served) <= 0.4, (run.eval_acceptance_length, served)
+    assert run.metrics[-1]["eval_accept"] == run.eval_acceptance_length
 
 
 def test_offline_cache_is_written_atomically_and_reused(
