@@ -5,7 +5,7 @@ Measured by greedy draft-and-verify against the target on a held-out split
 the end; nullable (runs from before, and runs with --eval-fraction 0).
 
 Revision ID: 0013
-Revises: 0009
+Revises: 0011
 Create Date: 2026-11-30 23:00:00
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0013'
-down_revision: str | None = '0009'
+down_revision: str | None = '0011'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

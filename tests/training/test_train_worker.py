@@ -91,6 +91,8 @@ def test_train_and_runs_commands(pg: str, greedy_job: Callable[..., int],
            ["train", str(job_id), "--target", str(tiny_target_dir), "--when", "soon"],
            ["train", str(job_id), "--target", str(tiny_target_dir), "--lr", "5"],
            ["train", str(job_id), "--target", str(tiny_target_dir), "--hidden-states", "x"],
+           ["train", str(job_id), "--target", str(tiny_target_dir), "--eval-fraction", "0.9"],
+           ["train", str(job_id), "--target", str(tiny_target_dir), "--keep-checkpoints", "0"],
            ["train", str(job_id)],                                      # no stored target
            ["runs", "nope"], ["runs", "--interval", "0"],
            ["worker", "--queues", "train,generate"]]
@@ -99,7 +101,14 @@ def test_train_and_runs_commands(pg: str, greedy_job: Callable[..., int],
         assert result.returncode == 2, (args, result.stdout, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, result.stderr)
-    assert "Example:" in synthq("train", "--help").stdout
+    helped = synthq("train", "--help", COLUMNS="400").stdout
+    assert "Example:" in helped
+    options = helped[helped.index("Options"):]
+    blocks = {b.split()[0]: b for b in options.split("│ --")[1:]}  # each option's text
+    for option in ("epochs", "lr", "eval-fraction", "eval-every", "eval-draft-tokens",
+                   "keep-checkpoints", "hidden-states", "draft-vocab-size", "max-len"):
+        assert "[default:" in blocks[option], blocks[option]
+    assert "[default: 10]" in blocks["epochs"] and "[default: 4]" in blocks["eval-draft-tokens"]
     assert "Example:" in synthq("runs", "--help").stdout
 
     # Arm the job: the target and threshold are stored on it.
@@ -118,11 +127,16 @@ def test_train_and_runs_commands(pg: str, greedy_job: Callable[..., int],
     assert result.returncode == 0, result.stderr
     row: dict[str, Any] = json.loads(result.stdout)
     assert row["state"] == "done" and row["step"] == 3
+    # 1 of the 4 examples was held out; the served acceptance length was measured on it.
+    assert isinstance(row["eval_acceptance_length"], float) and \
+        row["eval_acceptance_length"] >= 1.0
     assert Path(row["checkpoint"], "model.safetensors").is_file()
     listed = json.loads(synthq("runs", str(job_id), "--json", **env).stdout)
-    assert [(r["id"], r["state"], r["checkpoint"]) for r in listed] == \
-        [(row["id"], "done", row["checkpoint"])]
+    assert [(r["id"], r["state"], r["checkpoint"], r["eval_acceptance_length"])
+            for r in listed] == [(row["id"], "done", row["checkpoint"],
+                                  row["eval_acceptance_length"])]
     table = synthq("runs", **env)
     assert table.returncode == 0 and "done" in table.stdout
+    assert "eval accept" in table.stdout and f"{row['eval_acceptance_length']:.2f}" in table.stdout
     watched = synthq("runs", str(job_id), "--watch", "--interval", "0.1", **env)
     assert watched.returncode == 0 and "done" in watched.stdout
