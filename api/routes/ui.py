@@ -77,9 +77,12 @@ def job_page(request: Request, job: JobRef, session: SessionDep,
     failed, _ = query.list_samples(session, j.id, state="failed", limit=20)
     recent, _ = query.list_samples(session, j.id, limit=20)
     workers = live(session, now=utcnow(), timeout=get_settings().worker_timeout)
+    from synthq.training.runs import list_runs  # no torch
+
     return _page(request, "job.html", job=st, chart=chart, peak=max(n for _, n in chart) or 1,
                  failed=failed, recent=recent, workers=workers, message=message,
-                 states=[s.value for s in JobState], limit_charts=_limit_charts(st.limits))
+                 states=[s.value for s in JobState], limit_charts=_limit_charts(st.limits),
+                 runs=list_runs(session, j.id))
 
 
 def _limit_charts(limits: dict[str, dict[str, object]]) -> list[dict[str, object]]:

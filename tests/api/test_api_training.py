@@ -1,0 +1,38 @@
+"""The job page shows each training run's served acceptance beside the training estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import TOKEN
+
+from synthq.db import session_scope, utcnow
+
+pytestmark = pytest.mark.integration
+
+
+def test_job_page_shows_eval_acceptance_beside_the_estimate(
+        client: Any, job_factory: Callable[..., Any]) -> None:
+    from synthq.training import states
+
+    job_id = job_factory([]).job_id
+    assert client.post("/ui/login", data={"token": TOKEN}).status_code == 200  # the cookie
+    page = client.get(f"/ui/jobs/{job_id}")
+    assert page.status_code == 200 and "Progress" in page.text
+    assert "Drafter training" not in page.text  # no run yet
+    with session_scope() as s:
+        run_id = states.create(s, job_id=job_id, trigger="manual", target="/m", settings={},
+                               output_dir="/tmp/run{run}", now=utcnow())
+        from synthq.models import TrainingRun
+
+        run = s.get(TrainingRun, run_id)
+        assert run is not None
+        run.metrics = [{"step": 40, "loss": 0.5, "acc": [0.9] * 7, "accept": 5.97}]
+        run.step, run.eval_acceptance_length = 40, 2.514
+    page = client.get(f"/ui/jobs/{job_id}")
+    assert page.status_code == 200
+    assert "Drafter training" in page.text
+    row = page.text[page.text.index(f'data-run="{run_id}"'):]
+    assert "5.97" in row and "<b>2.51</b>" in row
