@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,11 +290,9 @@ class Prefetcher:
 
     def __init__(self, cache: FeatureCache, examples: list[Example],
                  order: list[list[int]], depth: int = 2) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.cache, self.examples = cache, examples
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="synthq-prefetch")
-        self.futures = {}
+        self.futures: dict[int, Future[list[dict[str, torch.Tensor]]]] = {}
         self.order = order
         self.depth = depth
         for j in range(min(depth, len(order))):

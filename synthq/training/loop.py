@@ -1,9 +1,12 @@
 """One training run, start to end: :func:`execute_run` (the ``train`` task and ``synthq train``).
 
 Steps: claim the run (CAS) → export the job's examples (synthq.export; kept in
-OUT/data so a resumed run trains on the same snapshot) → draft vocabulary →
-target → drafter (from the last checkpoint if any) → training-time test steps
-→ checkpoints every ``save_every`` steps → the final drafter in vLLM's layout.
+OUT/data so a resumed run trains on the same snapshot) → a held-out split
+(``eval_fraction``, never trained on) → draft vocabulary → target → drafter
+(from the last checkpoint if any) → training-time test steps → checkpoints
+every ``save_every`` steps (the newest ``keep_checkpoints`` kept) → the served
+acceptance length on the held-out split every ``eval_every`` steps and at the
+end (``eval_acceptance_length``) → the final drafter in vLLM's layout.
 
 A heartbeat thread renews the run's claim; when it is refused (cancelled, or
 another worker took the run over after this one looked dead) training stops

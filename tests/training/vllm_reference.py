@@ -131,7 +131,8 @@ class RefDrafter:
         """One token at ``pos``: writes its key/value at ``pos`` into ``kv``, attends to
         every cached position <= pos. hidden [H]. Returns (logits [V], pre-norm h [H])."""
         pre = "model.layers.0."
-        embeds = self._norm(self.p["model.embed_tokens.weight"][token], pre + "input_layernorm.weight")
+        embeds = self._norm(self.p["model.embed_tokens.weight"][token],
+                            pre + "input_layernorm.weight")
         residual = hidden
         x = torch.cat([embeds, self._norm(hidden, pre + "hidden_norm.weight")])
         qkv = self.p[pre + "self_attn.qkv_proj.weight"] @ x
