@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DraftConfig", "Eagle3Drafter", "aux_layer_ids", "sglang_layer_ids", "StepCache",
            "step_attn_mask"]
@@ -202,6 +203,32 @@ class StepCache:
     vs: list[torch.Tensor]
 
 
+#: Queries per SDPA call: the transient scores are [ATTN_CHUNK, L + k*ATTN_CHUNK].
+ATTN_CHUNK = 512
+
+
+def _attend(q: torch.Tensor, L: int, *kv: torch.Tensor) -> torch.Tensor:
+    """Attention of draft step k's queries q [B, nh, P, d] (the last P of L positions)
+    over step 0's keys/values [B, nh, L, d] (causal) and steps 1..k's [B, nh, P, d]
+    (each at the query's own position): ``kv`` is the k+1 keys then the k+1 values.
+
+    SDPA with the step mask, over chunks of ATTN_CHUNK queries: a chunk needs only
+    the causal keys up to its last position and the diagonal keys of its own
+    positions, so the transient scores stay [chunk, L + k*chunk] (linear in L)."""
+    n = len(kv) // 2
+    keys, values = kv[:n], kv[n:]
+    P = q.shape[2]
+    outs = []
+    for a in range(0, P, ATTN_CHUNK):
+        b = min(P, a + ATTN_CHUNK)
+        end = L - P + b  # causal keys 0..end-1
+        kc = torch.cat([keys[0][:, :, :end], *(kj[:, :, a:b] for kj in keys[1:])], dim=2)
+        vc = torch.cat([values[0][:, :, :end], *(vj[:, :, a:b] for vj in values[1:])], dim=2)
+        mask = step_attn_mask(end, b - a, n - 1, q.device)  # [b-a, end + k*(b-a)]
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], kc, vc, attn_mask=mask))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def step_attn_mask(L: int, P: int, k: int, device: torch.device) -> torch.Tensor:
     """[P, L + k*P] bool: which keys the queries of draft step k (at the last P of L
     positions) see. Step 0's keys causally (key j <= query position), and each
@@ -273,13 +300,13 @@ class Eagle3Drafter(nn.Module):
         else:
             cache = StepCache(cache.k0, cache.v0, [*cache.ks, kk], [*cache.vs, vv])
         rep = attn.nh // attn.nkv
-        # One SDPA call over [step 0's L keys, step 1's P keys, ..., step k's P keys]
-        # with the step mask: no [P, L] probability matrix is kept per step in Python,
-        # and the fused kernels (flash on CPU, memory-efficient on CUDA) don't build one.
-        keys = torch.cat([cache.k0, *cache.ks], dim=2).repeat_interleave(rep, dim=1)
-        values = torch.cat([cache.v0, *cache.vs], dim=2).repeat_interleave(rep, dim=1)
-        mask = step_attn_mask(L, P, len(cache.ks), x.device)  # [P, L + k*P] bool
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, nh, P, d]
+        ks = [kj.repeat_interleave(rep, dim=1) for kj in (cache.k0, *cache.ks)]
+        vs = [vj.repeat_interleave(rep, dim=1) for vj in (cache.v0, *cache.vs)]
+        if torch.is_grad_enabled() and P > ATTN_CHUNK:
+            # Recomputed in backward: only q/k/v are kept, never a step's [P, L] scores.
+            out = checkpoint(_attend, q, L, *ks, *vs, use_reentrant=False)
+        else:
+            out = _attend(q, L, *ks, *vs)  # [B, nh, P, d]
         out = attn.o_proj(out.transpose(1, 2).reshape(B, P, attn.nh * attn.d))
         h = hidden + out  # residual over the hidden input (vLLM: residual = hidden_states)
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -260,3 +260,29 @@ def test_a_resumed_run_reproduces_the_uninterrupted_losses(
     for (step, a), (_, b) in zip(got, want, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (step, a, b)
     assert len([p for p in ckpts.iterdir() if p.name.startswith("step-")]) == 2
+
+
+def test_chunked_attention_gives_the_same_logits_and_gradients(
+        tiny_target: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from synthq.training import model
+
+    drafter = _random_drafter(tiny_target, 2).train()
+    ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(0))
+    aux = torch.randn(2, 23, 3 * 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk in (1024, 5):  # one SDPA call; 5 checkpointed chunks of 5 queries
+        monkeypatch.setattr(model, "ATTN_CHUNK", chunk)
+        drafter.zero_grad()
+        logits = drafter.unroll(ids, aux, 7)
+        weights = [torch.linspace(-1, 1, x.numel()).view_as(x) for x in logits]
+        sum((x * w).sum() for x, w in zip(logits, weights, strict=True)).backward()
+        results.append(([x.detach() for x in logits],
+                        {n: p.grad.clone() for n, p in drafter.named_parameters()
+                         if p.grad is not None}))
+    (la, ga), (lb, gb) = results
+    for x, y in zip(la, lb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and "fc.weight" in ga
+    for name in ga:  # float32 sums in another order: equal to 1e-5 of the gradient's scale
+        scale = float(ga[name].abs().max())
+        assert float((ga[name] - gb[name]).abs().max()) <= 1e-5 * scale + 1e-7, name
