@@ -188,7 +188,10 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(row))
     elif state == "done":
-        console.print(f"run {run_id} done: drafter in {row['checkpoint']}")
+        ev = row.get("eval_acceptance_length")
+        served = (f"; eval acceptance length {ev:.2f} on held-out prompts (trust this, not "
+                  "accept≈)" if ev is not None else "")
+        console.print(f"run {run_id} done: drafter in {row['checkpoint']}{served}")
     if state != "done":
         raise fail(f"run {run_id} {state}: {row['error'] or 'see `synthq runs`'}", code=1)
 
