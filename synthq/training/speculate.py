@@ -24,7 +24,9 @@ __all__ = ["speculative_generate", "greedy_generate", "propose", "acceptance_len
 
 def _target(target: Any, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy next token after each prefix [L], and the aux features [1, L, 3H]."""
-    out = target(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    device = target.get_input_embeddings().weight.device
+    out = target(input_ids=torch.tensor([tokens], device=device), output_hidden_states=True,
+                 use_cache=False)
     aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids(target.config.num_hidden_layers)],
                     dim=-1)
     return out.logits[0].argmax(-1), aux.float()
@@ -34,12 +36,14 @@ def _target(target: Any, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 def propose(drafter: Eagle3Drafter, tokens: list[int], aux: torch.Tensor, k: int) -> list[int]:
     """``k`` draft tokens after ``tokens`` (x_0..x_L), given aux [1, L, 3H] of x_0..x_{L-1}."""
     to_target = drafter.draft_to_target
-    ids = torch.tensor([tokens[1:]])  # position i holds token i+1
-    logits, hidden, cache = drafter.step(ids, aux, 0, None)
+    device = to_target.device  # the drafter's (a GPU during training)
+    ids = torch.tensor([tokens[1:]], device=device)  # position i holds token i+1
+    logits, hidden, cache = drafter.step(ids, aux.to(device, drafter.fc.weight.dtype), 0, None)
     drafts = [int(to_target[logits[0, -1].argmax()])]
     hidden = hidden[:, -1:]
     for j in range(1, k):
-        logits, hidden, cache = drafter.step(torch.tensor([[drafts[-1]]]), hidden, j, cache)
+        logits, hidden, cache = drafter.step(torch.tensor([[drafts[-1]]], device=device),
+                                             hidden, j, cache)
         drafts.append(int(to_target[logits[0, -1].argmax()]))
     return drafts
 
