@@ -121,8 +121,8 @@ class Executor:
                                     what=f"claim of {len(items)} samples")
         except DiskFull as exc:
             if self.writer.disk_full is None:
-                log.log(self.writer.disk_full_level,
-                        "%s; not claiming until the database accepts writes again", exc)
+                log.log(self.writer.disk_full_level, "the database's disk is full (%s): not "
+                        "claiming until it accepts writes again", exc.where)
                 self.writer.disk_full = str(exc)
             return {i: Outcome.STALE for i, _, _ in items}
         outcomes = {i: Outcome.STALE for i, _, _ in items}
