@@ -49,6 +49,8 @@ BATCH = 5000
 #: ``--inflight auto``: the default hard cap and floor of the adaptive limit.
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MIN_INFLIGHT = 4
+#: The most requests in flight per server any setting may ask for.
+MAX_INFLIGHT = 100_000
 
 
 def inflight_settings(inflight: str | int, max_inflight: int | None = None,
@@ -63,8 +65,8 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
     if value == "auto":
         cap = DEFAULT_MAX_INFLIGHT if max_inflight is None else max_inflight
         floor = DEFAULT_MIN_INFLIGHT if min_inflight is None else min_inflight
-        if cap < 1 or floor < 1:
-            raise UserError("--max-inflight and --min-inflight must be at least 1")
+        if not (1 <= cap <= MAX_INFLIGHT and 1 <= floor <= MAX_INFLIGHT):
+            raise UserError(f"--max-inflight and --min-inflight must be 1 to {MAX_INFLIGHT:,}")
         if floor > cap:
             raise UserError(f"--min-inflight {floor} is above --max-inflight {cap}")
         return {"inflight_limit": cap, "inflight_auto": True, "min_inflight": floor}
@@ -73,8 +75,8 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
     except ValueError:
         raise UserError(f"--inflight must be a number of requests or 'auto', got "
                         f"{inflight!r}") from None
-    if limit < 1:
-        raise UserError(f"--inflight must be positive, got {limit}")
+    if not 1 <= limit <= MAX_INFLIGHT:
+        raise UserError(f"--inflight must be 1 to {MAX_INFLIGHT:,}, got {limit}")
     if max_inflight is not None or min_inflight is not None:
         raise UserError("--max-inflight and --min-inflight go with --inflight auto")
     return {"inflight_limit": limit, "inflight_auto": False,
@@ -155,6 +157,8 @@ class JobSpec:
         if self.inflight_auto and self.min_inflight > self.inflight_limit:
             raise UserError(f"--min-inflight {self.min_inflight} is above --max-inflight "
                             f"{self.inflight_limit}")
+        if self.gpus > 100_000:
+            raise UserError(f"--gpus must be at most 100,000, got {self.gpus}")
         if self.gpu_hour_price is not None and not (0 <= self.gpu_hour_price < 1e6):
             raise UserError(f"--gpu-hour-price must be a price in dollars per GPU-hour, got "
                             f"{self.gpu_hour_price}")

@@ -211,7 +211,7 @@ def test_auto_limit_and_cost_in_the_api_metrics_and_job_page(
     page = client.get(f"/ui/jobs/{report.job_id}").text
     assert "In-flight limit and throughput" in page and "<polyline" in page and "GPU-hours" in page
     bad = client.post(f"/api/jobs/{report.job_id}/requeue", json={"inflight": 0})
-    assert bad.status_code == 422 and "--inflight must be positive" in bad.json()["detail"]
+    assert bad.status_code == 422 and "--inflight must be 1 to 100,000" in bad.json()["detail"]
     ok = client.post(f"/api/jobs/{report.job_id}/requeue",
                      json={"inflight": "auto", "max_inflight": 16})
     assert ok.status_code == 200
