@@ -18,11 +18,11 @@ pytestmark = pytest.mark.e2e
 
 def test_dollars_per_million_tokens_from_a_known_rate_and_price(
         simulator: Callable[..., Any], tmp_path: Path) -> None:
-    # Two calls at once, 40 tokens each after 3 s (one sleep: an exact rate even on a
-    # busy machine, and the client's own overhead small beside it): the server generates
-    # 80 tokens per 3 busy seconds (overlapping calls count once); 2 GPUs at
-    # $3.60/GPU-hour = $7.20/h.
-    sim = simulator("--capacity", "2", "--latency", "3.0", "--response-tokens", "40")
+    # Two calls at once, 40 tokens each after 5 s (one sleep: an exact rate even on a
+    # busy machine, and the client's own overhead per call, ~0.1 s when the machine is
+    # loaded, small beside it): the server generates 80 tokens per 5 busy seconds
+    # (overlapping calls count once); 2 GPUs at $3.60/GPU-hour = $7.20/h.
+    sim = simulator("--capacity", "2", "--latency", "5.0", "--response-tokens", "40")
     dataset = tmp_path / "p.jsonl"
     dataset.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]})
                                + "\n" for i in range(4)))
@@ -36,8 +36,8 @@ def test_dollars_per_million_tokens_from_a_known_rate_and_price(
     assert result.returncode == 0, result.stderr
     cost = json.loads(result.stdout.strip().splitlines()[-1])["cost"]
     assert cost["tokens"] == 4 * 40
-    rate = 80 / 3.0
-    expected = 7.2 / (rate * 3600) * 1e6  # $/h ÷ (tok/s × 3600) × 10⁶ = $75.00
+    rate = 80 / 5.0
+    expected = 7.2 / (rate * 3600) * 1e6  # $/h ÷ (tok/s × 3600) × 10⁶ = $125.00
     assert cost["dollars_per_mtok"] == pytest.approx(expected, rel=0.05), cost
     assert cost["tokens_per_s"] == pytest.approx(rate, rel=0.05), cost
     assert cost["gpu_hours"] == pytest.approx(cost["busy_s"] * 2 / 3600)
