@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -83,6 +84,21 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
             "min_inflight": DEFAULT_MIN_INFLIGHT}
 
 
+#: Characters a job name may not hold: ``/`` and ``\\`` (paths and URLs), control
+#: characters (newlines forge log lines) and bidirectional overrides (U+202E shows
+#: text reversed).
+_BAD_NAME_CHARS = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                             r"\u2066-\u2069]")
+
+
+def _char_name(char: str) -> str:
+    import unicodedata
+
+    if char in "/\\":
+        return repr(char)
+    return f"U+{ord(char):04X} ({unicodedata.name(char, 'a control character')})"
+
+
 @dataclass
 class JobSpec:
     """Everything a job is created with; validated by :meth:`check`."""
@@ -132,6 +148,10 @@ class JobSpec:
         """Raise :class:`UserError` naming the first bad setting."""
         if not self.name.strip() or len(self.name) > 200:
             raise UserError("job name must be 1 to 200 characters")
+        bad = _BAD_NAME_CHARS.search(self.name)
+        if bad:
+            raise UserError(f"job name may not hold {_char_name(bad.group())}: it is shown in "
+                            "URLs, logs and terminals; use letters, digits, - _ . and spaces")
         if self.name.strip().isdigit():
             raise UserError(f"job name {self.name!r} is all digits, which `synthq status` "
                             "would read as a job id; pick a name with a letter in it")

@@ -118,6 +118,12 @@ def data_path(data_dir: Path, relative: str) -> Path:
         raise UserError(f"path must be inside the data directory ({root.name}/)")
     if not path.exists():
         raise UserError(f"no such file in the data directory: {relative}")
+    if path.is_dir():
+        # A folder's files are read through their links: none may lead out of the root.
+        for inner in path.rglob("*"):
+            if inner.is_symlink() and not inner.resolve().is_relative_to(root):
+                raise UserError(f"path must be inside the data directory ({root.name}/): "
+                                f"{inner.relative_to(root)} links out of it")
     return path
 
 
