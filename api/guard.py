@@ -26,7 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.exceptions import HTTPException
+from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["Guard", "UPLOAD_PATH", "SECURITY_HEADERS", "BodyTooLarge", "RETRY_AFTER_S",
@@ -38,7 +38,7 @@ UPLOAD_PATH = "/api/jobs/upload"
 #: Seconds a client is told to wait after a 503.
 RETRY_AFTER_S = 5
 #: Multipart framing and the ``spec`` field, on top of the file itself.
-FORM_OVERHEAD = 1 << 20
+FORM_OVERHEAD = 64 << 10
 
 SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
     (b"x-frame-options", b"DENY"),

@@ -129,7 +129,7 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
     except (ValueError, ValidationError) as exc:
         raise HTTPException(422,
                             f"spec is not valid JobSettings JSON: {exc}") from None
-    filename = Path(file.filename or "upload.jsonl").name[-200:]
+    filename = Path(file.filename or "upload.jsonl").name
     suffix = _upload_suffix(filename)
     job_spec = job_settings.to_spec(filename.split(".")[0])
     warnings = _check_model(job_spec)
@@ -139,7 +139,8 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
         # A .gz is stored decompressed: the limit holds for what is read, not what was sent.
         path = Path(tmp) / f"upload{suffix.removesuffix('.gz')}"
         with path.open("wb") as out:
-            reader = gzip.GzipFile(fileobj=file.file) if suffix.endswith(".gz") else file.file
+            gz = suffix.endswith(".gz")
+            reader = gzip.GzipFile(fileobj=file.file, mode="rb") if gz else file.file
             size = 0
             try:
                 while chunk := reader.read(1 << 20):
