@@ -68,6 +68,7 @@ __all__ = [
     "REGENERATE_MODES",
     "row_tools",
     "source_id",
+    "unread_files",
 ]
 
 MAX_ROW_CHARS = 200_000
@@ -611,6 +612,13 @@ def _list_data_files(directory: Path) -> list[Path]:
     for path in found:
         _check_supported(path)
     return found
+
+
+def unread_files(directory: Path) -> list[str]:
+    """Files in ``directory`` (not hidden) that a dataset folder skips: not a data suffix."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and _suffix(p) not in _SUPPORTED_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
 
 
 def _iter_directory(directory: Path, files: list[Path]) -> Iterator[_Record]:

@@ -21,7 +21,7 @@ from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLA
 from synthq.models import Job
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "set_job_state",
-           "data_path", "enqueue_file", "bad_rows"]
+           "data_path", "enqueue_file", "bad_rows", "requeue_left_servers"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
@@ -95,6 +95,28 @@ def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     if reserved:
         raise UserError(f"--extra-body may not set {sorted(reserved)}")
     return out
+
+
+def requeue_left_servers(session: Session, job: Job) -> int:
+    """Samples that failed as ``bad_request`` on a server the job no longer has: pending again.
+
+    A wrong server URL (no ``/v1``) fails every sample with a 404; running the
+    job again with the right URL should redo them, not leave them failed.
+    """
+    from sqlalchemy import select
+
+    from synthq.enums import SampleState
+    from synthq.models import Sample
+
+    ids = list(session.scalars(select(Sample.id).where(
+        Sample.job_id == job.id, Sample.state == SampleState.FAILED,
+        Sample.error_class == "bad_request", Sample.server.is_not(None),
+        Sample.server.not_in(list(job.servers)))))
+    moved = 0
+    for start in range(0, len(ids), 10_000):
+        moved += states.requeue(session, job.id, sample_ids=ids[start:start + 10_000],
+                                now=utcnow())
+    return moved
 
 
 def set_job_state(session: Session, job: Job, target: JobState) -> str:

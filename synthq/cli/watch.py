@@ -146,9 +146,10 @@ def show_sample(
     from rich.markup import escape
 
     source = f" (id {escape(data['source_id'])})" if data["source_id"] is not None else ""
+    plural = "" if data["attempts"] == 1 else "s"
     console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row "
                   f"{data['dataset_index'] + 1}{source} — {data['state']}, {data['attempts']} "
-                  f"attempts, server {escape(str(data['server']))}")
+                  f"attempt{plural}, server {escape(str(data['server']))}")
     if data["error_class"]:
         console.print(f"[red]{data['error_class']}[/]: {escape(str(data['error_message']))}")
     if data["overrides"]:

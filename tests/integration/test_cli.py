@@ -84,7 +84,7 @@ def test_every_command_has_an_example_in_help() -> None:
     from synthq.cli import app
 
     group = get_command(app)
-    names = [n for n in group.commands if n != "db"] + ["db upgrade"]  # type: ignore[attr-defined]
+    names = list(group.commands) + ["db upgrade"]  # type: ignore[attr-defined]
     for name in names:
         out = subprocess.run([sys.executable, "-m", "synthq.cli", *name.split(), "--help"],
                              cwd=REPO, capture_output=True, text=True, timeout=60).stdout
