@@ -96,7 +96,7 @@ def test_enqueue_refuses_a_tokenizer_that_cannot_work(pg: str, dataset: Path,
     import chat_tokenizers as ct
 
     missing = synthq(*enqueue_args(dataset, "--tokenizer", str(tmp_path / "nope")), check=False)
-    assert missing.returncode == 2 and "cannot load tokenizer" in missing.stderr
+    assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
     keep = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3()), check=False)
     assert keep.returncode == 2 and "drops reasoning" in " ".join(keep.stderr.split())
     assert json.loads(synthq("jobs", "--json").stdout) == []  # nothing was created
