@@ -28,6 +28,28 @@ def jobs(as_json: JsonOpt = False) -> None:
     """
     from rich.markup import escape
     from rich.table import Table
+
+    from synthq.cli.fast import job_rows
+
+    rows = job_rows()
+    if rows is None:
+        rows = _job_rows()
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        console.print("no jobs yet: `synthq enqueue --help`")
+        return
+    table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
+    for r in rows:
+        table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),
+                      f"{r['done']:,}",
+                      f"{r['failed']:,}", f"{r['skipped']:,}",
+                      f"{r['pending'] + r['queued'] + r['running']:,}")
+    console.print(table)
+
+
+def _job_rows() -> list[dict[str, Any]]:
     from sqlalchemy import select
 
     from synthq.db import session_scope
@@ -44,19 +66,7 @@ def jobs(as_json: JsonOpt = False) -> None:
             rows.append({"id": job.id, "name": job.name, "state": str(job.state),
                          "model": job.model, "created_at": job.created_at.isoformat(),
                          **state_counts(s, job.id)})
-    if as_json:
-        print(json.dumps(rows))
-        return
-    if not rows:
-        console.print("no jobs yet: `synthq enqueue --help`")
-        return
-    table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
-    for r in rows:
-        table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),
-                      f"{r['done']:,}",
-                      f"{r['failed']:,}", f"{r['skipped']:,}",
-                      f"{r['pending'] + r['queued'] + r['running']:,}")
-    console.print(table)
+    return rows
 
 
 @app.command()

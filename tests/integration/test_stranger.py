@@ -119,3 +119,36 @@ def test_train_without_torch_is_one_line_and_leaves_no_run(tmp_path: Path) -> No
     assert result.returncode == 2 and "training needs torch" in error_line(result)
     runs = synthq(tmp_path, "runs", "--json")
     assert runs.returncode == 0 and json.loads(runs.stdout) == [], runs.stdout
+
+
+def test_a_finished_run_reads_right(tmp_path: Path, sim: Simulator) -> None:
+    data = write_rows(tmp_path / "d.jsonl", ["hi"])
+    result = synthq(tmp_path, "run", "-d", str(data), "-s", sim.url, "-m", "sim-model", *QUICK)
+    assert result.returncode == 0, result.stderr
+    assert "finished" in result.stdout and "workers:" not in result.stdout  # no stale load
+    assert ", 1 attempt, server" in synthq(tmp_path, "sample", "1").stdout
+    out = tmp_path / "export"
+    assert synthq(tmp_path, "export", "d", "--format", "jsonl", "--out", str(out)).returncode == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # like its files, not 0700
+
+
+def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) -> None:
+    data = write_rows(tmp_path / "d.jsonl", ["hi", "there"])
+    assert synthq(tmp_path, "enqueue", "-d", str(data), "-s",
+                  f"http://127.0.0.1:{free_port()}/v1", "-m", "m").returncode == 0
+    fast = synthq(tmp_path, "jobs", "--json")
+    # Any other setting takes the ordinary path (it validates the settings).
+    slow = synthq(tmp_path, "jobs", "--json", env={"SYNTHQ_LEASE_MARGIN": "31"})
+    assert fast.returncode == slow.returncode == 0
+    assert json.loads(fast.stdout) == json.loads(slow.stdout)
+    assert json.loads(fast.stdout)[0]["pending"] == 2
+    code = ("import sys; from synthq.cli import app\n"
+            "app(['jobs', '--json'], standalone_mode=False)\n"
+            "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules)")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
+                            capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
+                            timeout=60)
+    assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
