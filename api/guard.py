@@ -49,8 +49,9 @@ SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
     (b"referrer-policy", b"no-referrer"),
 ]
 
-#: Paths that never touch the database (no slot needed).
-_NO_DB = ("/health", "/docs", "/openapi.json", "/ui/login")
+#: Paths that never touch the database (no slot needed). Any other may, if only to
+#: look up a session cookie.
+_NO_DB = ("/health",)
 
 
 class BodyTooLarge(HTTPException):
@@ -108,7 +109,7 @@ class Guard:
                 return
             receive = _capped(receive, cap, self.upload_limit())
         try:
-            if path.startswith(_NO_DB) or path == "/":
+            if path in _NO_DB or path == "/":
                 await self.app(scope, receive, send_with_headers)
                 return
             await self._with_slot(scope, receive, send_with_headers, answer)
