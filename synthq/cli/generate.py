@@ -252,8 +252,12 @@ def run(
         raise typer.Exit(130)
     failed = status.counts.get("failed", 0)
     if status.finished and failed and not status.counts.get("done", 0):
-        raise fail(f"every sample failed ({failed:,}): see `synthq status {report.job_name} "
-                   "--failures`", code=1)
+        hint = ""
+        if status.failures.get("bad_request") and any(
+                not u.rstrip("/").endswith("/v1") for u in status.servers):
+            hint = "; bad_request: is --server the OpenAI base URL, ending in /v1?"
+        raise fail(f"every sample failed ({failed:,}): see `synthq status {report.job_name}`; "
+                   f"`synthq requeue {report.job_name} --failed` once fixed{hint}", code=1)
 
 
 def _check_resume_flags(opts: dict) -> None:  # type: ignore[type-arg]

@@ -267,3 +267,35 @@ def test_exports_are_capped_and_a_dead_one_is_failed(tmp_path: Path, pg: str) ->
     assert run is not None and run.state == "failed" and "stopped" in (run.error or "")
     assert not (root / ".0000000000000000.tmp-abc").exists()
     assert len(export_runs.running(root)) == 1
+
+
+def test_busy_database_slots_answer_503_not_500() -> None:
+    """More requests than slots wait on the event loop; past the wait, 503 with Retry-After."""
+    import asyncio
+
+    import httpx
+
+    from api.guard import Guard
+
+    release = asyncio.Event()
+
+    async def slow_app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = Guard(slow_app, upload_limit=lambda: 100, slots=1, wait_s=0.2)
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard),
+                                     base_url="http://t") as c:
+            first = asyncio.create_task(c.get("/api/jobs"))
+            await asyncio.sleep(0.05)
+            second = await c.get("/api/jobs")
+            release.set()
+            return await first, second
+
+    first, second = asyncio.run(go())
+    assert first.status_code == 200 and first.headers["x-frame-options"] == "DENY"
+    assert second.status_code == 503 and second.headers["retry-after"] == "5"
+    assert "busy" in second.json()["detail"]
