@@ -299,3 +299,21 @@ def test_busy_database_slots_answer_503_not_500() -> None:
     assert first.status_code == 200 and first.headers["x-frame-options"] == "DENY"
     assert second.status_code == 503 and second.headers["retry-after"] == "5"
     assert "busy" in second.json()["detail"]
+
+
+def test_a_parquet_upload_counts_its_uncompressed_size(client: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from api.config import api_settings
+
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"prompt": ["x" * 1_000_000]}), path, compression="zstd")
+    assert path.stat().st_size < 100_000
+    monkeypatch.setenv("SYNTHQ_API_UPLOAD_MAX_BYTES", "200000")
+    api_settings.cache_clear()
+    r = client.post("/api/jobs/upload", files={"file": ("big.parquet", path.read_bytes())},
+                    data={"spec": json.dumps(spec())})
+    assert r.status_code == 413 and "uncompressed" in r.json()["detail"], r.text
+    api_settings.cache_clear()
