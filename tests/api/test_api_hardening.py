@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TOKEN
+from conftest import AUTH, TOKEN
 
 pytestmark = pytest.mark.integration
 
@@ -317,3 +317,26 @@ def test_a_parquet_upload_counts_its_uncompressed_size(client: Any, tmp_path: Pa
                     data={"spec": json.dumps(spec())})
     assert r.status_code == 413 and "uncompressed" in r.json()["detail"], r.text
     api_settings.cache_clear()
+
+
+def test_an_exhausted_pool_is_503_not_500(api_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from synthq.config import get_settings
+    from synthq.db import dispose_engines, get_engine
+
+    monkeypatch.setenv("SYNTHQ_DB_POOL_SIZE", "1")
+    monkeypatch.setenv("SYNTHQ_DB_MAX_OVERFLOW", "0")
+    dispose_engines()
+    get_settings.cache_clear()
+    try:
+        engine = get_engine()
+        engine.pool._timeout = 0.2  # type: ignore[attr-defined]
+        with engine.connect(), TestClient(create_app(), headers=AUTH) as c:
+            r = c.get("/api/jobs")  # the only connection is held above
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert "unavailable" in r.json()["detail"]
+    finally:
+        dispose_engines()
+        get_settings.cache_clear()
