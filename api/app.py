@@ -18,7 +18,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from sqlalchemy.exc import DataError, StatementError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError, StatementError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 if os.environ.get("SYNTHQ_API_HIDE_TORCH") == "1" and "torch" not in sys.modules:
     # transformers imports torch whenever it is installed; None makes it absent.
@@ -27,6 +28,7 @@ if os.environ.get("SYNTHQ_API_HIDE_TORCH") == "1" and "torch" not in sys.modules
 from api import metrics  # noqa: E402
 from api.auth import NotLoggedIn, TokenDep  # noqa: E402
 from api.config import api_settings  # noqa: E402
+from api.guard import RETRY_AFTER_S, Guard, outage  # noqa: E402
 from api.routes import exports, jobs, samples, system, ui  # noqa: E402
 from synthq.db import safe_url  # noqa: E402
 from synthq.errors import UserError  # noqa: E402
@@ -55,10 +57,26 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
 
 
+def db_slots() -> int:
+    """Requests that may use the database at once: the pool, less the exports' share.
+
+    Each request holds at most one connection at a time, so with no more
+    requests than connections none waits for one (see :mod:`api.guard`).
+    """
+    from synthq.config import get_settings
+    from synthq.export_runs import MAX_RUNNING
+
+    s = get_settings()
+    pool = 96 if s.database_url.startswith("sqlite") else s.db_pool_size + s.db_max_overflow
+    return max(1, min(pool - MAX_RUNNING, 32))
+
+
 def create_app() -> FastAPI:
     app = FastAPI(title="synthq", version="1", description=DESCRIPTION, lifespan=_lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics.registry()
+    app.add_middleware(Guard, upload_limit=lambda: api_settings().api_upload_max_bytes,
+                       slots=db_slots())
     app.include_router(system.public)
     app.include_router(system.private)
     for router in (jobs.router, samples.router, exports.router):
@@ -78,6 +96,23 @@ def create_app() -> FastAPI:
                                  "(NUL character or out of range)"},
                                 status_code=422)
         raise exc
+
+    def _unavailable(exc: Exception) -> Response:
+        first = (str(getattr(exc, "orig", None) or exc).splitlines() or [""])[0][:300]
+        outage.failed(safe_url(f"{type(exc).__name__}: {first}"))
+        return JSONResponse({"detail": "the database is unavailable; retry later"},
+                            status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(DBAPIError)
+    async def _db_error(request: Request, exc: DBAPIError) -> Response:
+        # Unreachable, restarted, out of connections: 503, the cause logged once.
+        if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+            return _unavailable(exc)
+        return await _bad_value(request, exc)
+
+    @app.exception_handler(PoolTimeout)
+    async def _pool_timeout(request: Request, exc: PoolTimeout) -> Response:
+        return _unavailable(exc)
 
     @app.exception_handler(NotLoggedIn)
     async def _login(request: Request, exc: NotLoggedIn) -> Response:

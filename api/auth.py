@@ -1,16 +1,21 @@
 """Who may call: a bearer token on every route but /health and /ready.
 
 Scripts send ``Authorization: Bearer TOKEN``. The job page's login form takes
-the token once and keeps a session value derived from it (an HMAC, not the
-token itself) in a cookie marked HttpOnly and SameSite=Strict; that cookie
-is accepted for reads, and for the page's own forms together with their
-CSRF field. Comparisons are constant-time.
+the token once and sets a cookie (HttpOnly, SameSite=Strict, Secure over
+HTTPS or behind ``X-Forwarded-Proto: https``, expiring after
+``SYNTHQ_API_SESSION_HOURS``) holding a random value made for this login; the
+database keeps only its sha256 and expiry (``api_sessions``), so logging out
+revokes it. The cookie is accepted for reads, and for the page's own forms
+together with their CSRF field, an HMAC of the session value (no session, no
+CSRF token). Comparisons are constant-time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import Depends, Form, HTTPException, Request, Security, status
@@ -18,23 +23,63 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.config import ApiSettings, api_settings
 
-__all__ = ["COOKIE", "session_value", "csrf_value", "check_token", "require_token",
-           "require_ui", "require_csrf", "TokenDep", "UiDep", "CsrfDep", "NotLoggedIn"]
+__all__ = ["COOKIE", "new_session", "end_session", "session_of", "csrf_value", "check_token",
+           "require_token", "require_ui", "require_csrf", "TokenDep", "UiDep", "CsrfDep",
+           "NotLoggedIn"]
 
 COOKIE = "synthq_session"
 
 
-def _derive(settings: ApiSettings, purpose: str) -> str:
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def new_session(settings: ApiSettings) -> str:
+    """A new login: a random cookie value, its sha256 stored with its expiry."""
+    from sqlalchemy import delete
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import ApiSession
+
+    value = secrets.token_urlsafe(32)
+    now = utcnow()
+    with session_scope() as s:
+        s.execute(delete(ApiSession).where(ApiSession.expires_at < now))
+        s.add(ApiSession(id=_digest(value), created_at=now,
+                         expires_at=now + timedelta(hours=settings.api_session_hours)))
+    return value
+
+
+def end_session(value: str) -> None:
+    from sqlalchemy import delete
+
+    from synthq.db import session_scope
+    from synthq.models import ApiSession
+
+    with session_scope() as s:
+        s.execute(delete(ApiSession).where(ApiSession.id == _digest(value)))
+
+
+def session_of(request: Request) -> str | None:
+    """The request's session cookie value if it names a live login, else None."""
+    from sqlalchemy import select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import ApiSession
+
+    value = request.cookies.get(COOKIE)
+    if not value or len(value) > 100:
+        return None
+    with session_scope() as s:
+        found = s.scalar(select(ApiSession.id).where(ApiSession.id == _digest(value),
+                                                     ApiSession.expires_at > utcnow()))
+    return value if found is not None else None
+
+
+def csrf_value(settings: ApiSettings, session: str) -> str:
+    """The CSRF field of ``session``'s forms: an HMAC of it, keyed by the token."""
     key = settings.api_token.get_secret_value().encode()
-    return hmac.new(key, purpose.encode(), hashlib.sha256).hexdigest()
-
-
-def session_value(settings: ApiSettings) -> str:
-    return _derive(settings, "synthq-ui-session")
-
-
-def csrf_value(settings: ApiSettings) -> str:
-    return _derive(settings, "synthq-ui-csrf")
+    return hmac.new(key, f"synthq-ui-csrf:{session}".encode(), hashlib.sha256).hexdigest()
 
 
 def check_token(settings: ApiSettings, presented: str) -> bool:
@@ -46,9 +91,7 @@ _bearer_scheme = HTTPBearer(auto_error=False, description="SYNTHQ_API_TOKEN")
 
 
 def _has_session(request: Request, settings: ApiSettings) -> bool:
-    cookie = request.cookies.get(COOKIE)
-    return cookie is not None and hmac.compare_digest(cookie.encode(),
-                                                      session_value(settings).encode())
+    return session_of(request) is not None
 
 
 def require_token(request: Request, credentials: Annotated[
@@ -76,10 +119,13 @@ def require_ui(request: Request) -> None:
 
 
 def require_csrf(request: Request, csrf: Annotated[str, Form()] = "") -> None:
-    require_ui(request)
     settings = api_settings()
-    if settings.auth_enabled and not hmac.compare_digest(csrf.encode(),
-                                                         csrf_value(settings).encode()):
+    if not settings.auth_enabled:
+        return
+    session = session_of(request)
+    if session is None:
+        raise NotLoggedIn()
+    if not hmac.compare_digest(csrf.encode(), csrf_value(settings, session).encode()):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "missing or wrong CSRF token")
 
 

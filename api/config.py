@@ -23,8 +23,10 @@ class ApiSettings(BaseSettings):
     api_dev: bool = False
     #: Largest dataset file an upload may be.
     api_upload_max_bytes: int = 512 * 1024 * 1024
-    #: Mark the UI's cookie Secure (set when the API is served over HTTPS).
+    #: Mark the UI's cookie Secure (it is anyway over HTTPS or behind X-Forwarded-Proto: https).
     api_secure_cookie: bool = False
+    #: Hours a job-page login lasts.
+    api_session_hours: float = 12.0
 
     def check(self) -> None:
         """Refuse to start without a real token, unless in development mode."""

@@ -183,7 +183,8 @@ class RequeueRequest(BaseModel):
 
     classes: list[str] = Field(default_factory=list, description="Only failures of these "
                                "classes (timeout, server_error, ...).")
-    sample_ids: list[int] = Field(default_factory=list, description="Only these samples.")
+    sample_ids: list[int] = Field(default_factory=list, max_length=10_000,
+                                  description="Only these samples (at most 10,000 a call).")
     inflight: int | Literal["auto"] | None = Field(None, description="The servers' in-flight "
                                                    "limit from now on: a number or `auto`.")
     max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap.")

@@ -68,6 +68,7 @@ __all__ = [
     "REGENERATE_MODES",
     "row_tools",
     "source_id",
+    "unread_files",
 ]
 
 MAX_ROW_CHARS = 200_000
@@ -77,6 +78,12 @@ RAW_PREVIEW_CHARS = 2_000
 """How much of a skipped row's raw text is kept in :attr:`Row.raw`."""
 
 PARQUET_BATCH_SIZE = 1024
+
+MAX_LINE_BYTES = 16 << 20
+"""A JSONL line longer than this is a skipped row, read through without holding it."""
+
+MAX_ARRAY_BYTES = 64 << 20
+"""The largest ``.json`` file holding one array (it is parsed whole)."""
 
 KEY_VERSION = 2
 """The prompt rule and content-key form of new jobs (``jobs.key_version``).
@@ -607,6 +614,13 @@ def _list_data_files(directory: Path) -> list[Path]:
     return found
 
 
+def unread_files(directory: Path) -> list[str]:
+    """Files in ``directory`` (not hidden) that a dataset folder skips: not a data suffix."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and _suffix(p) not in _SUPPORTED_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+
+
 def _iter_directory(directory: Path, files: list[Path]) -> Iterator[_Record]:
     """Records of every file in ``files``, one file after another."""
     for path in files:
@@ -641,7 +655,11 @@ def _iter_jsonl(path: Path) -> Iterator[_Record]:
             if _suffix(path) in (".json", ".json.gz") and _starts_with_array(handle):
                 yield from _iter_json_array(handle)
                 return
-            for number, raw_line in enumerate(handle, 1):
+            for number, raw_line in enumerate(_bounded_lines(handle), 1):
+                if isinstance(raw_line, _LongLine):
+                    yield (None, f"line is over {MAX_LINE_BYTES >> 20} MiB",
+                           raw_line.head.decode("utf-8", errors="replace"), f"line {number}")
+                    continue
                 if number == 1:
                     raw_line = raw_line.removeprefix(b"\xef\xbb\xbf")
                 if not raw_line.strip():
@@ -649,6 +667,30 @@ def _iter_jsonl(path: Path) -> Iterator[_Record]:
                 yield (*_parse_line(raw_line), f"line {number}")
     except (OSError, EOFError, zlib.error) as exc:
         raise DatasetError(f"cannot read {path}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _LongLine:
+    """A line over :data:`MAX_LINE_BYTES`: only its start is kept."""
+
+    head: bytes
+
+
+def _bounded_lines(handle: BinaryIO) -> Iterator[bytes | _LongLine]:
+    """The file's lines; one over :data:`MAX_LINE_BYTES` is read through, never held whole.
+
+    A 300 MB single line (or a gzip that inflates to one) would otherwise take
+    several times its size in memory to split, decode and parse.
+    """
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        head = line[:RAW_PREVIEW_CHARS]
+        del line
+        while (rest := handle.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield _LongLine(head)
 
 
 def _starts_with_array(handle: BinaryIO) -> bool:
@@ -660,7 +702,12 @@ def _starts_with_array(handle: BinaryIO) -> bool:
 
 def _iter_json_array(handle: BinaryIO) -> Iterator[_Record]:
     """Records of a file holding a single JSON array of row objects."""
-    text = handle.read().decode("utf-8-sig", errors="replace")
+    data = handle.read(MAX_ARRAY_BYTES + 1)
+    if len(data) > MAX_ARRAY_BYTES:
+        raise DatasetError(f"a JSON array file over {MAX_ARRAY_BYTES >> 20} MiB cannot be read "
+                           "(it is loaded whole); write it as JSON lines, one row a line")
+    text = data.decode("utf-8-sig", errors="replace")
+    del data
     try:
         items = json.loads(text)
     except (ValueError, RecursionError) as exc:

@@ -51,7 +51,7 @@ def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _sqlite_folder(Path(path))
         engine = create_engine(
             url,
             connect_args={"timeout": 60, "check_same_thread": False},
@@ -82,6 +82,25 @@ def _make_engine(url: str) -> Engine:
     # with_db_retry retries on a fresh one.
     return create_engine(url, pool_size=settings.db_pool_size,
                          max_overflow=settings.db_max_overflow, pool_recycle=1800)
+
+
+def _sqlite_folder(db: Path) -> None:
+    """Make the data directory for the default database; any other folder must exist.
+
+    A typo in ``SYNTHQ_DATABASE_URL`` (``sqlite:////nonexistent/dir/x.db``) must
+    not quietly create folders and an empty database.
+    """
+    from synthq.config import get_settings
+    from synthq.errors import UserError
+
+    if db.parent.is_dir():
+        return
+    default = get_settings().data_dir / "synthq.db"
+    if db.absolute() == default.absolute():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return
+    raise UserError(f"the folder {db.parent} of the SQLite database does not exist "
+                    "(create it, or fix SYNTHQ_DATABASE_URL)")
 
 
 def get_engine(url: str | None = None) -> Engine:

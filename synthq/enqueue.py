@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -83,6 +84,31 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
             "min_inflight": DEFAULT_MIN_INFLIGHT}
 
 
+#: Characters a job name may not hold: ``/`` and ``\\`` (paths and URLs), control
+#: characters (newlines forge log lines) and bidirectional overrides (U+202E shows
+#: text reversed).
+_BAD_NAME_CHARS = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                             r"\u2066-\u2069]")
+
+
+def _check_tokenizer_path(tokenizer: str) -> None:
+    """A tokenizer typed as a path (``/``, ``./``, ``~``) must exist: no Hub lookup of a typo."""
+    import os
+
+    if tokenizer.startswith(("/", "./", "../", "~", "\\")) and \
+            not os.path.exists(os.path.expanduser(tokenizer)):
+        raise UserError(f"--tokenizer {tokenizer}: no such directory (a local tokenizer is "
+                        "a folder holding tokenizer.json or tokenizer_config.json)")
+
+
+def _char_name(char: str) -> str:
+    import unicodedata
+
+    if char in "/\\":
+        return repr(char)
+    return f"U+{ord(char):04X} ({unicodedata.name(char, 'a control character')})"
+
+
 @dataclass
 class JobSpec:
     """Everything a job is created with; validated by :meth:`check`."""
@@ -132,6 +158,10 @@ class JobSpec:
         """Raise :class:`UserError` naming the first bad setting."""
         if not self.name.strip() or len(self.name) > 200:
             raise UserError("job name must be 1 to 200 characters")
+        bad = _BAD_NAME_CHARS.search(self.name)
+        if bad:
+            raise UserError(f"job name may not hold {_char_name(bad.group())}: it is shown in "
+                            "URLs, logs and terminals; use letters, digits, - _ . and spaces")
         if self.name.strip().isdigit():
             raise UserError(f"job name {self.name!r} is all digits, which `synthq status` "
                             "would read as a job id; pick a name with a letter in it")
@@ -175,6 +205,21 @@ class JobSpec:
             raise UserError(f"--backoff-base must not be negative, got {self.backoff_base}")
         if self.backoff_cap < self.backoff_base:
             raise UserError("--backoff-cap must be at least --backoff-base")
+        # Checked with or without --tokenizer: a later retokenize must not fail on them.
+        if self.reasoning not in ("keep", "drop"):
+            raise UserError(f"--reasoning must be keep or drop, got {self.reasoning!r}")
+        if self.mask not in ("last_turn", "all_assistant_turns"):
+            raise UserError(f"--mask must be last_turn or all_assistant_turns, got "
+                            f"{self.mask!r}")
+        if not self.max_seq_len > 0:
+            raise UserError(f"--max-seq-len must be positive, got {self.max_seq_len}")
+        temperature, top_p = self.sampling.get("temperature"), self.sampling.get("top_p")
+        if isinstance(temperature, int | float) and not 0 <= temperature <= 100:
+            raise UserError(f"--temperature must be 0 to 100, got {temperature:g}")
+        if isinstance(top_p, int | float) and not 0 < top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {top_p:g}")
+        if self.tokenizer is not None:
+            _check_tokenizer_path(self.tokenizer)
         reserved = {"model", "messages", "stream", "max_tokens"} & (set(self.sampling) |
                                                                      set(self.extra_body))
         if reserved:
@@ -415,6 +460,24 @@ def duplicate_source_ids(session: Session, job_id: int,
     return int(count), [str(e) for e in examples]
 
 
+def _warn_unread(source: str, report: EnqueueReport) -> None:
+    """A dataset folder's files that are not read (``.csv``, ``.md``): named, not silent."""
+    import os
+    from pathlib import Path
+
+    from synthq.dataset import unread_files
+
+    folder = Path(os.path.expanduser(source))
+    if not folder.is_dir():
+        return
+    unread = unread_files(folder)
+    if unread:
+        shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5:,} more" if len(unread) > 5
+                                         else "")
+        report.warnings.append(f"skipped {len(unread):,} files in {source} that are not "
+                               f".jsonl, .json, .jsonl.gz or .parquet: {shown}")
+
+
 def old_rule_warning(job_name: str, key_version: int) -> str:
     """The line that says a job keeps its old prompt rule."""
     return (f"job {job_name!r} was created under prompt rule {key_version} (the prompt stopped "
@@ -476,6 +539,7 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                            updated_settings=changed, key_version=key_version)
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
+    _warn_unread(source, report)
     if changed:
         report.warnings.append(f"job {spec.name}: its live settings changed: "
                                f"{', '.join(changed)}")

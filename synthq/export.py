@@ -500,6 +500,10 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                             "(see `synthq status`)")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        # mkdtemp makes 0700; the export's files are 0644, so its folder follows the umask.
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
         shards = _Shards(tmp, fmt, shard_size)
         try:
             written = tokens = supervised = 0

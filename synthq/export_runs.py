@@ -5,14 +5,22 @@ fills atomically, and a status file ``ROOT/<run id>.json`` (``running``,
 ``done`` with the manifest, or ``failed`` with the reason). Status lives in
 files, not in memory, so any API process behind a load balancer can answer
 for any run.
+
+A running export touches its status file every :data:`HEARTBEAT_S` seconds;
+one whose file has not been touched for :data:`STALE_S` (the API process that
+ran it stopped) reads as ``failed``, and its half-written ``.tmp-*`` folder is
+removed. At most :data:`MAX_RUNNING` exports run at once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import shutil
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +29,21 @@ from synthq.db import safe_url, utcnow
 from synthq.errors import UserError
 from synthq.export import check_options, export_job
 
-__all__ = ["ExportRun", "start", "get", "file_path"]
+__all__ = ["ExportRun", "Busy", "MAX_RUNNING", "start", "get", "file_path", "running"]
+
+#: Exports that may run at once (each holds a database connection and a CPU).
+MAX_RUNNING = 2
+#: Seconds between touches of a running export's status file.
+HEARTBEAT_S = 10.0
+#: A running export whose status file is older than this is dead.
+STALE_S = 60.0
+
+
+class Busy(UserError):
+    """:data:`MAX_RUNNING` exports are running already."""
 
 _RUN_ID = re.compile(r"^[0-9a-f]{16}$")
+_start_lock = threading.Lock()
 
 
 @dataclass
@@ -55,8 +75,19 @@ def start(root: Path, job_id: int, *, fmt: str = "parquet", shard_size: int = 10
     """Start exporting ``job_id`` into ``root/<new id>/`` on a thread; the run as it starts."""
     check_options(fmt, shard_size)
     root.mkdir(parents=True, exist_ok=True)
-    run = ExportRun(id=secrets.token_hex(8), job_id=job_id, format=fmt)
-    _save(root, run)
+    with _start_lock:
+        if len(running(root)) >= MAX_RUNNING:
+            raise Busy(f"{MAX_RUNNING} exports are running already; retry when one is done")
+        run = ExportRun(id=secrets.token_hex(8), job_id=job_id, format=fmt)
+        _save(root, run)
+    finished = threading.Event()
+
+    def beat() -> None:
+        while not finished.wait(HEARTBEAT_S):
+            try:
+                os.utime(root / f"{run.id}.json")
+            except OSError:
+                return
 
     def go() -> None:
         try:
@@ -70,8 +101,10 @@ def start(root: Path, job_id: int, *, fmt: str = "parquet", shard_size: int = 10
             run.state, run.manifest = "done", manifest.to_dict()
             run.files = sorted(p.name for p in (root / run.id).iterdir() if p.is_file())
         run.finished_at = utcnow().isoformat()
+        finished.set()
         _save(root, run)
 
+    threading.Thread(target=beat, name=f"synthq-export-beat-{run.id}", daemon=True).start()
     thread = threading.Thread(target=go, name=f"synthq-export-{run.id}", daemon=True)
     thread.start()
     if wait:
@@ -86,7 +119,25 @@ def get(root: Path, run_id: str) -> ExportRun | None:
     path = root / f"{run_id}.json"
     if not path.is_file():
         return None
-    return ExportRun(**json.loads(path.read_text(encoding="utf-8")))
+    run = ExportRun(**json.loads(path.read_text(encoding="utf-8")))
+    if run.state == "running" and time.time() - path.stat().st_mtime > STALE_S:
+        # The process running it stopped (an API restart): it will never finish.
+        run.state, run.error = "failed", "the API process running this export stopped"
+        run.finished_at = utcnow().isoformat()
+        for tmp in root.glob(f".{run.id}.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        _save(root, run)
+    return run
+
+
+def running(root: Path) -> list[ExportRun]:
+    """The exports running now (stale ones are marked failed on the way)."""
+    found = []
+    for path in root.glob("*.json"):
+        run = get(root, path.stem)
+        if run is not None and run.state == "running":
+            found.append(run)
+    return found
 
 
 def file_path(root: Path, run: ExportRun, name: str) -> Path | None:

@@ -85,10 +85,28 @@ def check_model(servers: Iterable[str], model: str, *,
             warnings.append(f"server {url} cannot be reached ({reason}); its samples wait "
                             "until it answers")
             continue
+        if models is None and _without_v1(url, client):
+            raise UserError(f"server {url} answers 404 for /models, and {url.rstrip('/')}/v1 "
+                            f"serves models: did you mean --server {url.rstrip('/')}/v1 ? "
+                            "(the URL is the OpenAI base, ending in /v1)")
         if models is not None and model not in models:
             served = ", ".join(repr(m) for m in models) or "none"
             raise UserError(f"server {url} does not serve model {model!r}; it serves: {served}")
     return warnings
+
+
+def _without_v1(url: str, client: httpx.Client) -> bool:
+    """True when ``url`` lacks the ``/v1`` the server's OpenAI routes live under."""
+    import httpx
+
+    if url.rstrip("/").endswith("/v1"):
+        return False
+    try:
+        if client.get(f"{url.rstrip('/')}/models", timeout=PROBE_TIMEOUT).status_code != 404:
+            return False
+        return served_models(f"{url.rstrip('/')}/v1", client) is not None
+    except httpx.HTTPError:
+        return False
 
 
 _client: httpx.Client | None = None

@@ -32,7 +32,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import JobState, RunState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "TrainingRun", "UTCDateTime"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "TrainingRun", "UTCDateTime",
+           "ApiSession"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -392,3 +393,17 @@ class TrainingRun(Base):
     updated_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+
+class ApiSession(Base):
+    """A login to the job page: its cookie's sha256 (never the value itself) and expiry.
+
+    Logging out deletes the row, so the old cookie no longer opens anything.
+    """
+
+    __tablename__ = "api_sessions"
+
+    #: sha256 hex of the random cookie value.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]

@@ -78,7 +78,13 @@ def list_samples(session: Session, job_id: int, *, state: str | None = None,
         conds.append(Sample.state == state)
     if error_class:
         conds.append(Sample.error_class == error_class)
-    if server:
+    if server and "***@" in server:
+        # The masked form the API shows (password as ***): the job's servers it stands for.
+        from synthq.models import Job
+
+        servers = session.scalar(select(Job.servers).where(Job.id == job_id)) or []
+        conds.append(Sample.server.in_([u for u in servers if safe_url(u) == server]))
+    elif server:
         conds.append(Sample.server == server)
     rows = session.execute(
         select(Sample.id, Sample.dataset_index, Sample.source_id, Sample.state, Sample.attempts,

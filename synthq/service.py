@@ -21,7 +21,7 @@ from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLA
 from synthq.models import Job
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "set_job_state",
-           "data_path", "enqueue_file", "bad_rows"]
+           "data_path", "enqueue_file", "bad_rows", "requeue_left_servers"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
@@ -97,6 +97,28 @@ def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def requeue_left_servers(session: Session, job: Job) -> int:
+    """Samples that failed as ``bad_request`` on a server the job no longer has: pending again.
+
+    A wrong server URL (no ``/v1``) fails every sample with a 404; running the
+    job again with the right URL should redo them, not leave them failed.
+    """
+    from sqlalchemy import select
+
+    from synthq.enums import SampleState
+    from synthq.models import Sample
+
+    ids = list(session.scalars(select(Sample.id).where(
+        Sample.job_id == job.id, Sample.state == SampleState.FAILED,
+        Sample.error_class == "bad_request", Sample.server.is_not(None),
+        Sample.server.not_in(list(job.servers)))))
+    moved = 0
+    for start in range(0, len(ids), 10_000):
+        moved += states.requeue(session, job.id, sample_ids=ids[start:start + 10_000],
+                                now=utcnow())
+    return moved
+
+
 def set_job_state(session: Session, job: Job, target: JobState) -> str:
     """Pause, resume or cancel ``job``; the state it had. UserError if it cannot."""
     before = str(job.state)
@@ -118,6 +140,12 @@ def data_path(data_dir: Path, relative: str) -> Path:
         raise UserError(f"path must be inside the data directory ({root.name}/)")
     if not path.exists():
         raise UserError(f"no such file in the data directory: {relative}")
+    if path.is_dir():
+        # A folder's files are read through their links: none may lead out of the root.
+        for inner in path.rglob("*"):
+            if inner.is_symlink() and not inner.resolve().is_relative_to(root):
+                raise UserError(f"path must be inside the data directory ({root.name}/): "
+                                f"{inner.relative_to(root)} links out of it")
     return path
 
 

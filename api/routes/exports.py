@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse
 
 from api.deps import JobDep, SettingsDep
 from api.routes.jobs import ERRORS
-from api.schemas import ExportPublic, ExportRequest
+from api.schemas import ErrorBody, ExportPublic, ExportRequest
 from synthq import export_runs
 
 router = APIRouter(tags=["exports"])
@@ -17,14 +17,24 @@ router = APIRouter(tags=["exports"])
 RunId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="Export id.")]
 
 
-@router.post("/api/jobs/{job}/exports", response_model=ExportPublic, responses=ERRORS,
+@router.post("/api/jobs/{job}/exports", response_model=ExportPublic,
+             responses={**ERRORS, 429: {"model": ErrorBody, "description": "Too many exports "
+                                        "running."}},
              status_code=status.HTTP_202_ACCEPTED,
              summary="Start exporting the job's done samples (Parquet or JSONL shards)")
 def start_export(job: JobDep, body: ExportRequest, settings: SettingsDep) -> ExportPublic:
-    run = export_runs.start(settings.exports_dir, job.id, fmt=body.format,
-                            shard_size=body.shard_size,
-                            include_truncated=body.include_truncated,
-                            allow_stale=body.allow_stale)
+    if body.format == "parquet" and not job.tokenizer:
+        # Known now: refuse up front rather than answer 202 and fail in the background.
+        raise HTTPException(422, "job has no tokenizer: parquet needs input_ids; use format "
+                            "jsonl or set one with synthq retokenize")
+    try:
+        run = export_runs.start(settings.exports_dir, job.id, fmt=body.format,
+                                shard_size=body.shard_size,
+                                include_truncated=body.include_truncated,
+                                allow_stale=body.allow_stale)
+    except export_runs.Busy as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
+                            headers={"Retry-After": "30"}) from None
     return ExportPublic(**run.to_dict())
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import re
 import shutil
 import tempfile
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -29,8 +33,9 @@ from api.schemas import (
 from synthq import query, service
 from synthq.config import get_settings
 from synthq.db import safe_url, session_scope, utcnow
-from synthq.enqueue import EnqueueReport
+from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.enums import JobState
+from synthq.errors import UserError
 from synthq.status import job_status
 from synthq.workers import live
 
@@ -55,17 +60,61 @@ def list_jobs(session: SessionDep) -> list[query.JobSummary]:
     return query.list_jobs(session)
 
 
+#: A Hugging Face dataset id: ``name``, ``owner/name``, optionally ``:split``.
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?"
+                   r"(:[A-Za-z0-9_.-]{1,64})?$")
+HF_ID_ERROR = ("hf_dataset must be a Hugging Face dataset id (name or owner/name, optionally "
+               ":split); for a file on the server, give path (relative to the data directory)")
+
+
+def _hf_source(hf: str) -> str:
+    """``hf`` if it can only mean a Hub dataset; never a file of the server (one message)."""
+    name = hf.rpartition(":")[0] if ":" in hf else hf
+    if not HF_ID.match(hf) or ".." in hf or os.path.lexists(name) or os.path.lexists(hf):
+        raise HTTPException(422, HF_ID_ERROR)
+    return hf
+
+
+def _scrub(message: str, *paths: tuple[str, str]) -> str:
+    """An error message without the server's own paths (temp folders, data directory)."""
+    for path, shown in (*paths, (os.getcwd() + os.sep, "")):
+        message = message.replace(path, shown)
+    return safe_url(message)
+
+
+def _check_model(spec: JobSpec) -> list[str]:
+    """The CLI's model check: a server that lists its models but not this one is a 422."""
+    from synthq.health import check_model
+
+    spec.check()
+    return check_model(spec.servers, spec.model)
+
+
+def _created(report: EnqueueReport, bad: list[tuple[int, str]], warnings: list[str]) -> Response:
+    report.warnings[:0] = warnings
+    result = _result(report, bad)
+    # Malformed rows: 422 with the reason for each; the good rows are in the job.
+    code = 422 if bad else status.HTTP_201_CREATED
+    return JSONResponse(result.model_dump(mode="json"), status_code=code)
+
+
 @router.post("", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
              responses=ERRORS, summary="Create a job (or add to one) from a server-side "
              "path or a Hugging Face dataset")
-def create_job(body: JobCreate, settings: SettingsDep) -> EnqueueResult:
+def create_job(body: JobCreate, settings: SettingsDep) -> Response:
     if body.path is not None:
         source = str(service.data_path(settings.data_dir, body.path))
     else:
-        source = str(body.hf_dataset)
+        source = _hf_source(str(body.hf_dataset))
     name = Path(source.rstrip("/")).name.split(".")[0]
-    report, bad = service.enqueue_file(body.to_spec(name), source, id_field=body.id_field)
-    return _result(report, bad)
+    spec = body.to_spec(name)
+    warnings = _check_model(spec)
+    root = str(settings.data_dir.expanduser().resolve())
+    try:
+        report, bad = service.enqueue_file(spec, source, id_field=body.id_field)
+    except UserError as exc:
+        raise UserError(_scrub(str(exc), (root + os.sep, ""), (root, "."))) from None
+    return _created(report, bad, warnings)
 
 
 @router.post("/upload", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
@@ -81,25 +130,62 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
         raise HTTPException(422,
                             f"spec is not valid JobSettings JSON: {exc}") from None
     filename = Path(file.filename or "upload.jsonl").name
-    suffix = "".join(Path(filename).suffixes[-2:]) or ".jsonl"
+    suffix = _upload_suffix(filename)
+    job_spec = job_settings.to_spec(filename.split(".")[0])
+    warnings = _check_model(job_spec)
+    limit = settings.api_upload_max_bytes
     settings.uploads_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=settings.uploads_dir) as tmp:
-        path = Path(tmp) / f"upload{suffix}"
+        # A .gz is stored decompressed: the limit holds for what is read, not what was sent.
+        path = Path(tmp) / f"upload{suffix.removesuffix('.gz')}"
         with path.open("wb") as out:
+            gz = suffix.endswith(".gz")
+            reader = gzip.GzipFile(fileobj=file.file, mode="rb") if gz else file.file
             size = 0
-            while chunk := file.file.read(1 << 20):
-                size += len(chunk)
-                if size > settings.api_upload_max_bytes:
-                    raise HTTPException(413,
-                                        f"file is over {settings.api_upload_max_bytes:,} bytes")
-                out.write(chunk)
-        report, bad = service.enqueue_file(job_settings.to_spec(filename.split(".")[0]),
-                                           str(path), id_field=job_settings.id_field)
+            try:
+                while chunk := reader.read(1 << 20):
+                    size += len(chunk)
+                    if size > limit:
+                        what = "decompressed file" if reader is not file.file else "file"
+                        raise HTTPException(413, f"{what} is over {limit:,} bytes")
+                    out.write(chunk)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise HTTPException(422, f"{filename} is not a valid gzip file: "
+                                    f"{type(exc).__name__}") from None
+        if suffix == ".parquet":
+            _check_parquet_size(path, limit)
+        try:
+            report, bad = service.enqueue_file(job_spec, str(path),
+                                               id_field=job_settings.id_field)
+        except UserError as exc:
+            raise UserError(_scrub(str(exc), (str(path), filename), (tmp, "."))) from None
         shutil.rmtree(tmp, ignore_errors=True)
-    result = _result(report, bad)
-    # Malformed rows: 422 with the reason for each; the good rows are in the job.
-    code = 422 if bad else status.HTTP_201_CREATED
-    return JSONResponse(result.model_dump(mode="json"), status_code=code)
+    return _created(report, bad, warnings)
+
+
+def _check_parquet_size(path: Path, limit: int) -> None:
+    """A Parquet file's uncompressed size (from its footer) counts against the limit too."""
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    except Exception:  # noqa: BLE001 - not Parquet: the dataset reader says why
+        return
+    if size > limit:
+        raise HTTPException(413, f"uncompressed file is over {limit:,} bytes")
+
+
+def _upload_suffix(filename: str) -> str:
+    """The data suffix of an uploaded file's name; 422 for any other."""
+    lower = filename.lower()
+    for suffix in (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet"):
+        if lower.endswith(suffix):
+            return suffix
+    if "." not in filename:
+        return ".jsonl"
+    raise HTTPException(422, "the file name must end in .jsonl, .json, .jsonl.gz, .json.gz or "
+                        ".parquet")
 
 
 @router.get("/{job}", response_model=JobDetail, responses=ERRORS,

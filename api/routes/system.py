@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+from html import escape
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from api.auth import TokenDep
+from api.guard import RETRY_AFTER_S, outage
 from api.schemas import Health
 from synthq.config import get_settings
 from synthq.db import get_engine, safe_url
+
+log = logging.getLogger("synthq.api")
 
 public = APIRouter(tags=["system"])
 private = APIRouter(tags=["system"], dependencies=[TokenDep])
@@ -32,13 +36,15 @@ def _reason(exc: Exception) -> str:
 @public.get("/ready", response_model=Health, responses={503: {"model": Health}},
             summary="The database and the broker answer (no auth)")
 def ready() -> Response:
+    # No auth: says only ok or unavailable; the cause (host, port, error) goes to the log.
     checks: dict[str, str] = {}
     try:
         with get_engine().connect() as conn:
             conn.execute(text("SELECT 1"))
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, never raised
-        checks["database"] = _reason(exc)
+        outage.failed(_reason(exc))
+        checks["database"] = "unavailable"
     broker = get_settings().broker_url
     if broker:
         import redis
@@ -51,12 +57,14 @@ def ready() -> Response:
                 client.close()
             checks["broker"] = "ok"
         except Exception as exc:  # noqa: BLE001
-            checks["broker"] = _reason(exc)
+            log.warning("/ready: broker unavailable: %s", _reason(exc))
+            checks["broker"] = "unavailable"
     else:
         checks["broker"] = "none (embedded mode)"
     ok = all(v == "ok" or v.startswith("none") for v in checks.values())
     body = Health(status="ok" if ok else "unavailable", checks=checks)
-    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503,
+                        headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
 
 
 @private.get("/metrics", response_class=Response,
@@ -72,5 +80,21 @@ def openapi(request: Request) -> dict[str, Any]:
 
 
 @private.get("/docs", include_in_schema=False, response_class=HTMLResponse)
-def docs() -> HTMLResponse:
-    return get_swagger_ui_html(openapi_url="/openapi.json", title="synthq API")
+def docs(request: Request) -> HTMLResponse:
+    """The routes, from the OpenAPI schema, as a plain page: no script from a CDN."""
+    schema = request.app.openapi()
+    rows = []
+    for path, methods in schema["paths"].items():
+        for method, op in methods.items():
+            params = ", ".join(p["name"] for p in op.get("parameters", []))
+            rows.append(f"<tr><td><code>{escape(method.upper())}</code></td>"
+                        f"<td><code>{escape(path)}</code></td><td>{escape(params)}</td>"
+                        f"<td>{escape(op.get('summary', ''))}</td></tr>")
+    html = (f"<!doctype html><html lang=en><head><meta charset=utf-8><title>synthq API</title>"
+            f"</head><body style='font:14px system-ui;margin:24px'><h1>synthq API</h1>"
+            f"<p>Every route but /health and /ready needs <code>Authorization: Bearer "
+            f"&lt;SYNTHQ_API_TOKEN&gt;</code>. The full schema: <a href='/openapi.json'>"
+            f"/openapi.json</a>; the job page: <a href='/ui'>/ui</a>.</p>"
+            f"<table cellpadding=4><tr><th>method</th><th>path</th><th>parameters</th>"
+            f"<th>what</th></tr>{''.join(rows)}</table></body></html>")
+    return HTMLResponse(html)

@@ -15,7 +15,16 @@ from fastapi import APIRouter, Form, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from api.auth import COOKIE, CsrfDep, UiDep, check_token, csrf_value, session_value
+from api.auth import (
+    COOKIE,
+    CsrfDep,
+    UiDep,
+    check_token,
+    csrf_value,
+    end_session,
+    new_session,
+    session_of,
+)
 from api.deps import JobRef, SessionDep, SettingsDep, job_or_404
 from synthq import query, service
 from synthq.config import get_settings
@@ -33,8 +42,10 @@ templates.env.filters["safe_url"] = safe_url
 def _page(request: Request, name: str, code: int = 200, **context: object) -> HTMLResponse:
     from api.config import api_settings
 
-    context.setdefault("csrf", csrf_value(api_settings()) if api_settings().auth_enabled
-                       else "")
+    # No session, no CSRF token (the login page shows none).
+    settings = api_settings()
+    session = session_of(request) if settings.auth_enabled else None
+    context.setdefault("csrf", csrf_value(settings, session) if session else "")
     return templates.TemplateResponse(request, name, context, status_code=code)
 
 
@@ -51,14 +62,19 @@ def login(request: Request, settings: SettingsDep,
                      error="wrong token")
     response = RedirectResponse("/ui", status_code=status.HTTP_303_SEE_OTHER)
     if settings.auth_enabled:
-        response.set_cookie(COOKIE, session_value(settings), httponly=True, samesite="strict",
-                            secure=settings.api_secure_cookie, path="/")
+        https = (request.url.scheme == "https" or request.headers.get(
+            "x-forwarded-proto", "").split(",")[0].strip().lower() == "https")
+        response.set_cookie(COOKIE, new_session(settings), httponly=True, samesite="strict",
+                            secure=settings.api_secure_cookie or https, path="/",
+                            max_age=int(settings.api_session_hours * 3600))
     return response
 
 
 @router.post("/logout", dependencies=[CsrfDep])
-def logout() -> Response:
+def logout(request: Request) -> Response:
     response = RedirectResponse("/ui/login", status_code=status.HTTP_303_SEE_OTHER)
+    if (value := request.cookies.get(COOKIE)) is not None:
+        end_session(value)  # the old cookie opens nothing any more
     response.delete_cookie(COOKIE, path="/")
     return response
 

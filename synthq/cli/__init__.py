@@ -24,11 +24,24 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     pretty_exceptions_enable=False,
 )
-db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+db_app = typer.Typer(help="Database maintenance.\n\nExample: `synthq db upgrade` (PostgreSQL: "
+                     "after installing or upgrading synthq, before starting workers)",
+                     no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
-console = Console()
-err = Console(stderr=True)
+def _console(stderr: bool = False) -> Console:
+    """A console; piped (not a terminal, no COLUMNS), lines are not wrapped at 80 columns."""
+    import os
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty() or os.environ.get("COLUMNS"):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=1000, soft_wrap=True)
+
+
+console = _console()
+err = _console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -53,6 +66,11 @@ def _check_settings(ctx: typer.Context) -> None:
     """Every command but the simulator needs valid settings: a bad one is one line, exit 2."""
     if ctx.invoked_subcommand == "simulate":
         return
+    if ctx.invoked_subcommand == "jobs":
+        from synthq.cli import fast
+
+        if fast.eligible():  # default settings: nothing to validate (see synthq/cli/fast.py)
+            return
     from pydantic import ValidationError
 
     from synthq.config import get_settings

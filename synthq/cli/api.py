@@ -38,6 +38,9 @@ def api(
     if not _dev(dev):
         try:
             check_secret("SYNTHQ_API_TOKEN", os.environ.get("SYNTHQ_API_TOKEN"))
+            if len(os.environ.get("SYNTHQ_API_TOKEN", "")) < 16:
+                raise ValueError("SYNTHQ_API_TOKEN must be at least 16 characters "
+                                 "(e.g. $(openssl rand -hex 24))")
         except ValueError as exc:
             raise fail(f"{exc}: the API refuses to start without a real token "
                        "(--dev or SYNTHQ_API_DEV=1 for development)") from None

@@ -67,11 +67,34 @@ def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ig
     # A model the servers do not serve is refused here, not failed sample by sample.
     for line in check_model(spec.servers, spec.model):
         warn(line)
+    if not quiet and _hub_only(dataset):
+        warn(f"no local file or folder {dataset!r}: loading it as a Hugging Face dataset id")
     if quiet:
-        return enqueue(spec, dataset, id_field=id_field)
-    with console.status("reading the dataset…") as st:
-        return enqueue(spec, dataset, id_field=id_field, progress=lambda r: st.update(
-            f"read {r.rows:,} rows, {r.inserted:,} new"))
+        report = enqueue(spec, dataset, id_field=id_field)
+    else:
+        with console.status("reading the dataset…") as st:
+            report = enqueue(spec, dataset, id_field=id_field, progress=lambda r: st.update(
+                f"read {r.rows:,} rows, {r.inserted:,} new"))
+    if any(c.startswith("servers ") for c in report.updated_settings):
+        from synthq import service
+        from synthq.db import session_scope
+        from synthq.enqueue import find_job
+
+        with session_scope() as s:
+            moved = service.requeue_left_servers(s, find_job(s, report.job_id))
+        if moved:
+            report.warnings.append(f"requeued {moved:,} samples that failed as bad_request "
+                                   "on a server the job no longer has")
+    return report
+
+
+def _hub_only(dataset: str) -> bool:
+    """True when ``dataset`` is no local path, so only the Hub can answer (slowly)."""
+    from pathlib import Path
+
+    from synthq.dataset import _looks_like_path
+
+    return not Path(dataset).expanduser().exists() and not _looks_like_path(dataset)
 
 
 def _check_broker() -> None:
@@ -227,6 +250,14 @@ def run(
         print_status(status)
     if stop.is_set():
         raise typer.Exit(130)
+    failed = status.counts.get("failed", 0)
+    if status.finished and failed and not status.counts.get("done", 0):
+        hint = ""
+        if status.failures.get("bad_request") and any(
+                not u.rstrip("/").endswith("/v1") for u in status.servers):
+            hint = "; bad_request: is --server the OpenAI base URL, ending in /v1?"
+        raise fail(f"every sample failed ({failed:,}): see `synthq status {report.job_name}`; "
+                   f"`synthq requeue {report.job_name} --failed` once fixed{hint}", code=1)
 
 
 def _check_resume_flags(opts: dict) -> None:  # type: ignore[type-arg]

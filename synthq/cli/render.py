@@ -101,7 +101,7 @@ def print_status(status: JobStatus) -> None:
                           highlight=False)
     if status.cost:
         console.print(cost_line(status.cost), highlight=False)
-    if status.workers:
+    if status.workers and not status.finished:  # a finished job holds no worker's load
         console.print("workers: " + ", ".join(
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))
     elif status.open and not status.finished:

@@ -73,6 +73,8 @@ def train(
                             "held-out prompt.")] = 256,
     keep_checkpoints: Annotated[int, typer.Option(help="Step checkpoints kept (older ones "
                                 "are deleted).")] = 2,
+    restart: Annotated[bool, typer.Option("--restart", help="Cancel the job's unfinished run "
+                       "and start a new one with these settings.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter on a job's data, or arm the job to train when ready.
@@ -84,6 +86,7 @@ def train(
 
     Example: `synthq train my-job --target /models/llama-3.1-8b --epochs 2 --lr 1e-4`
     """
+    from synthq.config import get_settings
     from synthq.db import utcnow
     from synthq.training.config import parse_when
     from synthq.training.runs import check_target, new_run
@@ -98,6 +101,8 @@ def train(
                            eval_draft_tokens=eval_draft_tokens, eval_max_new=eval_max_new,
                            keep_checkpoints=keep_checkpoints))
         threshold = None if when == "now" else parse_when(when)
+        if threshold is None and get_settings().embedded:
+            _check_torch()
         if target is not None:
             check_target(target)
     except UserError as exc:
@@ -122,7 +127,17 @@ def train(
         unfinished = s.scalar(select(TrainingRun).where(
             TrainingRun.job_id == j.id, TrainingRun.state.in_(OPEN),
             TrainingRun.target == chosen).order_by(TrainingRun.id.desc()).limit(1))
-        if unfinished is not None:
+        if unfinished is not None and restart:
+            from synthq.training.states import cancel
+
+            cancel(s, unfinished.id, now=utcnow())
+        elif unfinished is not None:
+            changed = _changed(unfinished.settings or {}, cfg.to_dict())
+            if changed:
+                raise UserError(
+                    f"job {j.name} has an unfinished run {unfinished.id} with other settings "
+                    f"({changed}); rerun without them to resume it, or add --restart to "
+                    "cancel it and start a new run")
             return {"run": unfinished.id, "resumed": True, "job": j.name,
                     "output_dir": unfinished.output_dir}
         run = new_run(s, j, target=chosen, config=cfg, trigger="manual", output_dir=out)
@@ -137,8 +152,6 @@ def train(
                           f"{info['target']} (beat starts the run when the job is ready)")
         return
     run_id = info["run"]
-    from synthq.config import get_settings
-
     if not get_settings().embedded:
         from synthq.broker import TRAIN_ROUTE, send
 
@@ -150,6 +163,26 @@ def train(
                           f"queue; follow it with `synthq runs {info['job']} --watch`")
         return
     _run_here(run_id, info, as_json)
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``batch_size 1 → 4, lr …``: the settings that differ between two runs."""
+    return ", ".join(f"{k} {old.get(k)} → {v}" for k, v in sorted(new.items())
+                     if k in old and old[k] != v)
+
+
+def _check_torch() -> None:
+    """Training in this process needs torch: one line, before any run row is made."""
+    import importlib.util
+
+    try:
+        missing = importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):
+        missing = True
+    if missing:
+        raise UserError("training needs torch, which is not installed: pip install "
+                        "'synthq[train]' (or set SYNTHQ_BROKER_URL and train on a worker "
+                        "that has it)")
 
 
 def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:

@@ -28,6 +28,28 @@ def jobs(as_json: JsonOpt = False) -> None:
     """
     from rich.markup import escape
     from rich.table import Table
+
+    from synthq.cli.fast import job_rows
+
+    rows = job_rows()
+    if rows is None:
+        rows = _job_rows()
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        console.print("no jobs yet: `synthq enqueue --help`")
+        return
+    table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
+    for r in rows:
+        table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),
+                      f"{r['done']:,}",
+                      f"{r['failed']:,}", f"{r['skipped']:,}",
+                      f"{r['pending'] + r['queued'] + r['running']:,}")
+    console.print(table)
+
+
+def _job_rows() -> list[dict[str, Any]]:
     from sqlalchemy import select
 
     from synthq.db import session_scope
@@ -44,19 +66,7 @@ def jobs(as_json: JsonOpt = False) -> None:
             rows.append({"id": job.id, "name": job.name, "state": str(job.state),
                          "model": job.model, "created_at": job.created_at.isoformat(),
                          **state_counts(s, job.id)})
-    if as_json:
-        print(json.dumps(rows))
-        return
-    if not rows:
-        console.print("no jobs yet: `synthq enqueue --help`")
-        return
-    table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
-    for r in rows:
-        table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),
-                      f"{r['done']:,}",
-                      f"{r['failed']:,}", f"{r['skipped']:,}",
-                      f"{r['pending'] + r['queued'] + r['running']:,}")
-    console.print(table)
+    return rows
 
 
 @app.command()
@@ -146,9 +156,10 @@ def show_sample(
     from rich.markup import escape
 
     source = f" (id {escape(data['source_id'])})" if data["source_id"] is not None else ""
+    plural = "" if data["attempts"] == 1 else "s"
     console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row "
                   f"{data['dataset_index'] + 1}{source} — {data['state']}, {data['attempts']} "
-                  f"attempts, server {escape(str(data['server']))}")
+                  f"attempt{plural}, server {escape(str(data['server']))}")
     if data["error_class"]:
         console.print(f"[red]{data['error_class']}[/]: {escape(str(data['error_message']))}")
     if data["overrides"]:

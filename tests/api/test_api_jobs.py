@@ -148,14 +148,9 @@ def test_export_runs_as_a_task_and_downloads(client: Any, simulator: Callable[..
     rows = client.get(f"/api/exports/{run_id}/files/{shard}").text.splitlines()
     assert len(rows) == 3 and json.loads(rows[0])["conversations"]
     assert client.get(f"/api/exports/{run_id}/files/..%2Fx").status_code == 404
-    # Parquet without a tokenizer fails, and says why.
+    # Parquet without a tokenizer is refused up front (not 202, then failed), and says why.
     r = client.post(f"/api/jobs/{report.job_id}/exports", json={"format": "parquet"})
-    for _ in range(100):
-        run = client.get(f"/api/exports/{r.json()['id']}").json()
-        if run["state"] != "running":
-            break
-        time.sleep(0.05)
-    assert run["state"] == "failed" and "tokenizer" in run["error"]
+    assert r.status_code == 422 and "tokenizer" in r.json()["detail"], r.text
 
 
 def test_metrics_follow_prometheus_conventions(client: Any, simulator: Callable[..., Any],

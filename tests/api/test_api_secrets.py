@@ -49,11 +49,26 @@ def test_no_secret_in_responses_or_logs(api_server: Callable[..., Any],
         assert r.status_code == 503
         assert r.json()["checks"]["database"] != "ok" and r.json()["checks"]["broker"] != "ok"
         bodies.append(r.text)
-        r = c.get("/api/jobs")
-        assert r.status_code == 500
-        bodies.append(r.text)
+        # /ready (no auth) says only that: no host, port or error text.
+        assert r.json()["checks"] == {"database": "unavailable", "broker": "unavailable"}
+        assert "127.0.0.1" not in r.text and "Error" not in r.text
+        # The database is down: every route answers 503 JSON with Retry-After.
+        for method, url in (("GET", "/api/jobs"), ("GET", "/api/jobs/1"),
+                            ("GET", "/api/jobs/1/samples"), ("GET", "/api/samples/1"),
+                            ("GET", "/metrics"), ("POST", "/api/jobs/1/pause"),
+                            ("POST", "/api/jobs/1/requeue"), ("GET", "/ui"),
+                            ("GET", "/api/jobs")):
+            r = c.request(method, url, json={} if method == "POST" else None,
+                          headers={"Cookie": "synthq_session=x"})
+            assert r.status_code == 503, (url, r.text)
+            assert r.headers["retry-after"] and "unavailable" in r.json()["detail"]
+            assert "Traceback" not in r.text
+            bodies.append(r.text)
     server.stop()
     broken.stop()
+    # The cause is logged once for the outage, not once per request; no traceback.
+    assert broken.log().count("database unavailable:") == 1, broken.log()
+    assert "Traceback" not in broken.log()
     everything = "\n".join(bodies) + server.log() + broken.log()
     assert "GET /api/jobs" in server.log()  # the access log was written
     for secret in (TOKEN, INFERENCE_KEY, DB_PASSWORD):

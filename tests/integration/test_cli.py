@@ -84,7 +84,7 @@ def test_every_command_has_an_example_in_help() -> None:
     from synthq.cli import app
 
     group = get_command(app)
-    names = [n for n in group.commands if n != "db"] + ["db upgrade"]  # type: ignore[attr-defined]
+    names = list(group.commands) + ["db upgrade"]  # type: ignore[attr-defined]
     for name in names:
         out = subprocess.run([sys.executable, "-m", "synthq.cli", *name.split(), "--help"],
                              cwd=REPO, capture_output=True, text=True, timeout=60).stdout
@@ -96,7 +96,7 @@ def test_enqueue_refuses_a_tokenizer_that_cannot_work(pg: str, dataset: Path,
     import chat_tokenizers as ct
 
     missing = synthq(*enqueue_args(dataset, "--tokenizer", str(tmp_path / "nope")), check=False)
-    assert missing.returncode == 2 and "cannot load tokenizer" in missing.stderr
+    assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
     keep = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3()), check=False)
     assert keep.returncode == 2 and "drops reasoning" in " ".join(keep.stderr.split())
     assert json.loads(synthq("jobs", "--json").stdout) == []  # nothing was created
