@@ -38,6 +38,8 @@ class JobSettings(BaseModel):
     gpu_hour_price: float | None = Field(None, description="Dollars per GPU-hour [default: "
                                          "SYNTHQ_GPU_HOUR_PRICE].")
     keep_truncated: bool = False
+    stream: bool = Field(True, description="Stream answers (stall clock). False: one plain "
+                         "call per sample, less CPU, the total timeout only.")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     extra_body: dict[str, Any] = Field(default_factory=dict)
     return_token_ids: bool = False
@@ -77,7 +79,7 @@ class JobSettings(BaseModel):
             backoff_base=self.backoff_base, backoff_cap=self.backoff_cap,
             **inflight_settings(self.inflight, self.max_inflight, self.min_inflight),
             gpus=self.gpus, gpu_hour_price=self.gpu_hour_price,
-            keep_truncated=self.keep_truncated,
+            keep_truncated=self.keep_truncated, stream=self.stream,
             tokenizer=self.tokenizer, chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
             reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,

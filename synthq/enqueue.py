@@ -132,6 +132,8 @@ class JobSpec:
     gpus: int = 1
     gpu_hour_price: float | None = None
     keep_truncated: bool = False
+    #: False: one non-streamed call per sample (no stall clock, no partial progress).
+    stream: bool = True
     #: A streamed answer longer than this fails as ``response_too_large``.
     max_response_bytes: int = 4 << 20
     dataset: str = ""
@@ -276,7 +278,7 @@ class EnqueueReport:
 #: Settings that may change on an existing job (how to run it, not what it makes).
 _OPERATIONAL = ("servers", "total_timeout", "stall_timeout", "max_attempts", "backoff_base",
                 "backoff_cap", "inflight_limit", "keep_truncated", "max_response_bytes",
-                "inflight_auto", "min_inflight", "gpus", "gpu_hour_price")
+                "inflight_auto", "min_inflight", "gpus", "gpu_hour_price", "stream")
 
 
 def find_job(session: Session, ref: str | int) -> Job:

@@ -230,6 +230,35 @@ class _Accumulator:
                 for i, c in sorted(self.calls.items())]
 
 
+def _completion_result(document: Any, repairs: dict[str, int], start: float) -> ChatResult:
+    """A non-streamed ``chat.completion`` document as a :class:`ChatResult`."""
+    choices = document.get("choices") if isinstance(document, dict) else None
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+        if isinstance(document, dict) and "error" in document:
+            raise errors.ServerError(f"error in response: {document['error']}"[:2000])
+        raise errors.ServerError(f"malformed response (no choices): {str(document)[:200]}")
+    choice = choices[0]
+    message = choice.get("message") or {}
+    if not isinstance(message, dict):
+        raise errors.ServerError(f"malformed response message: {str(message)[:200]}")
+    usage = document.get("usage") or {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    ids = choice.get("token_ids")
+    prompt_ids = document.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    return ChatResult(
+        content=storable(str(message.get("content") or ""), repairs) or "",
+        reasoning_content=storable(str(reasoning), repairs) if reasoning else None,
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+        completion_tokens=usage.get("completion_tokens") if isinstance(usage, dict) else None,
+        prompt_token_ids=list(prompt_ids) if prompt_ids else None,
+        completion_token_ids=list(ids) if ids else None,
+        latency_s=time.monotonic() - start,
+        ttft_s=None,  # the whole answer arrives at once: no first-token time to measure
+        repairs=repairs or None,
+    )
+
+
 class InferenceClient:
     """A streaming chat client for one server base URL (``http://host:8000/v1``).
 
@@ -250,16 +279,82 @@ class InferenceClient:
         http = httpx2.AsyncClient(limits=limits, transport=transport)
         self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                           http_client=http)
+        self._http = http
+        self._url = base_url.rstrip("/") + "/chat/completions"
+        self._headers = {"Authorization": f"Bearer {api_key}",
+                         "Content-Type": "application/json", "Accept": "application/json"}
 
     async def close(self) -> None:
         await self._client.close()
 
+    def _body(self, request: ChatRequest, **more: Any) -> bytes:
+        """The request's JSON body, as the openai client would send it."""
+        body: dict[str, Any] = {"model": request.model, "messages": request.messages,
+                                "max_tokens": request.max_tokens, **more, **request.sampling}
+        body.update(request.extra_body)
+        return json.dumps(body).encode()
+
+    async def _complete(self, request: ChatRequest, start: float,
+                        total_timeout: float) -> ChatResult:
+        """A non-streamed call: one request, one JSON body, no chunk layers.
+
+        The request is built here (the openai client's request building costs
+        more CPU than the call itself at zero latency); errors are converted as
+        the streaming path converts them. Only the total timeout applies.
+        """
+        timeout = httpx2.Timeout(total_timeout, connect=min(CONNECT_TIMEOUT, total_timeout))
+        limit = request.max_response_bytes
+        answering = False
+        try:
+            http_request = self._http.build_request(
+                "POST", self._url, content=self._body(request), headers=self._headers,
+                timeout=timeout)
+            response = await self._http.send(http_request, stream=True)
+            try:
+                answering = True
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._client._make_status_error_from_response(response)
+                parts: list[bytes] = []
+                seen = 0
+                async for data in response.aiter_raw():
+                    seen += len(data)
+                    if seen > limit:
+                        raise errors.ResponseTooLarge(
+                            f"the response passed max_response_bytes={limit:,}")
+                    parts.append(data)
+            finally:
+                await response.aclose()
+        except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
+            raise errors.TimeoutError_(
+                f"call exceeded the total timeout of {total_timeout:g} s") from exc
+        except openai.APIStatusError as exc:
+            raise _convert_status(exc) from exc
+        except (openai.APIConnectionError, httpx2.TransportError) as exc:
+            if answering:
+                raise errors.ServerError(
+                    f"the connection broke mid-response: {type(exc).__name__}: {exc}"[:2000]
+                ) from exc
+            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}"[:2000]) from exc
+        raw = b"".join(parts)
+        repairs: dict[str, int] = {}
+        try:
+            document = _parse(raw, repairs)
+        except ValueError as exc:  # JSONDecodeError: an HTML error page, a cut body
+            raise errors.ServerError(
+                f"malformed response (not a chat.completion JSON document): {raw[:200]!r}"
+            ) from exc
+        return _completion_result(document, repairs, start)
+
     async def chat(self, request: ChatRequest, *, total_timeout: float,
-                   stall_timeout: float) -> ChatResult:
-        """Stream one chat completion; raise a :class:`synthq.errors.SampleError` on failure."""
+                   stall_timeout: float, stream: bool = True) -> ChatResult:
+        """One chat completion, streamed unless ``stream`` is False (then no stall clock:
+        the answer comes in one body); raise a :class:`synthq.errors.SampleError` on failure."""
         start = time.monotonic()
         try:
             async with asyncio.timeout(total_timeout):
+                if not stream:
+                    return await self._complete(request, start, total_timeout)
                 return await self._stream(request, start, stall_timeout, total_timeout)
         except TimeoutError as exc:
             raise errors.TimeoutError_(

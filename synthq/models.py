@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -115,6 +116,9 @@ class Job(Base):
                                                     server_default=str(4 << 20))
     #: Keep answers cut by max_tokens (finish_reason=length) as done.
     keep_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: Stream each answer (the stall clock, partial progress); False: one plain
+    #: non-streamed call per sample, cheaper, with the total timeout only.
+    stream: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.ACTIVE)
     #: Where the samples came from (a path or a Hugging Face id), for people.
     dataset: Mapped[str] = mapped_column(Text, default="")

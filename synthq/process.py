@@ -254,7 +254,8 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
     call.calling = True
     try:
         result = await client(c.server, job.inflight_limit).chat(
-            request, total_timeout=job.total_timeout, stall_timeout=job.stall_timeout)
+            request, total_timeout=job.total_timeout, stall_timeout=job.stall_timeout,
+            stream=job.stream)
         _check_result(job, result)
     except asyncio.CancelledError:
         call.calling = False

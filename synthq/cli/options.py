@@ -42,6 +42,9 @@ GpuPriceOpt = Annotated[float | None, typer.Option(help="Dollars per GPU-hour: s
                         "[default: SYNTHQ_GPU_HOUR_PRICE].")]
 KeepTruncOpt = Annotated[bool, typer.Option("--keep-truncated/--drop-truncated", help="Keep "
                          "answers cut by max_tokens (finish_reason=length) as done.")]
+StreamOpt = Annotated[bool, typer.Option("--stream/--no-stream", help="Stream answers (a "
+                      "stall clock: a silent server is caught mid-answer). --no-stream: one "
+                      "plain call per sample, less CPU per sample, the total --timeout only.")]
 TemplateKwOpt = Annotated[str | None, typer.Option(help="JSON object sent as "
                           "chat_template_kwargs, e.g. '{\"enable_thinking\": true}'.")]
 ExtraBodyOpt = Annotated[str | None, typer.Option(help="JSON object of extra request fields.")]
@@ -104,7 +107,8 @@ def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
                    **inflight_settings(opts["inflight"], opts.get("max_inflight"),
                                        opts.get("min_inflight")),
                    gpus=opts.get("gpus", 1), gpu_hour_price=opts.get("gpu_hour_price"),
-                   keep_truncated=opts["keep_truncated"], tokenizer=opts["tokenizer"],
+                   keep_truncated=opts["keep_truncated"], stream=opts["stream"],
+                   tokenizer=opts["tokenizer"],
                    chat_template=template, chat_template_kwargs=kwargs,
                    max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],
                    mask=opts["mask"], think_open=_unescape(opts["think_open"]),
