@@ -6,7 +6,7 @@ third of the CPU per sample of a streamed one on short answers. Existing jobs
 keep streaming.
 
 Revision ID: 0015
-Revises: 0012
+Revises: 0014
 Create Date: 2026-11-30 23:00:00
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0015'
-down_revision: str | None = '0012'
+down_revision: str | None = '0014'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

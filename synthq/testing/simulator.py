@@ -263,6 +263,8 @@ class _Stats:
         self.prompts: dict[str, int] = {}
         #: Requests as received (``record_requests``): messages, max_tokens, tools, tool_choice.
         self.log: list[dict[str, Any]] = []
+        #: Requests that asked for a streamed answer (``"stream": true``).
+        self.streamed = 0
 
     def enter(self) -> None:
         """Count a request arriving."""
@@ -287,6 +289,7 @@ class _Stats:
             "faults": dict(self.faults),
             "disconnects": self.disconnects,
             "prompts": dict(self.prompts),
+            "streamed": self.streamed,
         }
 
 
@@ -723,6 +726,7 @@ class _ChatCompletions:
                 body = json.loads(raw)
                 stats.log.append({k: body.get(k) for k in ("messages", "max_tokens", "tools",
                                                            "tool_choice")})
+            stats.streamed += request.stream
             fault = sim.choose_fault(request)
         except _BadRequest as exc:
             stats.rejected += 1
@@ -788,6 +792,10 @@ class _ChatCompletions:
     async def _respond(self, plan: _Plan, send: Send) -> None:
         """Send a non-streamed answer; stall/reset send half the body first."""
         await self.sim.generation_delay(len(plan.reasoning) + len(plan.content))
+        if plan.fault == "html":  # a proxy's error page where the JSON document should be
+            await _send_bytes(send, 200, b"<html><body>502 Bad Gateway</body></html>",
+                              [(b"content-type", b"text/html")])
+            return
         body = self.sim.completion_body(plan)
         if plan.fault not in ("stall", "reset"):
             await _send_bytes(send, 200, body, [_JSON_CONTENT_TYPE])

@@ -262,4 +262,26 @@ def test_upload_with_regenerate_all_keeps_tool_conversations_whole(client: Any) 
     bad = client.post("/api/jobs/upload", files={"file": ("x.jsonl", io.BytesIO(b"{}\n"))},
                       data={"spec": json.dumps(spec("http://127.0.0.1:9/v1",
                                                     regenerate="every"))})
+
+
+def test_create_with_stream_false_stores_the_setting(client: Any, tmp_path: Path) -> None:
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "s.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    r = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1", name="plain",
+                                              stream=False), "path": "s.jsonl"})
+    assert r.status_code == 201, r.text
+    r = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1", name="streamed"),
+                                       "path": "s.jsonl"})
+    assert r.status_code == 201, r.text
+    with session_scope() as s:
+        assert dict(s.execute(select(Job.name, Job.stream)).tuples().all()) == {
+            "plain": False, "streamed": True}
+    bad = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1", stream="sometimes"),
+                                         "path": "s.jsonl"})
     assert bad.status_code == 422

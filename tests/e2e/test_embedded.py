@@ -143,3 +143,26 @@ def test_ctrl_c_stops_cleanly_and_resumes(simulator: Callable[..., Any], tmp_pat
     again = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert json.loads(again.stdout.strip().splitlines()[-1])["counts"]["done"] == 80
+
+
+def test_run_no_stream_retries_and_stores_the_setting(simulator: Callable[..., Any],
+                                                      tmp_path: Path) -> None:
+    """`synthq run --no-stream`: every call is a plain request, retries still happen, and
+    the job keeps the setting (a rerun without the flag streams again)."""
+    sim = simulator("--latency", "0")
+    prompts = [f"plain prompt {i}" for i in range(20)] + ["flaky [[sim:error*1]]"]
+    dataset = tmp_path / "plain.jsonl"
+    write_dataset(dataset, prompts)
+    env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
+                    SYNTHQ_BROKER_URL="")
+    result = subprocess.run(run_cmd(dataset, sim.url, "--no-stream", "--json",
+                                    "--backoff-base", "0.05", "--backoff-cap", "0.1"),
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["counts"]["done"] == len(prompts) and summary["finished"]
+    stats = sim.stats()
+    assert stats["requests"] == len(prompts) + 1 and stats["streamed"] == 0, stats
+    db = tmp_path / "data" / "synthq.db"
+    assert sqlite_rows(db, "select stream from jobs") == [(0,)]
+    assert sqlite_rows(db, "select count(*) from attempts where outcome = 'server_error'") == [(1,)]

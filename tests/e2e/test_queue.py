@@ -207,3 +207,22 @@ def test_every_turn_regenerated_through_celery_workers(
         for k in range(3):
             assert answers[k]["content"].split()[0] == conversation_tag(
                 history(prompt, answers, k))
+
+
+def test_no_stream_job_on_workers_done_once_with_retries(workers: Any,
+                                                         simulator: Callable[..., Any],
+                                                         job_factory: Callable[..., Any]) -> None:
+    """A ``stream=False`` job through real Celery workers: plain requests only, the
+    limit held, a failing first call retried, every sample written once."""
+    sim = simulator("--latency", "0.05", "--capacity", "64")
+    n = 60
+    report = job_factory([*prompts(n - 1, tag="plain"), "flaky [[sim:error*1]]"],
+                         servers=[sim.url], inflight_limit=8, stream=False)
+    workers.worker(concurrency=8)
+    workers.beat()
+    wait_for(lambda: counts(report.job_id)["done"] == n, 60,
+             f"not all done: {counts(report.job_id)}\n{workers.logs()}")
+    stats = sim.stats()
+    assert stats["streamed"] == 0 and stats["requests"] == n + 1, stats
+    assert stats["max_active"] <= 8, stats
+    assert_all_done_once(report.job_id, n, sim)

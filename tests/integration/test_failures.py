@@ -267,3 +267,75 @@ def test_a_bug_in_the_worker_hands_the_sample_back(simulator: Callable[..., Any]
     smp = only_sample(report.job_id)
     assert (smp.state, smp.error_class) == ("pending", "worker_error"), smp.error_message
     assert "a bug" in (smp.error_message or "")
+
+
+# -- --no-stream: the same executor path, one plain call per attempt ---------------------
+
+NO_STREAM_CASES = [
+    ("error*2",        {},                                           "done",   None,             3),
+    ("error",          {},                                           "failed", "server_error",   3),
+    ("rate_limit*1",   {},                                           "done",   None,             2),
+    ("reset",          {},                                           "failed", "server_error",   3),
+    ("html",           {},                                           "failed", "server_error",   3),
+    # No stall clock without a stream: a silent server is caught by the total timeout.
+    ("stall",          {"stall_timeout": 0.1, "total_timeout": 0.5}, "failed", "timeout",        3),
+    ("hang",           {"stall_timeout": 0.1, "total_timeout": 0.5}, "failed", "timeout",        3),
+    ("context_length", {},                                           "failed", "context_length", 1),
+    ("empty",          {},                                           "failed", "empty_response", 1),
+    ("length",         {},                                           "failed", "truncated",      1),
+    ("length",         {"keep_truncated": True},                     "done",   None,             1),
+]
+
+
+@pytest.mark.parametrize(("fault", "fields", "state", "error_class", "attempts"),
+                         NO_STREAM_CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in NO_STREAM_CASES])
+def test_failure_class_without_streaming(simulator: Callable[..., Any],
+                                         job_factory: Callable[..., Any], fault: str,
+                                         fields: dict[str, Any], state: str,
+                                         error_class: str | None, attempts: int) -> None:
+    """A ``stream=False`` job: the same classes, retries and attempt rows as a streamed
+    one, over non-streamed requests only."""
+    sim = simulator("--latency", "0")
+    prompt = f"tell me a story [[sim:{fault}]]"
+    report = job_factory([prompt], servers=[sim.url], max_attempts=3, stream=False, **fields)
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    assert (smp.state, smp.error_class, smp.attempts) == (state, error_class, attempts), \
+        smp.error_message
+    assert attempt_outcomes(smp.id)[-1] == ("ok" if state == "done" else error_class)
+    if state == "done":
+        assert smp.response_content and smp.finish_reason in ("stop", "length")
+        assert smp.completion_tokens and smp.completion_tokens > 0
+    stats = sim.stats()
+    assert stats["prompts"][prompt] == attempts and stats["streamed"] == 0
+
+
+def test_no_stream_has_no_stall_clock(simulator: Callable[..., Any],
+                                      job_factory: Callable[..., Any]) -> None:
+    """A first token later than the stall timeout: a streamed job counts the call as
+    stalled; a ``--no-stream`` job waits for the answer (only the total timeout bounds it)."""
+    sim = simulator("--latency", "0.6")
+    streamed = job_factory(["slow to start"], servers=[sim.url], max_attempts=1,
+                           stall_timeout=0.2, total_timeout=5.0)
+    plain = job_factory(["slow to start, no stream"], servers=[sim.url], max_attempts=1,
+                        stall_timeout=0.2, total_timeout=5.0, stream=False)
+    run_until_settled(streamed.job_id)
+    run_until_settled(plain.job_id)
+    assert only_sample(streamed.job_id).error_class == "stalled"
+    smp = only_sample(plain.job_id)
+    assert (smp.state, smp.attempts) == ("done", 1), smp.error_message
+    with session_scope() as s:
+        attempt = s.scalars(select(Attempt).where(Attempt.sample_id == smp.id)).one()
+    # One document, no first-token time: latency only.
+    assert attempt.ttft_s is None and attempt.latency_s is not None and attempt.latency_s >= 0.6
+    assert sim.stats()["streamed"] == 1
+
+
+def test_no_stream_response_over_max_bytes_fails(simulator: Callable[..., Any],
+                                                 job_factory: Callable[..., Any]) -> None:
+    sim = simulator("--latency", "0", "--response-tokens", "200")
+    report = job_factory(["a long answer please"], servers=[sim.url], max_response_bytes=1000,
+                         max_tokens=400, stream=False)
+    run_until_settled(report.job_id)
+    smp = only_sample(report.job_id)
+    assert (smp.state, smp.error_class, smp.attempts) == ("failed", "response_too_large", 1)
