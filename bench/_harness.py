@@ -201,7 +201,7 @@ class Bench:
     def __init__(self, name: str, *, redis_db: int, env: dict[str, str] | None = None,
                  keep_logs: bool = False) -> None:
         self.name = name
-        self.db_name = f"synthq_bench_{name}"
+        self.db_name = f"synthq_bench_{name}_{os.getpid()}"  # two runs side by side
         self.redis_url = f"{REDIS_BASE}/{redis_db}"
         self.extra_env = dict(env or {})
         self.keep_logs = keep_logs

@@ -23,6 +23,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,6 +260,15 @@ def _completion_result(document: Any, repairs: dict[str, int], start: float) -> 
     )
 
 
+def _body_bytes(response: httpx2.Response) -> AsyncIterator[bytes]:
+    """The body as it arrives: the raw stream (one async-generator layer less per chunk)
+    unless the server compressed it anyway (or the body is already in memory)."""
+    if not response.is_stream_consumed and \
+            response.headers.get("content-encoding", "identity") == "identity":
+        return response.aiter_raw()
+    return response.aiter_bytes()
+
+
 class InferenceClient:
     """A streaming chat client for one server base URL (``http://host:8000/v1``).
 
@@ -281,8 +291,9 @@ class InferenceClient:
                                           http_client=http)
         self._http = http
         self._url = base_url.rstrip("/") + "/chat/completions"
+        # identity: a compressed event stream would arrive in bursts, and cost a decoder.
         self._headers = {"Authorization": f"Bearer {api_key}",
-                         "Content-Type": "application/json", "Accept": "application/json"}
+                         "Content-Type": "application/json", "Accept-Encoding": "identity"}
 
     async def close(self) -> None:
         await self._client.close()
@@ -293,6 +304,27 @@ class InferenceClient:
                                 "max_tokens": request.max_tokens, **more, **request.sampling}
         body.update(request.extra_body)
         return json.dumps(body).encode()
+
+    @asynccontextmanager
+    async def _send(self, body: bytes, timeout: httpx2.Timeout
+                    ) -> AsyncIterator[httpx2.Response]:
+        """POST ``body`` to the chat endpoint on the client's pool; the response is open
+        (its body unread) inside the block and closed after. An HTTP error status is
+        raised as the openai client raises it, so both paths convert errors alike.
+
+        The request is built here, not by the openai client: its request building
+        (options, headers, transforms) cost more CPU than the rest of a short call.
+        """
+        http_request = self._http.build_request("POST", self._url, content=body,
+                                                headers=self._headers, timeout=timeout)
+        response = await self._http.send(http_request, stream=True)
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                raise self._client._make_status_error_from_response(response)
+            yield response
+        finally:
+            await response.aclose()
 
     async def _complete(self, request: ChatRequest, start: float,
                         total_timeout: float) -> ChatResult:
@@ -306,25 +338,16 @@ class InferenceClient:
         limit = request.max_response_bytes
         answering = False
         try:
-            http_request = self._http.build_request(
-                "POST", self._url, content=self._body(request), headers=self._headers,
-                timeout=timeout)
-            response = await self._http.send(http_request, stream=True)
-            try:
+            async with self._send(self._body(request), timeout) as response:
                 answering = True
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise self._client._make_status_error_from_response(response)
                 parts: list[bytes] = []
                 seen = 0
-                async for data in response.aiter_raw():
+                async for data in _body_bytes(response):
                     seen += len(data)
                     if seen > limit:
                         raise errors.ResponseTooLarge(
                             f"the response passed max_response_bytes={limit:,}")
                     parts.append(data)
-            finally:
-                await response.aclose()
         except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
             raise errors.TimeoutError_(
                 f"call exceeded the total timeout of {total_timeout:g} s") from exc
@@ -365,9 +388,6 @@ class InferenceClient:
         read_timeout = min(stall_timeout, total_timeout)
         timeout = httpx2.Timeout(read_timeout, connect=min(CONNECT_TIMEOUT, total_timeout),
                                  read=read_timeout, pool=read_timeout)
-        body = dict(request.extra_body)
-        if request.tools:
-            body.update(request.tools)
         acc = _Accumulator()
         repairs: dict[str, int] = {}
         ttft: float | None = None
@@ -375,18 +395,11 @@ class InferenceClient:
         #: The response has begun: a broken connection now is the server's fault.
         answering = False
         try:
-            async with self._client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
-                model=request.model,
-                messages=request.messages,
-                max_tokens=request.max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                timeout=timeout,
-                extra_body=body or None,
-                **request.sampling,
-            ) as response:
+            async with self._send(self._body(request, stream=True,
+                                             stream_options={"include_usage": True}),
+                                  timeout) as response:
                 answering = True
-                async for line in _sse_lines(response.http_response.aiter_bytes(),
+                async for line in _sse_lines(_body_bytes(response),
                                              request.max_response_bytes):
                     if not line.startswith(b"data:"):
                         continue  # blank separators, comments, event names
