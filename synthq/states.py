@@ -26,16 +26,18 @@ outcome, in the same transaction.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, event, exists, insert, or_, select, tuple_, update
+from sqlalchemy import and_, bindparam, case, event, exists, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import ClauseElement
 
 from synthq.enums import FINISHED, INFLIGHT, JobState, SampleState
 from synthq.models import Attempt, Job, Sample, Worker
@@ -91,11 +93,33 @@ def _exec(session: Session, statement: Any, params: Any = None) -> Any:
 
 def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
          values: dict[str, Any], *, token: str | None = None, extra: Sequence[Any] = ()) -> bool:
+    if not extra and not any(hasattr(v, "__clause_element__") or isinstance(v, ClauseElement)
+                             for v in values.values()):
+        # The hot path: one statement per shape, every value a parameter.
+        stmt = _cas_statement(tuple(sources), tuple(values), token is not None)
+        params = {f"v_{k}": v for k, v in values.items()}
+        params["cas_id"] = sample_id
+        if token is not None:
+            params["cas_token"] = token
+        return _exec(session, stmt, params).rowcount == 1  # type: ignore[no-any-return]
     conds = [Sample.id == sample_id, Sample.state.in_(sources), *extra]
     if token is not None:
         conds.append(Sample.claim == token)
     result = _exec(session, update(Sample).where(and_(*conds)).values(**values))
     return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=256)
+def _cas_statement(sources: tuple[SampleState, ...], keys: tuple[str, ...], token: bool) -> Any:
+    """``UPDATE samples SET ... WHERE id = ? AND state IN (...) [AND claim = ?]`` with every
+    value a bound parameter: the same statement object each time, so SQLAlchemy's cache
+    key and compiled form are reused (building one per write was a tenth of a worker's CPU)."""
+    columns = Sample.__table__.c
+    conds = [Sample.id == bindparam("cas_id"), Sample.state.in_(sources)]
+    if token:
+        conds.append(Sample.claim == bindparam("cas_token"))
+    return update(Sample).where(and_(*conds)).values(
+        {k: bindparam(f"v_{k}", type_=columns[k].type) for k in keys})
 
 
 def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
