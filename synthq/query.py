@@ -11,13 +11,16 @@ attempts and loss mask, samples done per minute, and the figures behind
 from __future__ import annotations
 
 import json
+import threading
+import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from synthq.db import safe_url, utcnow
@@ -269,18 +272,120 @@ class MetricsSnapshot:
     workers: dict[str, tuple[float, int, int]]
 
 
-def _histograms(session: Session, column: Any, buckets: tuple[float, ...]
-                ) -> dict[str, tuple[list[int], int, float]]:
+def _histograms(session: Session, column: Any, buckets: tuple[float, ...],
+                where: Sequence[Any] = ()) -> dict[str, tuple[list[int], int, float]]:
     cols = [func.count().filter(column <= b) for b in buckets]
     rows = session.execute(
         select(Attempt.server, *cols, func.count(column), func.coalesce(func.sum(column), 0.0))
-        .where(column.is_not(None)).group_by(Attempt.server)).all()
+        .where(column.is_not(None), *where).group_by(Attempt.server)).all()
     return {safe_url(r[0]): ([int(x) for x in r[1:1 + len(buckets)]], int(r[-2]),
                              float(r[-1])) for r in rows}
 
 
+@dataclass
+class _AttemptFigures:
+    """The ``attempts`` side of a scrape: calls, tokens and both histograms."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    latency: dict[str, tuple[list[int], int, float]] = field(default_factory=dict)
+    ttft: dict[str, tuple[list[int], int, float]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, session: Session, lo: int, hi: int | None) -> _AttemptFigures:
+        """The figures of the attempts with ``lo < id <= hi`` (one index range scan)."""
+        where = [Attempt.id > lo] + ([Attempt.id <= hi] if hi is not None else [])
+        calls = {(safe_url(server), outcome or "running"): n for server, outcome, n in
+                 session.execute(select(Attempt.server, Attempt.outcome, func.count())
+                                 .where(*where).group_by(Attempt.server, Attempt.outcome))}
+        tokens = {safe_url(server): int(n or 0) for server, n in session.execute(
+            select(Attempt.server, func.sum(Attempt.completion_tokens))
+            .where(Attempt.outcome == "ok", *where).group_by(Attempt.server))}
+        return cls(calls, tokens, _histograms(session, Attempt.latency_s, LATENCY_BUCKETS, where),
+                   _histograms(session, Attempt.ttft_s, TTFT_BUCKETS, where))
+
+    def plus(self, other: _AttemptFigures) -> _AttemptFigures:
+        def add_hist(a: dict[str, tuple[list[int], int, float]],
+                     b: dict[str, tuple[list[int], int, float]]
+                     ) -> dict[str, tuple[list[int], int, float]]:
+            out = dict(a)
+            for key, (buckets, n, total) in b.items():
+                if key in out:
+                    mine = out[key]
+                    out[key] = ([x + y for x, y in zip(mine[0], buckets, strict=True)],
+                                mine[1] + n, mine[2] + total)
+                else:
+                    out[key] = (list(buckets), n, total)
+            return out
+
+        calls, tokens = dict(self.calls), dict(self.tokens)
+        for call, n in other.calls.items():
+            calls[call] = calls.get(call, 0) + n
+        for server, t in other.tokens.items():
+            tokens[server] = tokens.get(server, 0) + t
+        return _AttemptFigures(calls, tokens, add_hist(self.latency, other.latency),
+                               add_hist(self.ttft, other.ttft))
+
+
+@dataclass
+class _Rollup:
+    """Attempts with ``id <= upto``, summed once; a scrape reads only the rows after.
+
+    ``attempts`` is insert-only, but ids are taken before their transaction
+    commits: a row with an id below the newest one may still become visible.
+    So on PostgreSQL a scrape notes the id sequence's position and the
+    snapshot's ``xmax``; once every transaction older than that ``xmax`` has
+    ended (a later snapshot's ``xmin`` passed it), no row at or below that
+    position can still appear, and it is folded in. On SQLite (one writer at a
+    time) whatever is visible is final.
+    """
+
+    upto: int = 0
+    figures: _AttemptFigures = field(default_factory=_AttemptFigures)
+    #: ``(sequence position, snapshot xmax)`` noted by earlier scrapes, oldest first.
+    marks: list[tuple[int, int]] = field(default_factory=list)
+
+
+#: One per engine (a new engine, e.g. after ``dispose_engines``, starts afresh).
+_rollups: weakref.WeakKeyDictionary[Any, _Rollup] = weakref.WeakKeyDictionary()
+_rollup_lock = threading.Lock()
+
+
+def _attempt_figures(session: Session) -> _AttemptFigures:
+    """Every attempt's figures, reading only the rows since the last safe point."""
+    bind = session.get_bind()
+    with _rollup_lock:
+        rollup = _rollups.setdefault(bind.engine, _Rollup())
+        if bind.dialect.name == "postgresql":
+            xmin, xmax, position = session.execute(text(
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint, "
+                "pg_snapshot_xmax(pg_current_snapshot())::text::bigint, "
+                "coalesce(pg_sequence_last_value("
+                "pg_get_serial_sequence('attempts', 'id')::regclass), 0)")).one()
+            if position < rollup.upto:  # the table was emptied and its ids restarted
+                rollup = _rollups[bind.engine] = _Rollup()
+            safe = [m for m in rollup.marks if m[1] <= xmin]
+            rollup.marks = [m for m in rollup.marks if m[1] > xmin][-100:]
+            rollup.marks.append((int(position), int(xmax)))
+            target = max((m[0] for m in safe), default=rollup.upto)
+        else:
+            target = int(session.scalar(select(func.coalesce(func.max(Attempt.id), 0))) or 0)
+            if target < rollup.upto:
+                rollup = _rollups[bind.engine] = _Rollup()
+        if target > rollup.upto:
+            rollup.figures = rollup.figures.plus(
+                _AttemptFigures.read(session, rollup.upto, target))
+            rollup.upto = target
+        return rollup.figures.plus(_AttemptFigures.read(session, rollup.upto, None))
+
+
 def metrics_snapshot(session: Session) -> MetricsSnapshot:
-    """What ``/metrics`` reports, read from SQL (so every process's work is counted)."""
+    """What ``/metrics`` reports, read from SQL (so every process's work is counted).
+
+    The ``attempts`` figures are cumulative counters kept in this process
+    (:class:`_Rollup`): a scrape scans the attempts since the last safe point,
+    not the whole table (the first scrape of a process reads it all once).
+    """
     samples = {(name, str(state)): n for name, state, n in session.execute(
         select(Job.name, Sample.state, func.count()).join(Sample, Sample.job_id == Job.id)
         .group_by(Job.name, Sample.state))}
@@ -290,17 +395,11 @@ def metrics_snapshot(session: Session) -> MetricsSnapshot:
         .group_by(Sample.server))}
     healthy = {safe_url(url): int(ok) for url, ok in session.execute(
         select(Server.url, Server.healthy))}
-    calls = {(safe_url(server), outcome or "running"): n for server, outcome, n in
-             session.execute(select(Attempt.server, Attempt.outcome, func.count())
-                             .group_by(Attempt.server, Attempt.outcome))}
-    tokens = {safe_url(server): int(n or 0) for server, n in session.execute(
-        select(Attempt.server, func.sum(Attempt.completion_tokens))
-        .where(Attempt.outcome == "ok").group_by(Attempt.server))}
+    attempts = _attempt_figures(session)
     workers = {w.name: (w.heartbeat_at.timestamp(), w.capacity, w.inflight)
                for w in session.scalars(select(Worker))}
-    return MetricsSnapshot(samples, inflight, healthy, calls,
-                           _histograms(session, Attempt.latency_s, LATENCY_BUCKETS),
-                           _histograms(session, Attempt.ttft_s, TTFT_BUCKETS), tokens, workers)
+    return MetricsSnapshot(samples, inflight, healthy, attempts.calls, attempts.latency,
+                           attempts.ttft, attempts.tokens, workers)
 
 
 def to_json(obj: Any) -> str:
