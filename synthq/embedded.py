@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -83,13 +84,27 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 chunk = batch[start:start + size]
                 engine.submit_batch([(d.sample_id, d.token, d.job_id) for d in chunk], pool)
 
+        status: JobStatus | None = None
+        last_tick = float("-inf")
         while True:
             if engine.writer.disk_full is not None:  # answers cannot be written: stop
                 raise DiskFull(database_location())
-            probe_due(active_servers([job_id]))
-            sweep(job_ids=[job_id])
+            # A finished sample wakes the loop: refill its slot at once. The probes,
+            # the sweep, the limit controller and the status (a dozen queries) run
+            # once per interval, or when nothing was left to dispatch (the job may
+            # be ending).
+            full = time.monotonic() - last_tick >= settings.dispatch_interval
+            if full:
+                last_tick = time.monotonic()
+                probe_due(active_servers([job_id]))
+                sweep(job_ids=[job_id])
+            queued = 0
             if not stop.is_set():
-                dispatch(publish, job_ids=[job_id])
+                queued = dispatch(publish, job_ids=[job_id])
+            if status is not None and not full and queued and not stop.is_set():
+                wake.wait(timeout=settings.dispatch_interval)
+                wake.clear()
+                continue
             adapt(job_ids=[job_id])  # --inflight auto: about once a second
             with session_scope() as s:
                 status = job_status(s, s.get_one(Job, job_id), cost=False)
