@@ -16,7 +16,11 @@ function, in this process, against that database:
   (not timed), so every tick finds the same work;
 * **status --json**: :func:`synthq.status.job_status` (what ``synthq status
   JOB --json`` prints, without the process start);
-* **/metrics**: :func:`synthq.query.metrics_snapshot` (the SQL behind a scrape).
+* **/metrics**: :func:`synthq.query.metrics_snapshot` (the SQL behind a scrape),
+  warm (this process scraped before: only the attempts since its last safe
+  point are read), ``metrics_first`` (a fresh process: the whole table once),
+  and ``metrics_full_scan`` (the attempts queries over the whole table: what
+  every scrape cost before).
 
 Run: ``python bench/scale.py`` (``--samples``, ``--attempts``, ``--repeats``).
 It takes a few minutes (most of it writing the rows).
@@ -140,7 +144,21 @@ def main() -> None:
             with session_scope() as s:
                 metrics_snapshot(s)
 
+        def metrics_first() -> None:  # a new API process: sums the whole table once
+            from synthq import query
+
+            query._rollups.clear()
+            metrics()
+
+        def full_scan() -> None:  # what every scrape cost before the rollup
+            from synthq.query import _AttemptFigures
+
+            with session_scope() as s:
+                _AttemptFigures.read(s, 0, None)
+
         for name, fn, after in (("dispatch_tick", tick, put_back), ("status", status, None),
+                                ("metrics_full_scan", full_scan, None),
+                                ("metrics_first", metrics_first, None),
                                 ("metrics", metrics, None)):
             fn()  # warm: caches, compiled statements
             if after:
