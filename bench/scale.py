@@ -107,9 +107,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--attempts", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--redis-db", type=int, default=9, help="flushed; nothing else uses it")
     args = ap.parse_args()
     figures: dict[str, Any] = {"samples": args.samples}
-    with Bench("scale", redis_db=9, env={"SYNTHQ_BROKER_URL": ""}):
+    with Bench("scale", redis_db=args.redis_db, env={"SYNTHQ_BROKER_URL": ""}):
         from sqlalchemy import func, select, update
 
         from synthq.db import session_scope
