@@ -27,12 +27,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpcore2
+
 # openai reads sys.modules["httpx"] on every response (its legacy-httpx shims): a
 # first `import httpx` in another thread (a health probe, huggingface_hub) while
 # calls run would show them a half-imported module (AttributeError, calls lost,
 # issue 18). Imported here, before any call can run, it is never half-imported.
 import httpx  # noqa: F401
-import httpcore2
 import httpx2
 import openai
 
@@ -234,6 +235,21 @@ class _Accumulator:
                 for i, c in sorted(self.calls.items())]
 
 
+def _tool_calls(calls: Any, repairs: dict[str, int]) -> list[dict[str, Any]] | None:
+    """A non-streamed message's ``tool_calls``, in the form the streamed path builds."""
+    if not calls or not isinstance(calls, list):
+        return None
+    out = []
+    for i, call in enumerate(c for c in calls if isinstance(c, dict)):
+        function = call.get("function") or {}
+        out.append({"id": storable(str(call.get("id") or ""), repairs) or f"call_{i}",
+                    "type": "function",
+                    "function": {"name": storable(str(function.get("name") or ""), repairs) or "",
+                                 "arguments": storable(str(function.get("arguments") or ""),
+                                                       repairs) or ""}})
+    return out or None
+
+
 def _completion_result(document: Any, repairs: dict[str, int], start: float) -> ChatResult:
     """A non-streamed ``chat.completion`` document as a :class:`ChatResult`."""
     choices = document.get("choices") if isinstance(document, dict) else None
@@ -259,6 +275,7 @@ def _completion_result(document: Any, repairs: dict[str, int], start: float) -> 
         completion_token_ids=list(ids) if ids else None,
         latency_s=time.monotonic() - start,
         ttft_s=None,  # the whole answer arrives at once: no first-token time to measure
+        tool_calls=_tool_calls(message.get("tool_calls"), repairs),
         repairs=repairs or None,
     )
 
@@ -345,6 +362,8 @@ class InferenceClient:
         body: dict[str, Any] = {"model": request.model, "messages": request.messages,
                                 "max_tokens": request.max_tokens, **more, **request.sampling}
         body.update(request.extra_body)
+        if request.tools:
+            body.update(request.tools)
         return json.dumps(body).encode()
 
     @asynccontextmanager
@@ -407,9 +426,8 @@ class InferenceClient:
         except (openai.APIConnectionError, httpx2.TransportError) as exc:
             if answering:
                 raise errors.ServerError(
-                    f"the connection broke mid-response: {type(exc).__name__}: {exc}"[:2000]
-                ) from exc
-            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}"[:2000]) from exc
+                    f"the connection broke mid-response: {_describe(exc)}"[:2000]) from exc
+            raise errors.ConnectionFailed(_describe(exc)[:2000]) from exc
         raw = b"".join(parts)
         repairs: dict[str, int] = {}
         try:

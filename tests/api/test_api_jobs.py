@@ -262,6 +262,7 @@ def test_upload_with_regenerate_all_keeps_tool_conversations_whole(client: Any) 
     bad = client.post("/api/jobs/upload", files={"file": ("x.jsonl", io.BytesIO(b"{}\n"))},
                       data={"spec": json.dumps(spec("http://127.0.0.1:9/v1",
                                                     regenerate="every"))})
+    assert bad.status_code == 422
 
 
 def test_create_with_stream_false_stores_the_setting(client: Any, tmp_path: Path) -> None:
