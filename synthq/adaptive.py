@@ -33,8 +33,10 @@ free slot, not those that waited for one):
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
   97 % (×0.9); then three ticks without another cut or growth;
-* **holds**: vLLM reports requests waiting, or the limit is not in use (too
-  little work to tell whether more would help).
+* **holds**: vLLM reports requests waiting, or the limit is not in use: too
+  little work to tell whether more would help, or the calls did not really run
+  at that level (Little's law over the window: the ok calls' summed latency ÷
+  the window is under 70 % of the limit).
 
 It never goes above the cap (``--max-inflight``) nor below the floor
 (``--min-inflight``).
