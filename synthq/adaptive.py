@@ -33,8 +33,10 @@ free slot, not those that waited for one):
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
   97 % (×0.9); then three ticks without another cut or growth;
-* **holds**: vLLM reports requests waiting, or the limit is not in use (too
-  little work to tell whether more would help).
+* **holds**: vLLM reports requests waiting, or the limit is not in use: too
+  little work to tell whether more would help, or the calls did not really run
+  at that level (Little's law over the window: the ok calls' summed latency ÷
+  the window is under 70 % of the limit).
 
 It never goes above the cap (``--max-inflight``) nor below the floor
 (``--min-inflight``).
@@ -121,6 +123,9 @@ class Window:
     seconds: float = WINDOW_SECONDS
     #: Unix time of the tick.
     now: float = 0.0
+    #: Calls the server actually held on average over the window (Little's law: the
+    #: ok calls' summed latency ÷ the window); None: unknown.
+    concurrency: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -210,7 +215,10 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         st["base_tpot"] = _drift(st.get("base_tpot"), w.tpot_s)
     ratio = lpt / base if base > 0 else 1.0
     gradient = max(0.5, min(1.0, 1.0 / ratio))
-    in_use = w.inflight >= 0.7 * limit
+    # In use: the dispatcher filled the limit, and the calls really ran at that level
+    # (samples queued on our side, not yet calling, do not load the server).
+    in_use = w.inflight >= 0.7 * limit and (w.concurrency is None
+                                            or w.concurrency >= 0.7 * limit)
     base_ttft = st.get("base_ttft")
     ttft_ratio = w.ttft_s / base_ttft if w.ttft_s is not None and base_ttft else 1.0
 
@@ -324,6 +332,7 @@ def _window(session: Session, url: str, now: datetime, limit: int, inflight: int
         .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(2000)).all()
     ok = tokens = overload = timeouts = fresh = 0
     latency = 0.0
+    busy = 0.0
     ttfts: list[float] = []
     tpots: list[float] = []
     latency_known = 0.0
@@ -339,6 +348,7 @@ def _window(session: Session, url: str, now: datetime, limit: int, inflight: int
             continue
         ok += 1
         tokens += ntok or 0
+        busy += lat or 0.0
         if started.timestamp() < since:
             continue
         fresh += 1
@@ -360,7 +370,8 @@ def _window(session: Session, url: str, now: datetime, limit: int, inflight: int
                   ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
                   tpot_s=sum(tpots) / len(tpots) if tpots else None,
                   latency_per_token=lpt, overload=overload, timeouts=timeouts,
-                  seconds=seconds, now=now.timestamp())
+                  seconds=seconds, now=now.timestamp(),
+                  concurrency=busy / seconds if ok else None)
 
 
 def auto_servers(session: Session, job_ids: Sequence[int] | None = None
