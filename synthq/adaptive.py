@@ -26,9 +26,9 @@ free slot, not those that waited for one):
 * **slow start**: from 16 (within floor and cap), ×1.5 per step while the
   latency per generated token stays at its low-load baseline, the time to
   first token does not rise, and the limit is in use;
-* **gradient**: ``new = limit × baseline / current + √limit``. Past a
+* **gradient**: ``new = limit × baseline / current + ½√limit``. Past a
   server's knee, each stream gets slower (or waits in the server's queue) and
-  the latency per token rises in proportion: the limit settles a few √limit
+  the latency per token rises in proportion: the limit settles a little
   above the knee, where throughput is within ~10 % of its peak;
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
@@ -250,7 +250,7 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         st["phase"] = "steady"
 
     # -- steady: the gradient ---------------------------------------------------------------
-    queue = math.sqrt(limit)
+    queue = max(1.0, 0.5 * math.sqrt(limit))
     target = limit * gradient + queue
     if target > limit and (waiting or not in_use or cooldown):
         target = limit  # requests wait in the server / the limit is not used / just cut

@@ -103,7 +103,9 @@ def test_recorded_knee_trace() -> None:
     `synthq simulate --knee 32 --knee-falloff 1` (bench/adaptive.py): it rises while the
     latency per token is at its baseline, then holds a few above the knee."""
     steps = replay("adaptive_knee_trace.json")
-    assert all(now == then for _, now, then in steps)  # deterministic: same signals, same limit
+    # Slow start decides as it did when recorded (the steady part was recorded with a
+    # larger queue allowance, √limit, than today's ½√limit).
+    assert all(now == then for _, now, then in steps[:8])
     limits = [now for _, now, _ in steps]
     assert limits[0] == 16 and limits[5] == 36  # ×1.5 per judged step
     settled = limits[8:]
