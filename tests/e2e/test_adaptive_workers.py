@@ -25,8 +25,8 @@ SAMPLE = text("""SELECT (SELECT count(*) FROM samples WHERE server = :u
 
 def test_two_workers_auto_limit_moves_and_the_exact_limit_holds(
         workers: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
-    # 12 slots, ~0.8 s answers: the limit rises from 8 past 12, and comes down on 429s.
-    sim = simulator("--capacity", "12", "--latency", "0.3", "--tokens-per-second", "20",
+    # 24 slots, ~1.3 s answers: the limit rises from 16, and comes down on 429s.
+    sim = simulator("--capacity", "24", "--latency", "0.3", "--tokens-per-second", "10",
                     "--response-tokens", "10")
     n, cap = 160, 48
     # A few prompts answered 429 once, half-way: the limit must come down sharply.
