@@ -6,7 +6,7 @@ existing row keeps its behaviour: last-turn regeneration, no tools, the job's
 own settings.
 
 Revision ID: 0011
-Revises: 0012
+Revises: 0010
 Create Date: 2026-11-30 22:50:00
 """
 
@@ -19,7 +19,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = '0011'
-down_revision: str | None = '0012'
+down_revision: str | None = '0010'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -5,7 +5,7 @@ change, the controller's state and a short history in the ``servers`` row
 every dispatcher reads; jobs record whether they follow it, their floor, and
 the GPUs and GPU-hour price the cost report uses.
 
-Revision ID: 0012
+Revision ID: 0010
 Revises: 0009
 Create Date: 2026-11-30 22:40:00
 """
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision: str = '0012'
+revision: str = '0010'
 down_revision: str | None = '0009'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
