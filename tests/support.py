@@ -159,3 +159,18 @@ def wait_worker_live(n: int = 1, timeout: float = 30) -> None:
             return (s.scalar(select(func.count()).select_from(Worker)) or 0) >= n
 
     wait_for(live, timeout, "no worker registered")
+
+
+def sqlite_rows(db: Path, query: str) -> list[tuple[Any, ...]]:
+    """Rows of ``query`` on an embedded run's SQLite file, read-only; [] before it exists."""
+    import sqlite3
+
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return conn.execute(query).fetchall()
+    except sqlite3.OperationalError:  # tables not created yet
+        return []
+    finally:
+        conn.close()

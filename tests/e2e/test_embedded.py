@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, wait_for
+from support import REPO, Proc, child_env, sqlite_rows, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -25,18 +24,6 @@ def write_dataset(path: Path, prompts: list[str], bad_rows: list[str] = ()) -> N
             if i == 3:
                 for bad in bad_rows:
                     fh.write(bad + "\n")
-
-
-def sqlite_rows(db: Path, query: str) -> list[tuple]:
-    if not db.exists():
-        return []
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return conn.execute(query).fetchall()
-    except sqlite3.OperationalError:  # tables not created yet
-        return []
-    finally:
-        conn.close()
 
 
 def run_cmd(dataset: Path, server: str, *extra: str) -> list[str]:

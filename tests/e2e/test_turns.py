@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, wait_for
+from support import REPO, Proc, child_env, sqlite_rows, wait_for
 
 from synthq.testing.simulator import conversation_tag
 from synthq.turns import history
@@ -22,20 +22,6 @@ pytestmark = pytest.mark.e2e
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object",
                                           "properties": {"city": {"type": "string"}}}}}]
-
-
-def sqlite_rows(db: Path, query: str) -> list[tuple[Any, ...]]:
-    import sqlite3
-
-    if not db.exists():
-        return []
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-    try:
-        return conn.execute(query).fetchall()
-    except sqlite3.OperationalError:  # tables not created yet
-        return []
-    finally:
-        conn.close()
 
 
 def synthq(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

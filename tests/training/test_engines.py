@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from synthq.db import session_scope, utcnow
-from synthq.models import Job, TrainingRun
+from synthq.models import TrainingRun
 
 torch = pytest.importorskip("torch")
 
-from training_support import greedy_examples  # noqa: E402
+from training_support import get_run, greedy_examples, start_run  # noqa: E402
 from vllm_reference import RefDrafter  # noqa: E402
 
 
@@ -190,22 +190,10 @@ FAST = dict(draft_vocab_size=64, batch_size=4, lr=1e-2, warmup_ratio=0.05, seed=
 
 
 def _run(job_id: int, target: Path, **settings: Any) -> int:
-    from synthq.training.config import TrainConfig
-    from synthq.training.runs import new_run
-
-    with session_scope() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        return new_run(s, job, target=str(target), config=TrainConfig(**{**FAST, **settings}),
-                       trigger="manual").id
+    return start_run(job_id, target, **{**FAST, **settings})
 
 
-def _get(run_id: int) -> TrainingRun:
-    with session_scope() as s:
-        run = s.get(TrainingRun, run_id)
-        assert run is not None
-        s.expunge(run)
-        return run
+_get = get_run
 
 
 @pytest.mark.integration

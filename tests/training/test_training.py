@@ -15,7 +15,7 @@ from synthq.models import Job, TrainingRun
 
 torch = pytest.importorskip("torch")
 
-from training_support import greedy_examples  # noqa: E402
+from training_support import get_run, greedy_examples, start_run  # noqa: E402
 from vllm_reference import RefDrafter, ref_speculate  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,22 +26,10 @@ FAST = dict(draft_vocab_size=64, batch_size=4, epochs=20, lr=1e-2, warmup_ratio=
 
 
 def _run(job_id: int, target: Path, **settings: Any) -> int:
-    from synthq.training.config import TrainConfig
-    from synthq.training.runs import new_run
-
-    with session_scope() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        return new_run(s, job, target=str(target), config=TrainConfig(**{**FAST, **settings}),
-                       trigger="manual").id
+    return start_run(job_id, target, **{**FAST, **settings})
 
 
-def _get(run_id: int) -> TrainingRun:
-    with session_scope() as s:
-        run = s.get(TrainingRun, run_id)
-        assert run is not None
-        s.expunge(run)
-        return run
+_get = get_run
 
 
 def _step0_accuracy(target: Any, drafter: Any, examples: list[Any]) -> float:

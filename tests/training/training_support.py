@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from synthq.db import session_scope
+from synthq.models import Job, TrainingRun
 
 VOCAB = 96
 
@@ -38,3 +42,24 @@ def greedy_examples(target: Any, n: int, *, new_tokens: int = 40, seed: int = 0
         ids = seq[0].tolist()
         out.append((ids, [0] * plen + [1] * (len(ids) - plen)))
     return out
+
+
+def start_run(job_id: int, target: Path, **settings: Any) -> int:
+    """A manual training run of ``job_id`` on ``target``; ``settings`` are its TrainConfig."""
+    from synthq.training.config import TrainConfig
+    from synthq.training.runs import new_run
+
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return new_run(s, job, target=str(target), config=TrainConfig(**settings),
+                       trigger="manual").id
+
+
+def get_run(run_id: int) -> TrainingRun:
+    """The run's row, detached from its session."""
+    with session_scope() as s:
+        run = s.get(TrainingRun, run_id)
+        assert run is not None
+        s.expunge(run)
+        return run
