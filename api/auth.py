@@ -20,6 +20,7 @@ from typing import Annotated
 
 from fastapi import Depends, Form, HTTPException, Request, Security, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from api.config import ApiSettings, api_settings
 
@@ -94,15 +95,20 @@ def _has_session(request: Request, settings: ApiSettings) -> bool:
     return session_of(request) is not None
 
 
-def require_token(request: Request, credentials: Annotated[
+async def require_token(request: Request, credentials: Annotated[
         HTTPAuthorizationCredentials | None, Security(_bearer_scheme)] = None) -> None:
-    """The API's routes: a bearer token, or the page's session cookie for reads."""
+    """The API's routes: a bearer token, or the page's session cookie for reads.
+
+    Async, so that the usual case (a token: no I/O) costs no trip to a worker
+    thread; only a cookie's database lookup goes to one.
+    """
     settings = api_settings()
     if not settings.auth_enabled:
         return
     if credentials is not None and check_token(settings, credentials.credentials):
         return
-    if request.method in ("GET", "HEAD") and _has_session(request, settings):
+    if request.method in ("GET", "HEAD") and COOKIE in request.cookies and \
+            await run_in_threadpool(_has_session, request, settings):
         return
     raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong bearer token",
                         headers={"WWW-Authenticate": "Bearer"})
