@@ -27,6 +27,7 @@ What it does not change:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Hashable
 
@@ -52,7 +53,7 @@ class Coalescer:
             self._prune(now)
             task = asyncio.ensure_future(run_in_threadpool(compute))
             entry = self._entries[key] = (now, task)
-            task.add_done_callback(lambda t, key=key: self._forget_failed(key, t))
+            task.add_done_callback(functools.partial(self._forget_failed, key))
         # shield: a client that hangs up cancels its own wait, not the shared computation.
         return await asyncio.shield(entry[1])
 

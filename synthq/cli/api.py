@@ -44,6 +44,16 @@ def api(
         except ValueError as exc:
             raise fail(f"{exc}: the API refuses to start without a real token "
                        "(--dev or SYNTHQ_API_DEV=1 for development)") from None
+    from pydantic import ValidationError
+
+    from api.config import ApiSettings
+
+    try:
+        ApiSettings()
+    except ValidationError as exc:  # e.g. SYNTHQ_API_SESSION_HOURS=abc: one line, not a traceback
+        first = exc.errors()[0]
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        raise fail(f"invalid setting SYNTHQ_{str(first['loc'][0]).upper()}: {reason}") from None
     # The API must not import torch; transformers would whenever it is installed.
     os.environ["SYNTHQ_API_HIDE_TORCH"] = "1"
     import uvicorn

@@ -9,7 +9,6 @@ import threading
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from synthq.cli import (
     JsonOpt,
@@ -17,6 +16,7 @@ from synthq.cli import (
     console,
     ensure_db,
     err,
+    escape,
     fail,
     warn,
 )

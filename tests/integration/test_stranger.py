@@ -146,9 +146,10 @@ def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) 
     assert json.loads(fast.stdout)[0]["pending"] == 2
     code = ("import sys; from synthq.cli import app\n"
             "app(['jobs', '--json'], standalone_mode=False)\n"
-            "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules)")
+            "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules,\n"
+            "      'rich.console' in sys.modules)")
     base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
                             capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
                             timeout=60)
-    assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "False False False", result.stdout + result.stderr
