@@ -27,6 +27,7 @@ if os.environ.get("SYNTHQ_API_HIDE_TORCH") == "1" and "torch" not in sys.modules
 
 from api import metrics  # noqa: E402
 from api.auth import NotLoggedIn, TokenDep  # noqa: E402
+from api.coalesce import Coalescer  # noqa: E402
 from api.config import api_settings  # noqa: E402
 from api.guard import RETRY_AFTER_S, Guard, outage  # noqa: E402
 from api.routes import exports, jobs, samples, system, ui  # noqa: E402
@@ -75,8 +76,9 @@ def create_app() -> FastAPI:
     app = FastAPI(title="synthq", version="1", description=DESCRIPTION, lifespan=_lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics.registry()
+    app.state.reads = Coalescer()
     app.add_middleware(Guard, upload_limit=lambda: api_settings().api_upload_max_bytes,
-                       slots=db_slots())
+                       slots=db_slots(), on_write=app.state.reads.invalidate)
     app.include_router(system.public)
     app.include_router(system.private)
     for router in (jobs.router, samples.router, exports.router):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from synthq.config import get_settings
@@ -27,6 +28,20 @@ class ApiSettings(BaseSettings):
     api_secure_cookie: bool = False
     #: Hours a job-page login lasts.
     api_session_hours: float = 12.0
+
+    @field_validator("api_session_hours")
+    @classmethod
+    def _hours(cls, value: float) -> float:
+        if not math.isfinite(value) or not 0 < value <= 24 * 366:
+            raise ValueError("must be a number of hours, more than 0 and at most 8784 (a year)")
+        return value
+
+    @field_validator("api_upload_max_bytes")
+    @classmethod
+    def _upload_max(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be a positive number of bytes")
+        return value
 
     def check(self) -> None:
         """Refuse to start without a real token, unless in development mode."""

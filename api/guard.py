@@ -15,6 +15,8 @@ One plain ASGI middleware (no per-request thread), in this order:
   worker thread waiting for a connection that only another request, itself
   waiting for a thread, could give back: the deadlock that made 100
   concurrent ``GET /api/jobs`` fail with 500 after 30 s.
+* **Writes**: when a request other than a read ends, ``on_write`` is called
+  (the app forgets its shared reads, :mod:`api.coalesce`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
 #: Paths that never touch the database (no slot needed). Any other may, if only to
 #: look up a session cookie.
 _NO_DB = ("/health",)
+#: Methods that change nothing; any other request ends by calling ``on_write``.
+_READS = ("GET", "HEAD", "OPTIONS")
 
 
 class BodyTooLarge(HTTPException):
@@ -73,8 +77,9 @@ class Guard:
     """The middleware; ``upload_limit`` is read per request (settings may change)."""
 
     def __init__(self, app: ASGIApp, *, upload_limit: Callable[[], int], slots: int,
-                 wait_s: float = 30.0) -> None:
+                 wait_s: float = 30.0, on_write: Callable[[], None] = lambda: None) -> None:
         self.app = app
+        self.on_write = on_write
         self.upload_limit = upload_limit
         self.slots = slots
         self.wait_s = wait_s
@@ -129,17 +134,24 @@ class Guard:
                                (b"retry-after", str(RETRY_AFTER_S).encode())))
             return
         status = 500
+        write = scope["method"] not in _READS
 
         async def watch(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if write:
+                    # Committed (routes commit before answering): a read the client sends
+                    # once it has this answer must not get a result shared from before.
+                    self.on_write()
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         finally:
             self._sem.release()
+            if write:
+                self.on_write()  # and once more at the end, whatever happened
         if status < 500:
             outage.ok()
 

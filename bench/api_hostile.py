@@ -4,11 +4,12 @@ Starts ``synthq api`` (``--python`` picks another checkout's interpreter, to
 compare before/after in one run) against a fresh PostgreSQL database, then:
 
 * ``--concurrency`` (default 200) concurrent ``GET /api/jobs`` and as many
-  ``GET /metrics``: status codes and p50/p99 latency;
+  ``GET /metrics``, each on its own connection: status codes, p50/p99 latency,
+  and the CPU seconds the API process and this client used meanwhile;
 * an upload of a gzip (~1 MB) that inflates to a 1 GB single line, and one of a
   300 MB single line: status code, and the API process's peak RSS (VmHWM).
 
-Run: ``python bench/api_hostile.py [--concurrency 200]``; against another checkout:
+Run: ``python bench/api_hostile.py [--concurrency 200] [--skip-uploads]``; against another checkout:
 ``--repo /work/main --python /work/main/.venv/bin/python``.
 """
 
@@ -18,6 +19,8 @@ import argparse
 import asyncio
 import io
 import json
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -33,6 +36,12 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SPEC = json.dumps({"model": "m", "servers": ["http://127.0.0.1:9/v1"]})
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -40,9 +49,27 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def concurrent(url: str, n: int) -> dict[str, object]:
+async def raw_get(port: int, path: str) -> tuple[int, float]:
+    """One GET on its own connection, with asyncio streams: (status, seconds).
+
+    Not httpx: with 400 requests at once, httpx's own CPU (~10 ms a request,
+    4+ s in all, in this one process) would be what the latency measured.
+    """
+    t = time.monotonic()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}"
+                     f"\r\nConnection: close\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.read(), 120)  # to EOF: the whole answer
+        writer.close()
+        return int(answer.split(b" ", 2)[1]), time.monotonic() - t
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return 0, time.monotonic() - t
+
+
+async def httpx_gets(url: str, paths: list[str]) -> list[tuple[int, float]]:
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120,
-                                 limits=httpx.Limits(max_connections=2 * n)) as c:
+                                 limits=httpx.Limits(max_connections=len(paths))) as c:
         async def one(path: str) -> tuple[int, float]:
             t = time.monotonic()
             try:
@@ -51,8 +78,16 @@ async def concurrent(url: str, n: int) -> dict[str, object]:
             except httpx.HTTPError:
                 return 0, time.monotonic() - t
 
-        results = await asyncio.gather(*(one(p) for _ in range(n)
-                                         for p in ("/api/jobs", "/metrics")))
+        return await asyncio.gather(*(one(p) for p in paths))
+
+
+async def concurrent(url: str, n: int, client: str) -> dict[str, object]:
+    paths = [p for _ in range(n) for p in ("/api/jobs", "/metrics")]
+    if client == "httpx":
+        results = await httpx_gets(url, paths)
+    else:
+        port = int(url.rpartition(":")[2])
+        results = await asyncio.gather(*(raw_get(port, p) for p in paths))
     codes: dict[int, int] = {}
     for code, _ in results:
         codes[code] = codes.get(code, 0) + 1
@@ -89,8 +124,14 @@ def main() -> None:
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent),
                     help="The checkout whose api/ and synthq/ the API runs.")
     ap.add_argument("--line-mb", type=int, default=300)
+    ap.add_argument("--skip-uploads", action="store_true",
+                    help="Only the concurrent reads (no gzip bomb, no 300 MB line).")
+    ap.add_argument("--redis-db", type=int, default=11)
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="raw: one asyncio connection per request (cheap, the default); "
+                         "httpx: an AsyncClient (its own CPU dominates at 400 requests).")
     args = ap.parse_args()
-    with Bench("api_hostile", redis_db=11) as b:
+    with Bench("api_hostile", redis_db=args.redis_db) as b:
         port = free_port()
         env = {**b.child_env(), "SYNTHQ_API_TOKEN": TOKEN, "SYNTHQ_API_HIDE_TORCH": "1",
                "PYTHONPATH": args.repo}
@@ -103,7 +144,15 @@ def main() -> None:
             for i in range(3):
                 upload(url, f"seed{i}.jsonl", b'{"prompt": "hi"}\n')
             figures: dict[str, object] = {"repo": args.repo}
-            figures["concurrent"] = asyncio.run(concurrent(url, args.concurrency))
+            api_cpu, own = cpu_s(api.proc.pid), resource.getrusage(resource.RUSAGE_SELF)
+            figures["concurrent"] = asyncio.run(concurrent(url, args.concurrency, args.client))
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            figures["concurrent_cpu_s"] = {
+                "api": round(cpu_s(api.proc.pid) - api_cpu, 2),
+                "client": round(after.ru_utime + after.ru_stime - own.ru_utime - own.ru_stime, 2)}
+            if args.skip_uploads:
+                summary("api_hostile", figures)
+                return
             base = peak_rss_mb(api.proc.pid)
             figures["rss_before_uploads_mb"] = round(base, 1)
             t = time.monotonic()

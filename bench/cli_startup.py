@@ -3,7 +3,8 @@
 Each command runs ``--repeats`` times (default 7) as a fresh process in a
 fresh directory; the figure is the median user + system CPU seconds (from
 ``resource.getrusage(RUSAGE_CHILDREN)``), and the ratio to the bare Typer app
-measured in the same run. Commands: ``synthq --help``, ``synthq jobs --json``
+measured in the same run (also shown: the bare app running its command, for
+reference). Commands: ``synthq --help``, ``synthq jobs --json``
 and ``synthq status JOB --json`` against a SQLite database holding one job
 (the embedded default), and ``synthq status JOB --json`` against PostgreSQL
 when ``--pg`` is given (e.g. ``postgresql+psycopg://postgres@127.0.0.1/postgres``
@@ -70,6 +71,9 @@ def main() -> None:
                    capture_output=True, timeout=120)
     commands = {
         "bare typer app --help": [sys.executable, "bare.py", "--help"],
+        # Its command instead of --help: typer imports pydantic (parameter adapters) but
+        # not rich (help): the floor of any command, shown for reference.
+        "bare typer app hello": [sys.executable, "bare.py", "hello"],
         "synthq --help": [*synthq, "--help"],
         "synthq jobs --json": [*synthq, "jobs", "--json"],
         "synthq status bench --json": [*synthq, "status", "bench", "--json"],

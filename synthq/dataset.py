@@ -760,6 +760,35 @@ def _split_hf_id(source: str) -> tuple[str, str]:
     return name, split
 
 
+#: Seconds the Hugging Face Hub has to answer before a dataset id is given up on.
+HUB_TIMEOUT_S = 5.0
+
+
+def _check_hub_reachable(source: str, name: str) -> None:
+    """Fail in seconds, not after the Hub client's ~30 s of retries, when the Hub does not
+    answer; and say that no local file of that name was found (often the real mistake).
+
+    Only a transport failure stops here: any HTTP answer (even 401 or 404 for a private
+    dataset) goes on to ``datasets``, which has the token and its own messages. Offline
+    mode (HF_HUB_OFFLINE=1) reads the local cache and is not checked.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+            os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return
+    import httpx
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        httpx.head(f"{endpoint}/api/datasets/{name}", timeout=HUB_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DatasetError(
+            f"no local file or folder named {source!r}, and the Hugging Face Hub "
+            f"({endpoint}) did not answer within {HUB_TIMEOUT_S:g} s to load it as a dataset "
+            f"id: {reason}; check the path, or the network (HF_HUB_OFFLINE=1 uses the "
+            "local cache)") from None
+
+
 def _iter_hf(source: str) -> Iterator[_Record]:
     """Open a Hugging Face dataset (eagerly) and return an iterator of records."""
     if importlib.util.find_spec("datasets") is None:
@@ -768,9 +797,10 @@ def _iter_hf(source: str) -> Iterator[_Record]:
             "dataset id either, because the 'datasets' package is not installed "
             "(pip install datasets)"
         )
+    name, split = _split_hf_id(source)
+    _check_hub_reachable(source, name)
     import datasets
 
-    name, split = _split_hf_id(source)
     try:
         dataset = datasets.load_dataset(name, split=split, streaming=True)
     except Exception as exc:  # noqa: BLE001 - any loader failure is a source error

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import httpx
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -21,6 +21,11 @@ from sqlalchemy.orm import Session
 
 from synthq.db import session_scope, utcnow
 from synthq.models import Server
+
+if TYPE_CHECKING:
+    # Imported where a probe runs: `synthq status` reads only the table (unhealthy()),
+    # and importing httpx costs it ~15 % of its start-up CPU.
+    import httpx
 
 __all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy", "served_models",
            "check_model"]
@@ -41,6 +46,8 @@ def health_url(base_url: str) -> str:
 
 def probe(base_url: str, client: httpx.Client) -> str | None:
     """None when the server is healthy, else what went wrong."""
+    import httpx
+
     try:
         response = client.get(health_url(base_url), timeout=PROBE_TIMEOUT)
     except httpx.HTTPError as exc:
@@ -73,6 +80,8 @@ def check_model(servers: Iterable[str], model: str, *,
     naming the ones it serves. A server that cannot be reached may come up
     later: that is a warning, returned as a line to print.
     """
+    import httpx
+
     from synthq.errors import UserError
 
     client = client or _shared_client()
@@ -114,6 +123,8 @@ _client: httpx.Client | None = None
 
 def _shared_client() -> httpx.Client:
     """One client per process: making one builds an SSL context (milliseconds of CPU)."""
+    import httpx
+
     global _client
     if _client is None:
         _client = httpx.Client()

@@ -365,8 +365,42 @@ async def _tokenization_failed(c: Claimed, exc: errors.PermanentError, writer: W
     return Outcome.SKIPPED if skip else Outcome.FAILED
 
 
+def wrong_base_url(server: str, exc: errors.SampleError) -> str | None:
+    """The hint when ``exc`` says ``server`` is not the OpenAI base URL, else None.
+
+    A URL without ``/v1`` (``http://host:8000``) makes every call a 404, and a
+    server without a ``/models`` route gives the model check at enqueue
+    nothing to go on: the first 404 is the first sign.
+    """
+    if not isinstance(exc, errors.BadRequest) or not str(exc).startswith("HTTP 404"):
+        return None
+    base = server.rstrip("/")
+    if base.endswith("/v1"):
+        return None
+    return (f"server {server} answered 404 for /chat/completions: is it the OpenAI base URL, "
+            f"ending in /v1 (e.g. --server {base}/v1)?")
+
+
+async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
+                      writer: Writer) -> Outcome:
+    """Pause the job and give the call back, instead of failing every sample with a 404."""
+    from synthq.enums import JobState
+
+    def record(s: Session, now: datetime) -> bool:
+        states.set_job_state(s, c.job_id, JobState.PAUSED, now=now)
+        return states.retry(s, c.sample_id, c.token, now=now, next_attempt_at=now,
+                            error_class="bad_request", error_message=hint, attempt=attempt,
+                            charge=False)
+
+    log.warning("job %s paused: %s", c.job_id, hint)
+    return Outcome.RETRY if await _write(writer, c, record) else Outcome.LOST
+
+
 async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
                    writer: Writer) -> Outcome:
+    hint = wrong_base_url(c.server, exc)
+    if hint is not None:
+        return await _wrong_base(c, hint, attempt, writer)
     message = str(exc)
     if _multi(job, c):  # which turn, for the person who requeues it
         message = f"turn {c.turn + 1} of {c.turn_count}: {message}"

@@ -44,6 +44,16 @@ def api(
         except ValueError as exc:
             raise fail(f"{exc}: the API refuses to start without a real token "
                        "(--dev or SYNTHQ_API_DEV=1 for development)") from None
+    from pydantic import ValidationError
+
+    from api.config import ApiSettings
+
+    try:
+        ApiSettings()
+    except ValidationError as exc:  # e.g. SYNTHQ_API_SESSION_HOURS=abc: one line, not a traceback
+        first = exc.errors()[0]
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        raise fail(f"invalid setting SYNTHQ_{str(first['loc'][0]).upper()}: {reason}") from None
     # The API must not import torch; transformers would whenever it is installed.
     os.environ["SYNTHQ_API_HIDE_TORCH"] = "1"
     import uvicorn
@@ -86,11 +96,24 @@ def flower(
             for pair in pairs:
                 user, sep, password = pair.partition(":")
                 if not user or not sep:
-                    raise ValueError("FLOWER_BASIC_AUTH must be user:password")
+                    raise ValueError("FLOWER_BASIC_AUTH must be user:password (several: "
+                                     "comma-separated, so a password may not hold a comma)")
                 check_secret("the FLOWER_BASIC_AUTH password", password)
         except ValueError as exc:
             raise fail(f"{exc}: Flower refuses to start without basic auth "
                        "(--dev or SYNTHQ_API_DEV=1 for development)") from None
-    cmd = [sys.executable, "-m", "worker.flower", f"--port={port}", f"--address={address}",
-           "--max-tasks=1000000", *ctx.args]
-    os.execv(sys.executable, cmd)
+    os.execv(sys.executable, [sys.executable, "-m", "worker.flower",
+                              *flower_args(port, address, ctx.args)])
+
+
+#: Tasks Flower keeps in memory unless --max-tasks is given (README, "Sizing").
+FLOWER_MAX_TASKS = 1_000_000
+
+
+def flower_args(port: int, address: str, extra: list[str]) -> list[str]:
+    """Flower's arguments: ours, then the user's; a --max-tasks of the user's replaces ours
+    (not a second one that Flower might read first)."""
+    own = [f"--port={port}", f"--address={address}"]
+    if not any(a.replace("_", "-").startswith("--max-tasks") for a in extra):
+        own.append(f"--max-tasks={FLOWER_MAX_TASKS}")
+    return [*own, *extra]

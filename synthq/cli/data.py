@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from synthq.cli import (
     JobArg,
     JsonOpt,
     app,
     console,
+    escape,
     fail,
     json_option,
     with_job,
@@ -68,7 +68,7 @@ def export(
         else:
             with Progress(TextColumn("[bold]exporting"), BarColumn(), TaskProgressColumn(),
                           MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=console) as progress:
+                          console=console.get()) as progress:
                 bar = progress.add_task("export", total=None)
                 manifest = export_job(job_id, Path(out), progress=lambda n, total:
                                       progress.update(bar, completed=n, total=total), **kwargs)
@@ -141,7 +141,7 @@ def retokenize(
                   + (f" ({', '.join(changes)} changed)" if changes else ""))
     settings = get_settings()
     with Progress(TextColumn("[bold]retokenizing"), BarColumn(), TaskProgressColumn(),
-                  TimeElapsedColumn(), console=console) as progress:
+                  TimeElapsedColumn(), console=console.get()) as progress:
         bar = progress.add_task("retokenize", total=None)
 
         def show(stale: int, total: int) -> None:

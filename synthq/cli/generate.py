@@ -9,7 +9,6 @@ import threading
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from synthq.cli import (
     JsonOpt,
@@ -17,6 +16,7 @@ from synthq.cli import (
     console,
     ensure_db,
     err,
+    escape,
     fail,
     warn,
 )
@@ -251,6 +251,11 @@ def run(
         print_status(status)
     if stop.is_set():
         raise typer.Exit(130)
+    if status.state == "paused" and status.retrying.get("bad_request"):
+        # process.wrong_base_url: the first 404 from a URL without /v1 paused the job.
+        raise fail(f"job {status.name} paused: a server answered 404 for /chat/completions; "
+                   "is --server the OpenAI base URL, ending in /v1? Fix it with `synthq resume "
+                   f"{status.name}`, then run again with the right --server", code=1)
     failed = status.counts.get("failed", 0)
     if status.finished and failed and not status.counts.get("done", 0):
         hint = ""

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from synthq.cli import (
     JobArg,
     app,
     console,
+    escape,
     fail,
     warn,
     with_job,

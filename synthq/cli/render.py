@@ -6,9 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from rich.markup import escape
-
-from synthq.cli import console
+from synthq.cli import console, escape
 from synthq.enums import FINISHED, SampleState
 
 if TYPE_CHECKING:
@@ -28,7 +26,7 @@ def job_progress(description: str) -> Iterator[Any]:
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-                  console=console) as progress:
+                  console=console.get()) as progress:
         bar = progress.add_task(escape(description), total=None, detail="")
         failing: dict[str, str | None] = {}
 

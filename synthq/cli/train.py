@@ -289,7 +289,7 @@ def runs(
     from rich.live import Live
 
     try:
-        with Live(_table(_runs(job)), console=console, auto_refresh=False) as live:
+        with Live(_table(_runs(job)), console=console.get(), auto_refresh=False) as live:
             while True:
                 rows = _runs(job)
                 live.update(_table(rows), refresh=True)

@@ -26,9 +26,6 @@ def jobs(as_json: JsonOpt = False) -> None:
 
     Example: `synthq jobs --json`
     """
-    from rich.markup import escape
-    from rich.table import Table
-
     from synthq.cli.fast import job_rows
 
     rows = job_rows()
@@ -40,6 +37,9 @@ def jobs(as_json: JsonOpt = False) -> None:
     if not rows:
         console.print("no jobs yet: `synthq enqueue --help`")
         return
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table("id", "name", "state", "model", "done", "failed", "skipped", "open")
     for r in rows:
         table.add_row(str(r["id"]), escape(r["name"]), r["state"], escape(r["model"]),

@@ -184,6 +184,8 @@ class SimConfig:
     model: str = "sim-model"
     """Model id reported by /v1/models and in every response; a request naming another
     model gets vLLM's 404 ("The model `X` does not exist.")."""
+    models_route: bool = True
+    """Serve ``GET /v1/models``; off, a 404 there, like servers without the route."""
     history_answers: bool = False
     """Start every answer with :func:`conversation_tag` of the whole request history."""
     record_requests: bool = False
@@ -927,7 +929,7 @@ def build_app(config: SimConfig) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _ChatCompletions(sim), methods=["POST"]),
         Route("/metrics", metrics),
-        Route("/v1/models", models),
+        *([Route("/v1/models", models)] if config.models_route else []),
         Route("/health", health),
         Route("/sim/stats", stats),
         Route("/sim/reset", reset, methods=["POST"]),

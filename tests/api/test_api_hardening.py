@@ -189,10 +189,11 @@ def test_sessions_are_per_login_and_logout_revokes_them(client: Any, monkeypatch
     assert client.get("/api/jobs/1").json()["state"] == "active"
     # The other login still works; an expired one does not.
     assert client.get("/ui", headers=nobody, cookies={"synthq_session": b}).status_code == 200
-    monkeypatch.setenv("SYNTHQ_API_SESSION_HOURS", "-1")
+    monkeypatch.setenv("SYNTHQ_API_SESSION_HOURS", "0.000001")  # 3.6 ms
     api_settings.cache_clear()
     _, old = login()
     client.cookies.clear()
+    time.sleep(0.05)
     r = client.get("/ui", headers=nobody, cookies={"synthq_session": old},
                    follow_redirects=False)
     assert r.status_code == 303
@@ -341,3 +342,53 @@ def test_an_exhausted_pool_is_503_not_500(api_env: str, monkeypatch: pytest.Monk
     finally:
         dispose_engines()
         get_settings.cache_clear()
+
+
+def test_expired_logins_are_pruned_by_session_checks(client: Any) -> None:
+    """Not only at login: a session check deletes expired ones, at most every 10 minutes."""
+    from datetime import timedelta
+
+    from sqlalchemy import func, select
+
+    from api import auth
+    from synthq.db import session_scope, utcnow
+    from synthq.models import ApiSession
+
+    def expired(tag: str) -> None:
+        then = utcnow() - timedelta(hours=2)
+        with session_scope() as s:
+            s.add(ApiSession(id=tag * 64, created_at=then, expires_at=then))
+
+    def left() -> int:
+        with session_scope() as s:
+            return s.scalar(select(func.count()).where(
+                ApiSession.id.in_(["a" * 64, "b" * 64]))) or 0
+
+    def check() -> None:
+        client.get("/ui", headers={"Authorization": ""}, cookies={"synthq_session": "x"},
+                   follow_redirects=False)
+
+    auth._pruned_at = None
+    expired("a")
+    check()
+    assert left() == 0
+    expired("b")
+    check()
+    assert left() == 1  # pruned a moment ago: this check only reads
+    auth._pruned_at -= auth.PRUNE_EVERY_S + 1
+    check()
+    assert left() == 0
+
+
+@pytest.mark.parametrize("hours", ["abc", "0"])
+def test_a_bad_session_hours_is_one_line(hours: str) -> None:
+    import subprocess
+    import sys
+
+    from support import child_env
+
+    r = subprocess.run([sys.executable, "-m", "synthq.cli", "api", "--port", "1"],
+                       env=child_env(SYNTHQ_API_TOKEN=TOKEN, SYNTHQ_API_SESSION_HOURS=hours),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "invalid setting SYNTHQ_API_SESSION_HOURS" in r.stderr

@@ -122,6 +122,9 @@ def test_flower_needs_basic_auth_and_protects_metrics(pg: str, redis_url: str,
     placeholder = run_cli("flower", check=False, env=child_env(
         FLOWER_BASIC_AUTH="admin:change-me-flower-password", SYNTHQ_API_DEV="0"))
     assert placeholder.returncode == 2 and "placeholder" in placeholder.stderr
+    comma = run_cli("flower", check=False, env=child_env(
+        FLOWER_BASIC_AUTH="admin:flower,pass-2b8e61d4", SYNTHQ_API_DEV="0"))
+    assert comma.returncode == 2 and "may not hold a comma" in comma.stderr
     port = free_port()
     proc = Proc([sys.executable, "-m", "synthq.cli", "flower", "--port", str(port)],
                 child_env(FLOWER_BASIC_AUTH=f"admin:{FLOWER_PASSWORD}"), tmp_path / "flower.log")
@@ -134,6 +137,19 @@ def test_flower_needs_basic_auth_and_protects_metrics(pg: str, redis_url: str,
             assert httpx.get(f"{base}{path}", auth=("admin", "wrong")).status_code == 401
         ok = httpx.get(f"{base}/metrics", auth=("admin", FLOWER_PASSWORD))
         assert ok.status_code == 200 and "flower_" in ok.text
+        page = httpx.get(f"{base}/", auth=("admin", FLOWER_PASSWORD))
+        assert page.status_code == 200 and page.headers["x-frame-options"] == "DENY"
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
     finally:
         proc.stop()
     assert FLOWER_PASSWORD not in proc.log()
+
+
+def test_flower_max_tasks_of_the_user_replaces_the_default() -> None:
+    from synthq.cli.api import FLOWER_MAX_TASKS, flower_args
+
+    assert flower_args(5555, "0.0.0.0", []) == [
+        "--port=5555", "--address=0.0.0.0", f"--max-tasks={FLOWER_MAX_TASKS}"]
+    for given in (["--max-tasks=100000"], ["--max_tasks", "100000"]):
+        args = flower_args(5555, "0.0.0.0", given)
+        assert args == ["--port=5555", "--address=0.0.0.0", *given]

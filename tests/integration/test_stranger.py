@@ -29,6 +29,32 @@ def test_a_server_url_without_v1_is_refused_with_the_fix(tmp_path: Path, sim: Si
     assert jobs(tmp_path) == []
 
 
+def test_a_url_without_v1_on_a_server_without_models_pauses_at_the_first_404(
+        tmp_path: Path) -> None:
+    """No /models route: the enqueue check cannot tell; the first 404 pauses the job, one
+    line says why, and no sample is failed or charged."""
+    sim = Simulator(config="latency=0, models_route=False", log_dir=tmp_path)
+    try:
+        data = write_rows(tmp_path / "d.jsonl", [f"p{i}" for i in range(40)])
+        base = sim.url.removesuffix("/v1")
+        result = synthq(tmp_path, "run", "-d", str(data), "-s", base, "-m", "sim-model", *QUICK)
+        assert result.returncode == 1, result.stderr
+        line = error_line(result)
+        assert "paused" in line and "ending in /v1" in line and "synthq resume d" in line
+        job = jobs(tmp_path)[0]
+        assert job["state"] == "paused" and job["failed"] == 0 and job["pending"] == 40
+        status = json.loads(synthq(tmp_path, "status", "d", "--json").stdout)
+        assert status["failures"] == {} and status["retrying"]["bad_request"] >= 1
+        # The fix: resume, run again with the base URL.
+        assert synthq(tmp_path, "resume", "d").returncode == 0
+        again = synthq(tmp_path, "run", "-d", str(data), "-s", sim.url, "-m", "sim-model",
+                       *QUICK)
+        assert again.returncode == 0, again.stderr
+        assert jobs(tmp_path)[0]["done"] == 40
+    finally:
+        sim.stop()
+
+
 def test_run_exits_non_zero_when_every_sample_failed(tmp_path: Path, sim: Simulator) -> None:
     data = write_rows(tmp_path / "d.jsonl", [f"{c} [[sim:context_length]]" for c in "ab"])
     result = synthq(tmp_path, "run", "-d", str(data), "-s", sim.url, "-m", "sim-model", *QUICK)
@@ -146,9 +172,10 @@ def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) 
     assert json.loads(fast.stdout)[0]["pending"] == 2
     code = ("import sys; from synthq.cli import app\n"
             "app(['jobs', '--json'], standalone_mode=False)\n"
-            "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules)")
+            "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules,\n"
+            "      'rich.console' in sys.modules)")
     base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
                             capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
                             timeout=60)
-    assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "False False False", result.stdout + result.stderr

@@ -723,6 +723,7 @@ def _fake_datasets(monkeypatch: pytest.MonkeyPatch, load: Any) -> list[tuple[Any
 
     module.load_dataset = load_dataset  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "datasets", module)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub to reach: the stand-in answers
     return calls
 
 
@@ -745,6 +746,29 @@ def test_hf_load_failure_is_dataset_error(monkeypatch: pytest.MonkeyPatch) -> No
     _fake_datasets(monkeypatch, fail)
     with pytest.raises(DatasetError, match="cannot load Hugging Face dataset 'org/nope'"):
         iter_rows("org/nope")
+
+
+def test_a_hub_that_does_not_answer_fails_in_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the Hub client's ~30 s of retries; and the message says no local file."""
+    import socket
+    import time
+
+    from synthq import dataset
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts connections, never answers
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(dataset, "HUB_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    with silent, pytest.raises(DatasetError) as err:
+        iter_rows("my-prompts")
+    assert time.monotonic() - started < 5
+    message = str(err.value)
+    assert "no local file or folder named 'my-prompts'" in message
+    assert "did not answer within 0.5 s" in message and "HF_HUB_OFFLINE=1" in message
 
 
 def test_corrupt_gzip_is_dataset_error(tmp_path: Path) -> None:
