@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from synthq.db import safe_url, utcnow
 from synthq.enums import INFLIGHT, SampleState
-from synthq.models import Attempt, Job, Sample, Server, Worker
+from synthq.models import Attempt, Job, Sample, SampleCount, Server, Worker
 from synthq.packing import unpack_ids, unpack_mask
 
 __all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail",
@@ -46,10 +46,10 @@ class JobSummary:
 def list_jobs(session: Session) -> list[JobSummary]:
     """Every job, oldest first, with its counts per state (one grouped query)."""
     counts: dict[int, dict[str, int]] = {}
-    for job_id, state, n in session.execute(
-            select(Sample.job_id, Sample.state, func.count()).group_by(Sample.job_id,
-                                                                       Sample.state)):
-        counts.setdefault(job_id, {s.value: 0 for s in SampleState})[str(state)] = n
+    for job_id, state, n in session.execute(  # the counters of migration 0016
+            select(SampleCount.job_id, SampleCount.state, func.sum(SampleCount.n))
+            .group_by(SampleCount.job_id, SampleCount.state)):
+        counts.setdefault(job_id, {s.value: 0 for s in SampleState})[str(state)] = int(n)
     return [JobSummary(j.id, j.name, str(j.state), j.model, j.created_at,
                        counts.get(j.id, {s.value: 0 for s in SampleState}))
             for j in session.scalars(select(Job).order_by(Job.id))]
@@ -386,9 +386,10 @@ def metrics_snapshot(session: Session) -> MetricsSnapshot:
     (:class:`_Rollup`): a scrape scans the attempts since the last safe point,
     not the whole table (the first scrape of a process reads it all once).
     """
-    samples = {(name, str(state)): n for name, state, n in session.execute(
-        select(Job.name, Sample.state, func.count()).join(Sample, Sample.job_id == Job.id)
-        .group_by(Job.name, Sample.state))}
+    samples = {(name, str(state)): int(n) for name, state, n in session.execute(
+        select(Job.name, SampleCount.state, func.sum(SampleCount.n))
+        .join(SampleCount, SampleCount.job_id == Job.id)
+        .group_by(Job.name, SampleCount.state)) if n}
     inflight = {safe_url(server or ""): n for server, n in session.execute(
         select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT),
                                                   Sample.server.is_not(None))
@@ -424,8 +425,8 @@ def cost_snapshot(session: Session) -> CostSnapshot:
     costs = {}
     for job in session.scalars(select(Job).where(Job.state.in_(
             [JobState.ACTIVE, JobState.PAUSED]))):
-        remaining = session.scalar(select(func.count()).select_from(Sample).where(
-            Sample.job_id == job.id, Sample.state.in_(
+        remaining = session.scalar(select(func.sum(SampleCount.n)).where(
+            SampleCount.job_id == job.id, SampleCount.state.in_(
                 [SampleState.PENDING, *INFLIGHT]))) or 0
         costs[job.name] = job_cost(session, job, remaining=remaining).to_dict()
     return CostSnapshot(limits, costs)

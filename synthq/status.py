@@ -10,10 +10,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
-from synthq.models import Attempt, Job, Sample
+from synthq.models import CallCount, Job, Sample, SampleCount
 from synthq.states import INFLIGHT, SampleState
 
-__all__ = ["JobStatus", "job_status", "state_counts"]
+__all__ = ["JobStatus", "job_status", "state_counts", "sample_counts", "call_counts"]
 
 #: Window for the done/s rate.
 RATE_WINDOW = timedelta(minutes=5)
@@ -109,21 +109,41 @@ def _by_key(rows: Any) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": n for key, n in rows}
 
 
-def state_counts(session: Session, job_id: int) -> dict[str, int]:
-    counts = {s.value: 0 for s in SampleState}
+def sample_counts(session: Session, job_id: int) -> dict[tuple[str, str | None], int]:
+    """The job's samples per (state, error class), from the counters the triggers keep
+    (migration 0016): a few rows, however many samples."""
     rows = session.execute(
-        select(Sample.state, func.count()).where(Sample.job_id == job_id).group_by(Sample.state)
-    )
-    for state, n in rows:
-        counts[str(state)] = n
+        select(SampleCount.state, SampleCount.error_class, func.sum(SampleCount.n))
+        .where(SampleCount.job_id == job_id)
+        .group_by(SampleCount.state, SampleCount.error_class))
+    return {(state, error_class): int(n) for state, error_class, n in rows if n}
+
+
+def state_counts(session: Session, job_id: int,
+                 by_class: dict[tuple[str, str | None], int] | None = None) -> dict[str, int]:
+    """The job's samples per state (every state, 0 included)."""
+    counts = {s.value: 0 for s in SampleState}
+    for (state, _), n in (by_class if by_class is not None
+                          else sample_counts(session, job_id)).items():
+        counts[state] = counts.get(state, 0) + n
     return counts
+
+
+def call_counts(session: Session, job_id: int) -> dict[str, int]:
+    """The job's calls per outcome (``ok`` or a failure class), from the counters."""
+    rows = session.execute(
+        select(CallCount.outcome, func.sum(CallCount.n))
+        .where(CallCount.job_id == job_id, CallCount.outcome.is_not(None))
+        .group_by(CallCount.outcome))
+    return {str(outcome): int(n) for outcome, n in rows if n}
 
 
 def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     """The job's status; ``cost=False`` leaves out the cost report and limit history (the
     embedded loop's frequent ticks)."""
     now = utcnow()
-    counts = state_counts(session, job.id)
+    by_class = sample_counts(session, job.id)
+    counts = state_counts(session, job.id, by_class)
     recent = session.scalar(
         select(func.count()).select_from(Sample).where(
             Sample.job_id == job.id, Sample.state == SampleState.DONE,
@@ -143,25 +163,16 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     status = JobStatus(
         id=job.id, name=job.name, state=str(job.state), model=job.model,
         total=sum(counts.values()), counts=counts, done_per_s=rate, eta_s=None,
-        failures=_by_key(session.execute(
-            select(Sample.error_class, func.count())
-            .where(Sample.job_id == job.id, Sample.state == SampleState.FAILED)
-            .group_by(Sample.error_class)).tuples().all()),
-        retrying=_by_key(session.execute(
-            select(Sample.error_class, func.count())
-            .where(Sample.job_id == job.id, Sample.state == SampleState.PENDING,
-                   Sample.error_class.is_not(None))
-            .group_by(Sample.error_class)).tuples().all()),
+        failures=_by_key((c, n) for (state, c), n in by_class.items()
+                         if state == SampleState.FAILED),
+        retrying=_by_key((c, n) for (state, c), n in by_class.items()
+                         if state == SampleState.PENDING and c is not None),
         inflight=_by_key(session.execute(
             select(Sample.server, func.count())
             .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
             .group_by(Sample.server)).tuples().all()),
         servers=list(job.servers),
-        calls=_by_key(session.execute(
-            select(Attempt.outcome, func.count())
-            .join(Sample, Sample.id == Attempt.sample_id)
-            .where(Sample.job_id == job.id, Attempt.outcome.is_not(None))
-            .group_by(Attempt.outcome)).tuples().all()),
+        calls=call_counts(session, job.id),
     )
     if rate > 0:
         status.eta_s = status.open / rate

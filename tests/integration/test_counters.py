@@ -1,0 +1,216 @@
+"""The per-job counters (``sample_counts``, ``call_counts``, kept by the triggers of
+migration 0016) equal a GROUP BY over the rows after a mixed workload, on PostgreSQL
+and on SQLite: enqueue (a malformed row included), dispatch, claims, answers,
+failures, retries, the sweep, requeue, a cancelled job, a sample and a job deleted
+by hand, and the fold of the delta rows."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import delete, func, select, text
+
+from synthq import states
+from synthq.dataset import Row
+from synthq.db import session_scope, utcnow
+from synthq.dispatch import Dispatched, dispatch
+from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+from synthq.enums import JobState
+from synthq.models import Attempt, CallCount, Job, Sample, SampleCount
+from synthq.status import call_counts, job_status, state_counts
+
+pytestmark = pytest.mark.integration
+
+SERVERS = ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param == "postgresql":
+        request.getfixturevalue("pg")
+    else:
+        from conftest import TEST_ENV, _reset_process_state
+
+        from synthq.migrate import upgrade
+
+        url = f"sqlite:///{tmp_path / 'counters.db'}"
+        upgrade(url)
+        monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
+        monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
+        for key, value in TEST_ENV.items():
+            monkeypatch.setenv(key, value)
+        _reset_process_state()
+    monkeypatch.setenv("SYNTHQ_BROKER_URL", "")  # capacity: the test says how much
+    from synthq.config import get_settings
+
+    get_settings.cache_clear()
+    yield request.param
+
+
+def _job(name: str, n: int) -> int:
+    spec = JobSpec(name=name, model="m", servers=SERVERS, max_tokens=16, inflight_limit=50,
+                   max_attempts=2)
+    with session_scope() as s:
+        job, _, _ = get_or_create_job(s, spec)
+        job_id, settings = job.id, job.generation_settings()
+    rows = [Row(i, [{"role": "user", "content": f"{name} prompt {i}"}]) for i in range(n)]
+    rows.append(Row(n, None, skip_reason="no messages", raw="{}"))  # a malformed row
+    insert_rows(job_id, settings, rows, EnqueueReport(job_id=job_id, job_name=name,
+                                                      created=True))
+    return job_id
+
+
+def _attempt(d: Dispatched, outcome: str) -> dict[str, Any]:
+    now = utcnow()
+    return dict(sample_id=d.sample_id, server=d.server, worker="w", started_at=now,
+                ended_at=now, outcome=outcome, latency_s=0.1, completion_tokens=7)
+
+
+def _work(job_id: int, count: int) -> dict[str, int]:
+    """Dispatch ``count``, claim them, and end them: done, retry, fail, lost; returns
+    how many of each."""
+    taken: list[Dispatched] = []
+    dispatch(taken.extend, job_ids=[job_id], capacity=count)
+    now = utcnow()
+    token = secrets.token_hex(16)
+    with session_scope() as s:
+        claimed = states.claim_batch(s, [(d.sample_id, d.token) for d in taken],
+                                     new_token=token, lease_until=now + timedelta(minutes=5),
+                                     worker="w", now=now)
+    by_id = {d.sample_id: d for d in taken}
+    ends = {"done": 0, "retry": 0, "fail": 0, "held": 0}
+    with session_scope() as s:  # one transaction, like the batch writer's
+        for i, c in enumerate(claimed):
+            d = by_id[c.sample_id]
+            if i % 5 in (0, 1):
+                states.complete(s, c.sample_id, token, now=now, attempt=_attempt(d, "ok"),
+                                response_content="an answer", completion_tokens=7)
+                ends["done"] += 1
+            elif i % 5 == 2:
+                states.retry(s, c.sample_id, token, next_attempt_at=now, error_class="timeout",
+                             error_message="slow", now=now, attempt=_attempt(d, "timeout"))
+                ends["retry"] += 1
+            elif i % 5 == 3:
+                states.fail(s, c.sample_id, token, error_class="bad_request",
+                            error_message="no", now=now, attempt=_attempt(d, "bad_request"))
+                ends["fail"] += 1
+            else:
+                ends["held"] += 1  # left running: the sweep takes them back
+    return ends
+
+
+def _truth() -> tuple[dict[tuple[int, str, str | None], int],
+                      dict[tuple[int, str, str | None], int],
+                      dict[tuple[int, str, str | None], tuple[int, int]],
+                      dict[tuple[int, str, str | None], tuple[int, int]]]:
+    with session_scope() as s:
+        counted = {(j, st, c): int(n) for j, st, c, n in s.execute(
+            select(SampleCount.job_id, SampleCount.state, SampleCount.error_class,
+                   func.sum(SampleCount.n))
+            .group_by(SampleCount.job_id, SampleCount.state, SampleCount.error_class)) if n}
+        grouped = {(j, str(st), c): n for j, st, c, n in s.execute(
+            select(Sample.job_id, Sample.state, Sample.error_class, func.count())
+            .group_by(Sample.job_id, Sample.state, Sample.error_class))}
+        calls = {(j, srv, o): (int(n), int(t)) for j, srv, o, n, t in s.execute(
+            select(CallCount.job_id, CallCount.server, CallCount.outcome, func.sum(CallCount.n),
+                   func.sum(CallCount.tokens))
+            .group_by(CallCount.job_id, CallCount.server, CallCount.outcome)) if n}
+        attempts = {(j, srv, o): (n, int(t or 0)) for j, srv, o, n, t in s.execute(
+            select(Sample.job_id, Attempt.server, Attempt.outcome, func.count(),
+                   func.sum(Attempt.completion_tokens))
+            .join(Sample, Sample.id == Attempt.sample_id)
+            .group_by(Sample.job_id, Attempt.server, Attempt.outcome))}
+    return counted, grouped, calls, attempts
+
+
+def _check() -> None:
+    counted, grouped, calls, attempts = _truth()
+    assert counted == grouped
+    assert calls == attempts
+
+
+def test_counters_equal_a_group_by_after_a_mixed_workload(backend: str) -> None:
+    a = _job("a", 120)
+    b = _job("b", 40)
+    _check()
+    ends = _work(a, 60)
+    assert ends["done"] and ends["retry"] and ends["fail"] and ends["held"]
+    _work(b, 30)
+    _check()
+    with session_scope() as s:  # the fold: one row per key, sums unchanged
+        states.compact_counts(s)
+    _check()
+    # The sweep: the held samples' leases end (one last attempt: failed as connection).
+    with session_scope() as s:
+        moved = states.expire(s, now=utcnow(), cutoff=utcnow() + timedelta(days=1))
+    assert moved
+    _check()
+    # Retries come back round; requeue the failures; a second round of work.
+    _work(a, 40)
+    with session_scope() as s:
+        assert states.requeue(s, a, now=utcnow()) > 0
+    _check()
+    # Cancel job b: its queued samples go back to pending at the claim.
+    taken: list[Dispatched] = []
+    dispatch(taken.extend, job_ids=[b], capacity=10)
+    with session_scope() as s:
+        assert states.set_job_state(s, b, JobState.CANCELLED, now=utcnow())
+    with session_scope() as s:
+        assert states.claim_batch(s, [(d.sample_id, d.token) for d in taken],
+                                  new_token="t" * 32, lease_until=utcnow(), worker="w",
+                                  now=utcnow()) == []
+    _check()
+    # By hand: one sample of a deleted (its calls stay: history), then the whole job b.
+    with session_scope() as s:
+        one = s.scalar(select(Sample.id).where(Sample.job_id == a, Sample.state == "done")
+                       .limit(1))
+        s.execute(delete(Attempt).where(Attempt.sample_id == one))
+        s.execute(delete(Sample).where(Sample.id == one))
+    counted, grouped, _, _ = _truth()
+    assert counted == grouped
+    with session_scope() as s:
+        s.execute(delete(Job).where(Job.id == b))
+    counted, grouped, calls, _ = _truth()
+    assert counted == grouped and not any(k[0] == b for k in counted)
+    assert not any(k[0] == b for k in calls)
+    with session_scope() as s:
+        states.compact_counts(s)
+        keys = s.execute(select(SampleCount.job_id, SampleCount.state, SampleCount.error_class)
+                         ).all()
+        assert len(keys) == len(set(keys))  # one row per key after the fold
+        assert all(n for n in s.scalars(select(SampleCount.n)))  # no key at zero
+    counted, grouped, _, _ = _truth()
+    assert counted == grouped
+    # What status reads from the counters.
+    with session_scope() as s:
+        job = s.get_one(Job, a)
+        status = job_status(s, job, cost=False)
+        assert status.counts == state_counts(s, a) and status.total == sum(
+            n for (j, _, _), n in grouped.items() if j == a)
+        assert status.failures == {c or "unknown": n for (j, st, c), n in grouped.items()
+                                   if j == a and st == "failed"}
+        assert status.calls == call_counts(s, a) and status.calls.get("ok")
+
+
+def test_a_broken_trigger_is_caught(backend: str) -> None:
+    """The comparison can fail: with the update trigger gone, transitions go uncounted."""
+    a = _job("a", 20)
+    with session_scope() as s:
+        if backend == "postgresql":
+            s.execute(text("ALTER TABLE samples DISABLE TRIGGER synthq_samples_updated"))
+        else:
+            s.execute(text("DROP TRIGGER synthq_samples_updated"))
+    try:
+        _work(a, 10)
+        counted, grouped, _, _ = _truth()
+        assert counted != grouped
+    finally:
+        if backend == "postgresql":
+            with session_scope() as s:
+                s.execute(text("ALTER TABLE samples ENABLE TRIGGER synthq_samples_updated"))
