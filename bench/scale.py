@@ -102,6 +102,41 @@ def timed(fn: Callable[[], Any], repeats: int, after: Callable[[], None] | None 
     return statistics.median(times), max(times)
 
 
+def slowest(fn: Callable[[], Any], what: str, after: Callable[[], None] | None = None,
+            top: int = 4) -> None:
+    """Print the statements of one ``fn()`` call that took longest (where the time goes)."""
+    from sqlalchemy import event
+
+    from synthq.db import get_engine
+
+    fn()  # warm
+    if after:
+        after()
+    spent: list[tuple[float, str]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        conn.info["bench_t0"] = time.perf_counter()
+
+    def done(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        spent.append((1000 * (time.perf_counter() - conn.info.pop("bench_t0")),
+                      " ".join(statement.split())[:110]))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", done)
+    try:
+        fn()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", done)
+        if after:
+            after()
+    total = sum(ms for ms, _ in spent)
+    print(f"{what}: {len(spent)} statements, {total:.1f} ms of SQL; slowest:", file=sys.stderr)
+    for ms, statement in sorted(spent, reverse=True)[:top]:
+        print(f"  {ms:8.1f} ms  {statement}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1_000_000)
@@ -141,6 +176,10 @@ def main() -> None:
             with session_scope() as s:
                 job_status(s, s.get_one(Job, job_id))
 
+        def status_no_cost() -> None:  # the same without the cost report (synthq.cost)
+            with session_scope() as s:
+                job_status(s, s.get_one(Job, job_id), cost=False)
+
         def metrics() -> None:
             with session_scope() as s:
                 metrics_snapshot(s)
@@ -157,7 +196,10 @@ def main() -> None:
             with session_scope() as s:
                 _AttemptFigures.read(s, 0, None)
 
+        slowest(status, "status")
+        slowest(tick, "dispatch tick", put_back)
         for name, fn, after in (("dispatch_tick", tick, put_back), ("status", status, None),
+                                ("status_no_cost", status_no_cost, None),
                                 ("metrics_full_scan", full_scan, None),
                                 ("metrics_first", metrics_first, None),
                                 ("metrics", metrics, None)):

@@ -307,7 +307,8 @@ class Attempt(Base):
 
 
 class SampleCount(Base):
-    """Samples per (job, state, error class), kept by triggers (migration 0016).
+    """Samples per (job, state, error class, tokenize version, response stored), kept by
+    triggers (migration 0016).
 
     On PostgreSQL each statement that changes samples appends delta rows (no
     writer waits on a hot counter row); a key may have several rows until the
@@ -316,13 +317,22 @@ class SampleCount(Base):
     """
 
     __tablename__ = "sample_counts"
-    __table_args__ = (Index("ix_sample_counts_key", "job_id", "state", "error_class"),)
+    __table_args__ = (Index("ix_sample_counts_key", "job_id", "state", "error_class",
+                            "tokenize_version", "answered"),)
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True)
     job_id: Mapped[int] = mapped_column(IdType)
     state: Mapped[str] = mapped_column(String(16))
     error_class: Mapped[str | None] = mapped_column(String(32))
+    tokenize_version: Mapped[int | None] = mapped_column(Integer)
+    #: Their response is stored (what retokenize can work on).
+    answered: Mapped[bool] = mapped_column(Boolean)
+    #: Samples; their examples' tokens and supervised tokens; those whose tokens
+    #: differ from the server's (``token_mismatch``).
     n: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    supervised: Mapped[int] = mapped_column(BigInteger)
+    mismatches: Mapped[int] = mapped_column(BigInteger)
 
 
 class CallCount(Base):

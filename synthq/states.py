@@ -611,22 +611,22 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
 # -- the counters -------------------------------------------------------------------------
 
 #: PostgreSQL: fold each key's delta rows (appended by the triggers of migration 0016)
-#: into one, and drop keys that sum to zero. Rows a writer appends meanwhile are not in
+#: into one, and drop keys whose sums are all zero. Rows a writer appends meanwhile are not in
 #: this statement's snapshot and stay; a second fold at once skips the rows the first
 #: deleted. Either way every sum is unchanged.
 _FOLD = """
     WITH keys AS (
-        SELECT {key} FROM {table} GROUP BY {key} HAVING count(*) > 1 OR sum(n) = 0
+        SELECT {key} FROM {table} GROUP BY {key} HAVING count(*) > 1 OR {zero}
     ), folded AS (
         DELETE FROM {table} c USING keys
         WHERE {match}
         RETURNING {returning}
     )
     INSERT INTO {table} ({key}, {sums})
-    SELECT {key}, {summed} FROM folded GROUP BY {key} HAVING sum(n) <> 0"""
+    SELECT {key}, {summed} FROM folded GROUP BY {key} HAVING NOT ({zero})"""
 
 
-_NULLABLE = ("error_class", "outcome")
+_NULLABLE = ("error_class", "tokenize_version", "outcome")
 
 
 def _fold(table: str, key: Sequence[str], sums: Sequence[str]) -> str:
@@ -636,10 +636,13 @@ def _fold(table: str, key: Sequence[str], sums: Sequence[str]) -> str:
         match=" AND ".join(f"c.{k} IS NOT DISTINCT FROM keys.{k}" if k in _NULLABLE
                            else f"c.{k} = keys.{k}" for k in key),
         returning=", ".join(f"c.{c}" for c in (*key, *sums)),
-        summed=", ".join(f"sum({c})" for c in sums))
+        summed=", ".join(f"sum({c})" for c in sums),
+        zero=" AND ".join(f"sum({c}) = 0" for c in sums))
 
 
-_FOLD_SAMPLES = _fold("sample_counts", ("job_id", "state", "error_class"), ("n",))
+_FOLD_SAMPLES = _fold("sample_counts", ("job_id", "state", "error_class", "tokenize_version",
+                                        "answered"),
+                      ("n", "tokens", "supervised", "mismatches"))
 _FOLD_CALLS = _fold("call_counts", ("job_id", "server", "outcome"), ("n", "tokens"))
 
 
@@ -656,4 +659,5 @@ def compact_counts(session: Session) -> None:
         session.execute(text(_FOLD_SAMPLES))
         session.execute(text(_FOLD_CALLS))
     else:
-        session.execute(text("DELETE FROM sample_counts WHERE n = 0"))
+        session.execute(text("DELETE FROM sample_counts WHERE n = 0 AND tokens = 0 "
+                             "AND supervised = 0 AND mismatches = 0"))

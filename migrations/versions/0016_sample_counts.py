@@ -4,7 +4,8 @@
 (and joined its attempts for the calls) on every read: seconds at 1M samples.
 Two counter tables make those reads O(jobs x states):
 
-* ``sample_counts``: samples per (job, state, error class);
+* ``sample_counts``: samples per (job, state, error class, tokenize version,
+  response stored or not), with their examples' tokens, supervised tokens and token mismatches;
 * ``call_counts``: calls (attempt rows) per (job, server, outcome), with their
   completion tokens.
 
@@ -45,44 +46,57 @@ down_revision: str | None = '0015'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+#: A counter's key: the columns, and the expression each is computed by from a sample
+#: row (``{r}``: ``NEW.``, ``OLD.``, or nothing). ``answered``: its response is stored.
+_KEY_OF = {"job_id": "{r}job_id", "state": "{r}state", "error_class": "{r}error_class",
+           "tokenize_version": "{r}tokenize_version",
+           "answered": "({r}response_content IS NOT NULL)"}
+_KEY = ", ".join(_KEY_OF)
+#: What a sample adds to its key's counter: itself, its example's tokens, supervised
+#: tokens, and whether its tokens differ from the server's.
+_SUMS = ("n", "tokens", "supervised", "mismatches")
+_VALUES = ("1", "coalesce({r}num_tokens, 0)", "coalesce({r}num_supervised, 0)",
+           "CASE WHEN {r}token_mismatch THEN 1 ELSE 0 END")
+
+
+def _values(row: str = "") -> list[str]:
+    """The _VALUES of the row ``row`` (``NEW.``, ``OLD.``; "": the columns as they are)."""
+    return [v.format(r=row) for v in _VALUES]
+
+
+def _keys(row: str = "") -> list[str]:
+    return [k.format(r=row) for k in _KEY_OF.values()]
+
+
+def _pg_rows(table: str, sign: str) -> str:
+    keys = ", ".join(f"{k} AS {name}" for k, name in zip(_keys(), _KEY_OF, strict=True))
+    values = ", ".join(f"{sign}{v} AS {name}" for v, name in zip(_values(), _SUMS, strict=True))
+    return f"SELECT {keys}, {values} FROM {table}"
+
+
+def _pg_samples(name: str, rows: str) -> str:
+    """A trigger function appending the statement's deltas, one row per key changed.
+    Joined to jobs, so a cascade from a deleted job (its row already gone) adds
+    nothing; a lease renewal changes no key (+1 and -1 cancel) and adds nothing."""
+    sums = ", ".join(f"sum({c}) AS {c}" for c in _SUMS)
+    changed = " OR ".join(f"sum({c}) <> 0" for c in _SUMS)
+    return f"""
+    CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO sample_counts ({_KEY}, {", ".join(_SUMS)})
+        SELECT d.* FROM (SELECT {_KEY}, {sums} FROM ({rows}) r
+                         GROUP BY {_KEY} HAVING {changed}) d
+        WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.id = d.job_id);
+        RETURN NULL;
+    END $$"""
+
+
 #: PostgreSQL: one function per event (a trigger with transition tables has one event).
-#: Deltas are grouped per statement and joined to jobs, so a cascade from a deleted
-#: job (whose row is already gone) adds nothing.
 _PG = [
-    """
-    CREATE FUNCTION synthq_samples_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        INSERT INTO sample_counts (job_id, state, error_class, n)
-        SELECT d.job_id, d.state, d.error_class, d.n
-        FROM (SELECT job_id, state, error_class, count(*) AS n FROM new_rows
-              GROUP BY job_id, state, error_class) d
-        JOIN jobs ON jobs.id = d.job_id;
-        RETURN NULL;
-    END $$""",
-    """
-    CREATE FUNCTION synthq_samples_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        INSERT INTO sample_counts (job_id, state, error_class, n)
-        SELECT d.job_id, d.state, d.error_class, -d.n
-        FROM (SELECT job_id, state, error_class, count(*) AS n FROM old_rows
-              GROUP BY job_id, state, error_class) d
-        JOIN jobs ON jobs.id = d.job_id;
-        RETURN NULL;
-    END $$""",
-    # A lease renewal or an answer written in place changes no key: +1 and -1 cancel.
-    """
-    CREATE FUNCTION synthq_samples_updated() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        INSERT INTO sample_counts (job_id, state, error_class, n)
-        SELECT d.job_id, d.state, d.error_class, d.n
-        FROM (SELECT job_id, state, error_class, sum(n) AS n
-              FROM (SELECT job_id, state, error_class, 1 AS n FROM new_rows
-                    UNION ALL
-                    SELECT job_id, state, error_class, -1 FROM old_rows) rows
-              GROUP BY job_id, state, error_class HAVING sum(n) <> 0) d
-        JOIN jobs ON jobs.id = d.job_id;
-        RETURN NULL;
-    END $$""",
+    _pg_samples("synthq_samples_inserted", _pg_rows("new_rows", "")),
+    _pg_samples("synthq_samples_deleted", _pg_rows("old_rows", "-")),
+    _pg_samples("synthq_samples_updated",
+                f"{_pg_rows('new_rows', '')} UNION ALL {_pg_rows('old_rows', '-')}"),
     """
     CREATE FUNCTION synthq_attempts_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
@@ -148,16 +162,18 @@ _PG_DROP = [
 
 
 def _sqlite_add(row: str, sign: str) -> str:
-    """SQLite: add ``sign``1 to the counter of ``row`` (NEW or OLD), creating it at 0 first;
-    only while the job exists (a cascade from a deleted job adds nothing)."""
-    key = (f"job_id = {row}.job_id AND state = {row}.state "
-           f"AND error_class IS {row}.error_class")
+    """SQLite: add ``row`` (NEW or OLD) to its key's counter with ``sign``, creating the
+    counter at 0 first; only while the job exists (a cascade from a deleted job adds
+    nothing)."""
+    key = " AND ".join(f"{c} IS {k}" for c, k in zip(_KEY_OF, _keys(f"{row}."), strict=True))
+    values = ", ".join(f"{c} = {c} {sign} {v}"
+                       for c, v in zip(_SUMS, _values(f"{row}."), strict=True))
     return f"""
-        INSERT INTO sample_counts (job_id, state, error_class, n)
-        SELECT {row}.job_id, {row}.state, {row}.error_class, 0
+        INSERT INTO sample_counts ({_KEY}, {", ".join(_SUMS)})
+        SELECT {", ".join(_keys(f"{row}."))}, 0, 0, 0, 0
         WHERE EXISTS (SELECT 1 FROM jobs WHERE id = {row}.job_id)
           AND NOT EXISTS (SELECT 1 FROM sample_counts WHERE {key});
-        UPDATE sample_counts SET n = n {sign} 1
+        UPDATE sample_counts SET {values}
         WHERE id = (SELECT min(id) FROM sample_counts WHERE {key});"""
 
 
@@ -168,10 +184,16 @@ _SQLITE = [
     f"""CREATE TRIGGER synthq_samples_deleted AFTER DELETE ON samples BEGIN
         {_sqlite_add('OLD', '-')}
     END""",
-    f"""CREATE TRIGGER synthq_samples_updated AFTER UPDATE OF job_id, state, error_class
+    f"""CREATE TRIGGER synthq_samples_updated AFTER UPDATE OF job_id, state, error_class,
+        tokenize_version, response_content, num_tokens, num_supervised, token_mismatch
         ON samples
         WHEN OLD.job_id IS NOT NEW.job_id OR OLD.state IS NOT NEW.state
-             OR OLD.error_class IS NOT NEW.error_class BEGIN
+             OR OLD.error_class IS NOT NEW.error_class
+             OR OLD.tokenize_version IS NOT NEW.tokenize_version
+             OR (OLD.response_content IS NULL) IS NOT (NEW.response_content IS NULL)
+             OR OLD.num_tokens IS NOT NEW.num_tokens
+             OR OLD.num_supervised IS NOT NEW.num_supervised
+             OR OLD.token_mismatch IS NOT NEW.token_mismatch BEGIN
         {_sqlite_add('OLD', '-')}
         {_sqlite_add('NEW', '+')}
     END""",
@@ -214,11 +236,17 @@ def upgrade() -> None:
         sa.Column('job_id', id_type, nullable=False),
         sa.Column('state', sa.String(length=16), nullable=False),
         sa.Column('error_class', sa.String(length=32), nullable=True),
+        sa.Column('tokenize_version', sa.Integer(), nullable=True),
+        sa.Column('answered', sa.Boolean(), nullable=False),
         sa.Column('n', sa.BigInteger(), nullable=False),
+        sa.Column('tokens', sa.BigInteger(), nullable=False),
+        sa.Column('supervised', sa.BigInteger(), nullable=False),
+        sa.Column('mismatches', sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_sample_counts')),
     )
     op.create_index('ix_sample_counts_key', 'sample_counts',
-                    ['job_id', 'state', 'error_class'], unique=False)
+                    ['job_id', 'state', 'error_class', 'tokenize_version', 'answered'],
+                    unique=False)
     op.create_table(
         'call_counts',
         sa.Column('id', id_type, nullable=False),
@@ -235,10 +263,10 @@ def upgrade() -> None:
         # No write between the backfill and the triggers (SQLite: one writer anyway).
         op.execute("LOCK TABLE jobs, samples, attempts IN SHARE ROW EXCLUSIVE MODE")
     # Backfill before the triggers exist, in this transaction: nothing counted twice.
-    op.execute("""
-        INSERT INTO sample_counts (job_id, state, error_class, n)
-        SELECT job_id, state, error_class, count(*) FROM samples
-        GROUP BY job_id, state, error_class""")
+    op.execute(f"""
+        INSERT INTO sample_counts ({_KEY}, {", ".join(_SUMS)})
+        SELECT {_KEY}, {", ".join(f"sum({c})" for c in _SUMS)} FROM ({_pg_rows("samples", "")}) r
+        GROUP BY {_KEY}""")
     op.execute("""
         INSERT INTO call_counts (job_id, server, outcome, n, tokens)
         SELECT samples.job_id, attempts.server, attempts.outcome, count(*),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, select, text, update
 
 from synthq import states
 from synthq.dataset import Row
@@ -22,6 +22,7 @@ from synthq.dispatch import Dispatched, dispatch
 from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
 from synthq.enums import JobState
 from synthq.models import Attempt, CallCount, Job, Sample, SampleCount
+from synthq.retokenize import stale_query
 from synthq.status import call_counts, job_status, state_counts
 
 pytestmark = pytest.mark.integration
@@ -90,7 +91,9 @@ def _work(job_id: int, count: int) -> dict[str, int]:
             d = by_id[c.sample_id]
             if i % 5 in (0, 1):
                 states.complete(s, c.sample_id, token, now=now, attempt=_attempt(d, "ok"),
-                                response_content="an answer", completion_tokens=7)
+                                response_content="an answer", completion_tokens=7,
+                                num_tokens=20 + i, num_supervised=5, tokenize_version=1,
+                                token_mismatch=i % 2 == 0)
                 ends["done"] += 1
             elif i % 5 == 2:
                 states.retry(s, c.sample_id, token, next_attempt_at=now, error_class="timeout",
@@ -105,18 +108,28 @@ def _work(job_id: int, count: int) -> dict[str, int]:
     return ends
 
 
-def _truth() -> tuple[dict[tuple[int, str, str | None], int],
-                      dict[tuple[int, str, str | None], int],
-                      dict[tuple[int, str, str | None], tuple[int, int]],
-                      dict[tuple[int, str, str | None], tuple[int, int]]]:
+Key = tuple[Any, ...]
+
+
+def _truth() -> tuple[dict[Key, tuple[int, ...]], dict[Key, tuple[int, ...]],
+                      dict[Key, tuple[int, int]], dict[Key, tuple[int, int]]]:
+    """(the counters, a GROUP BY over samples, the call counters, one over attempts)."""
     with session_scope() as s:
-        counted = {(j, st, c): int(n) for j, st, c, n in s.execute(
-            select(SampleCount.job_id, SampleCount.state, SampleCount.error_class,
-                   func.sum(SampleCount.n))
-            .group_by(SampleCount.job_id, SampleCount.state, SampleCount.error_class)) if n}
-        grouped = {(j, str(st), c): n for j, st, c, n in s.execute(
-            select(Sample.job_id, Sample.state, Sample.error_class, func.count())
-            .group_by(Sample.job_id, Sample.state, Sample.error_class))}
+        key = (SampleCount.job_id, SampleCount.state, SampleCount.error_class,
+               SampleCount.tokenize_version, SampleCount.answered)
+        counted = {(*r[:4], bool(r[4])): tuple(int(x) for x in r[5:]) for r in s.execute(
+            select(*key, func.sum(SampleCount.n), func.sum(SampleCount.tokens),
+                   func.sum(SampleCount.supervised), func.sum(SampleCount.mismatches))
+            .group_by(*key)) if any(r[5:])}
+        answered = Sample.response_content.is_not(None)
+        key = (Sample.job_id, Sample.state, Sample.error_class, Sample.tokenize_version,
+               answered)
+        grouped = {(r[0], str(r[1]), r[2], r[3], bool(r[4])): tuple(int(x or 0) for x in r[5:])
+                   for r in s.execute(
+            select(*key, func.count(), func.sum(Sample.num_tokens),
+                   func.sum(Sample.num_supervised),
+                   func.count().filter(Sample.token_mismatch.is_(True)))
+            .group_by(*key))}
         calls = {(j, srv, o): (int(n), int(t)) for j, srv, o, n, t in s.execute(
             select(CallCount.job_id, CallCount.server, CallCount.outcome, func.sum(CallCount.n),
                    func.sum(CallCount.tokens))
@@ -178,24 +191,40 @@ def test_counters_equal_a_group_by_after_a_mixed_workload(backend: str) -> None:
         s.execute(delete(Job).where(Job.id == b))
     counted, grouped, calls, _ = _truth()
     assert counted == grouped and not any(k[0] == b for k in counted)
+    assert counted
     assert not any(k[0] == b for k in calls)
     with session_scope() as s:
         states.compact_counts(s)
-        keys = s.execute(select(SampleCount.job_id, SampleCount.state, SampleCount.error_class)
-                         ).all()
+        keys = s.execute(select(SampleCount.job_id, SampleCount.state, SampleCount.error_class,
+                                SampleCount.tokenize_version, SampleCount.answered)).all()
         assert len(keys) == len(set(keys))  # one row per key after the fold
         assert all(n for n in s.scalars(select(SampleCount.n)))  # no key at zero
     counted, grouped, _, _ = _truth()
     assert counted == grouped
-    # What status reads from the counters.
+    # What status reads from the counters equals what the rows say.
     with session_scope() as s:
+        s.execute(update(Job).where(Job.id == a).values(tokenizer="a-tokenizer",
+                                                         tokenize_version=2))
+    with session_scope() as s:
+        one = s.scalar(select(Sample.id).where(Sample.job_id == a, Sample.state == "done")
+                       .limit(1))
+        s.execute(update(Sample).where(Sample.id == one).values(tokenize_version=2))  # retokenized
         job = s.get_one(Job, a)
         status = job_status(s, job, cost=False)
+        done = [v for (j, st, *_), v in grouped.items() if j == a and st == "done"]
         assert status.counts == state_counts(s, a) and status.total == sum(
-            n for (j, _, _), n in grouped.items() if j == a)
-        assert status.failures == {c or "unknown": n for (j, st, c), n in grouped.items()
-                                   if j == a and st == "failed"}
+            v[0] for (j, *_), v in grouped.items() if j == a)
+        failures: dict[str, int] = {}
+        for (j, st, c, *_), v in grouped.items():
+            if j == a and st == "failed":
+                failures[c or "unknown"] = failures.get(c or "unknown", 0) + v[0]
+        assert status.failures == failures
         assert status.calls == call_counts(s, a) and status.calls.get("ok")
+        assert (status.num_tokens, status.num_supervised, status.token_mismatches) == (
+            sum(v[1] for v in done), sum(v[2] for v in done), sum(v[3] for v in done))
+        assert status.num_tokens > 0 and status.token_mismatches > 0
+        stale = s.scalar(select(func.count()).select_from(Sample).where(stale_query(a, 2)))
+        assert status.stale_examples == stale and 0 < stale < status.counts["done"]
 
 
 def test_a_broken_trigger_is_caught(backend: str) -> None:
