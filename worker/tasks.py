@@ -66,7 +66,7 @@ class _Refill:
             self._wake.clear()
             try:
                 with _executor_lock:
-                    mine = _executor
+                    mine = _executor if get_settings().local_refill else None
                 dispatch(publish, local=mine.local_claim() if mine is not None else None)
             except Exception as exc:  # the beat tick will do it; never stop refilling
                 if not _outage(exc):
