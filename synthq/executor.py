@@ -149,25 +149,42 @@ class Executor:
     def start_claimed(self, claimed: list[states.Claimed]) -> None:
         """Run samples already claimed for this process (a local refill); returns at once.
         Never raises: samples it cannot start go back to ``pending``."""
-        try:
-            jobs = {c.job_id: get_job(c.job_id) for c in claimed}
-            with self._starting_lock:
-                self._starting += len(claimed)
-            asyncio.run_coroutine_threadsafe(self._run(claimed, jobs, started=True), self.loop)
-        except Exception:  # noqa: BLE001 - the loop is gone: hand them back, never strand
-            log.exception("could not start %d claimed samples; handing them back", len(claimed))
-            with self._starting_lock:
-                self._starting = 0
+        why = ("interrupted", "the worker is stopping")
+        if not self._stopping:
+            try:
+                jobs = {c.job_id: get_job(c.job_id) for c in claimed}
+                with self._starting_lock:
+                    self._starting += len(claimed)
+                asyncio.run_coroutine_threadsafe(self._run(claimed, jobs, started=True),
+                                                 self.loop)
+                return
+            except Exception:  # noqa: BLE001 - the loop is gone: hand them back, never strand
+                log.exception("could not start %d claimed samples; handing them back",
+                              len(claimed))
+                with self._starting_lock:
+                    self._starting = 0
+                why = ("worker_error", "the worker could not start the call")
 
-            def give_back() -> None:
-                now = utcnow()
-                with session_scope() as s:
-                    for c in claimed:
-                        states.retry(s, c.sample_id, c.token, next_attempt_at=now,
-                                     error_class="worker_error", charge=False, now=now,
-                                     error_message="the worker could not start the call")
+        def give_back() -> None:  # no call was made: the attempt is not charged
+            now = utcnow()
+            with session_scope() as s:
+                for c in claimed:
+                    states.retry(s, c.sample_id, c.token, next_attempt_at=now,
+                                 error_class=why[0], error_message=why[1], charge=False,
+                                 now=now)
 
-            with_db_retry(give_back, attempts=CLAIM_PATH_ATTEMPTS, what="hand back")
+        with_db_retry(give_back, attempts=CLAIM_PATH_ATTEMPTS, what="hand back")
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no call is in flight (after :meth:`begin_shutdown`, whose cut ends
+        them): samples a local refill started are in no Celery task, so Celery's warm
+        shutdown does not wait for them. True when drained."""
+        deadline = time.monotonic() + timeout
+        while self.inflight or self._starting:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def submit_batch(self, items: Sequence[Sequence[Any]],
                      pool: ThreadPoolExecutor) -> Future[dict[int, Outcome]]:

@@ -132,10 +132,13 @@ def _begin_shutdown(**_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _stop_executor(**_: Any) -> None:
-    """Warm shutdown: the batches have finished; forget this worker at once."""
+    """Warm shutdown: the batches have finished; the locally refilled calls end too (cut
+    at the grace like the others); then forget this worker at once."""
     global _executor
     with _executor_lock:
         if _executor is not None:
+            if not _executor.drain(get_settings().shutdown_grace + 30.0):
+                log.warning("calls still in flight at shutdown: their leases bring them back")
             _executor.close()
             _executor = None
 
