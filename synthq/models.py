@@ -33,8 +33,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import JobState, RunState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker", "TrainingRun", "UTCDateTime",
-           "ApiSession"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
+           "TrainingRun", "UTCDateTime", "ApiSession"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
