@@ -243,3 +243,55 @@ def test_a_broken_trigger_is_caught(backend: str) -> None:
         if backend == "postgresql":
             with session_scope() as s:
                 s.execute(text("ALTER TABLE samples ENABLE TRIGGER synthq_samples_updated"))
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def at_0015(request: pytest.FixtureRequest, tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A database migrated to 0015 (before the counters); the settings point at it."""
+    from conftest import PG_ADMIN_URL, TEST_ENV, _reset_process_state
+    from sqlalchemy import create_engine
+
+    from synthq.migrate import upgrade
+
+    admin = None
+    if request.param == "postgresql":
+        import os
+
+        name = f"synthq_test_backfill_{os.getpid()}"
+        admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    else:
+        url = f"sqlite:///{tmp_path / 'backfill.db'}"
+    upgrade(url, "0015")
+    monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
+    monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("SYNTHQ_BROKER_URL", "")
+    for key, value in TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    _reset_process_state()
+    yield url
+    _reset_process_state()
+    if admin is not None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def test_the_migration_backfills_the_counters(at_0015: str) -> None:
+    """Jobs that existed before migration 0016 get their counters filled by it."""
+    from synthq.db import dispose_engines
+    from synthq.migrate import upgrade
+
+    a = _job("a", 30)
+    _work(a, 20)
+    dispose_engines()
+    upgrade(at_0015)
+    counted, grouped, calls, attempts = _truth()
+    assert counted == grouped and grouped
+    assert calls == attempts and attempts
+    _work(a, 5)  # and the triggers keep them from there
+    _check()
