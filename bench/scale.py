@@ -4,7 +4,8 @@
 Setup: a fresh PostgreSQL database; one job on 8 servers (limit 128 each), and
 ``--samples`` (1,000,000) samples written by SQL (``generate_series``, not the
 enqueue path: see ``enqueue.py`` for that): 60 % done, 30 % pending and due,
-5 % failed, 5 % skipped; ``--attempts`` rows (1,000,000) spread over the done and
+5 % failed, 5 % skipped, the done ones with an example (the job has a tokenizer);
+``--attempts`` rows (1,000,000) spread over the done and
 failed samples, with a latency, a time to first token and tokens; then
 ``VACUUM ANALYZE``.
 
@@ -15,7 +16,9 @@ function, in this process, against that database:
   drops the samples and room for 64, then those samples put back to pending
   (not timed), so every tick finds the same work;
 * **status --json**: :func:`synthq.status.job_status` (what ``synthq status
-  JOB --json`` prints, without the process start);
+  JOB --json`` prints, without the process start), and ``status_no_cost``
+  without the cost report (:mod:`synthq.cost`); the statements of one call
+  that took longest are printed first;
 * **/metrics**: :func:`synthq.query.metrics_snapshot` (the SQL behind a scrape),
   warm (this process scraped before: only the attempts since its last safe
   point are read), ``metrics_first`` (a fresh process: the whole table once),
@@ -54,7 +57,8 @@ def populate(n: int, attempts: int) -> int:
         s.execute(text("""
             INSERT INTO samples (job_id, content_key, dataset_index, prompt, state, attempts,
                                  next_attempt_at, created_at, updated_at, finished_at,
-                                 server, error_class, response_content, completion_tokens)
+                                 server, error_class, response_content, completion_tokens,
+                                 num_tokens, num_supervised, tokenize_version)
             SELECT :job, md5(i::text), i,
                    jsonb_build_array(jsonb_build_object('role', 'user',
                                                         'content', 'question ' || i)),
@@ -70,8 +74,14 @@ def populate(n: int, attempts: int) -> int:
                    CASE WHEN i % 20 = 18 THEN 'timeout' WHEN i % 20 = 19 THEN 'invalid_input'
                    END,
                    CASE WHEN i % 20 < 12 THEN 'an answer' END,
-                   CASE WHEN i % 20 < 12 THEN 40 END
+                   CASE WHEN i % 20 < 12 THEN 40 END,
+                   CASE WHEN i % 20 < 12 THEN 300 + i % 100 END,
+                   CASE WHEN i % 20 < 12 THEN 40 END,
+                   CASE WHEN i % 20 < 12 THEN 1 END
             FROM generate_series(0, :n - 1) AS i"""), {"job": job_id, "n": n, "tail": ":8000/v1"})
+        # A tokenized job: status also sums the examples' tokens and counts stale ones.
+        s.execute(text("UPDATE jobs SET tokenizer = 'bench/tokenizer' WHERE id = :job"),
+                  {"job": job_id})
         s.execute(text("""
             INSERT INTO attempts (sample_id, server, worker, started_at, ended_at, outcome,
                                   latency_s, ttft_s, completion_tokens)
@@ -100,6 +110,41 @@ def timed(fn: Callable[[], Any], repeats: int, after: Callable[[], None] | None 
         if after:
             after()
     return statistics.median(times), max(times)
+
+
+def slowest(fn: Callable[[], Any], what: str, after: Callable[[], None] | None = None,
+            top: int = 4) -> None:
+    """Print the statements of one ``fn()`` call that took longest (where the time goes)."""
+    from sqlalchemy import event
+
+    from synthq.db import get_engine
+
+    fn()  # warm
+    if after:
+        after()
+    spent: list[tuple[float, str]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        conn.info["bench_t0"] = time.perf_counter()
+
+    def done(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        spent.append((1000 * (time.perf_counter() - conn.info.pop("bench_t0")),
+                      " ".join(statement.split())[:110]))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "after_cursor_execute", done)
+    try:
+        fn()
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "after_cursor_execute", done)
+        if after:
+            after()
+    total = sum(ms for ms, _ in spent)
+    print(f"{what}: {len(spent)} statements, {total:.1f} ms of SQL; slowest:", file=sys.stderr)
+    for ms, statement in sorted(spent, reverse=True)[:top]:
+        print(f"  {ms:8.1f} ms  {statement}", file=sys.stderr)
 
 
 def main() -> None:
@@ -141,6 +186,10 @@ def main() -> None:
             with session_scope() as s:
                 job_status(s, s.get_one(Job, job_id))
 
+        def status_no_cost() -> None:  # the same without the cost report (synthq.cost)
+            with session_scope() as s:
+                job_status(s, s.get_one(Job, job_id), cost=False)
+
         def metrics() -> None:
             with session_scope() as s:
                 metrics_snapshot(s)
@@ -157,7 +206,10 @@ def main() -> None:
             with session_scope() as s:
                 _AttemptFigures.read(s, 0, None)
 
+        slowest(status, "status")
+        slowest(tick, "dispatch tick", put_back)
         for name, fn, after in (("dispatch_tick", tick, put_back), ("status", status, None),
+                                ("status_no_cost", status_no_cost, None),
                                 ("metrics_full_scan", full_scan, None),
                                 ("metrics_first", metrics_first, None),
                                 ("metrics", metrics, None)):

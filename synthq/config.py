@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     worker_timeout: float = 15.0
     #: Calls one generation process holds in flight; 0: the worker's ``-c``.
     worker_capacity: int = 0
+    #: A worker's refill claims the samples for its own freed slots in the
+    #: dispatch's transaction and starts them, without a ``generate`` message
+    #: (no broker round trip, no second transaction). Those samples are
+    #: then no Celery tasks: False shows every batch in Flower.
+    local_refill: bool = True
     #: Seconds a worker told to stop (SIGTERM) lets its calls finish; then it
     #: cuts them and returns their samples to pending (due at once).
     shutdown_grace: float = 60.0

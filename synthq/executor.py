@@ -33,6 +33,7 @@ from typing import Any
 from synthq import states, workers
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
+from synthq.dispatch import LocalClaim
 from synthq.errors import DiskFull
 from synthq.inference import InferenceClient
 from synthq.process import Call, Outcome, get_job, lease_seconds, run_claimed
@@ -63,6 +64,9 @@ class Executor:
         self._tokenize_pool = ThreadPoolExecutor(tokenize_threads,
                                                  thread_name_prefix="synthq-tokenize")
         self._calls: dict[int, Call] = {}  # loop thread only
+        #: Samples claimed by a local refill and not yet in _calls (any thread).
+        self._starting = 0
+        self._starting_lock = threading.Lock()
         self._clients: dict[str, InferenceClient] = {}  # loop thread only
         self._retired: list[InferenceClient] = []
         self._closed = False
@@ -133,6 +137,55 @@ class Executor:
         outcomes.update(future.result())
         return outcomes
 
+    def local_claim(self) -> LocalClaim | None:
+        """What a refill dispatch may claim for this process itself (``dispatch(local=)``):
+        its free slots; None while shutting down or unable to write."""
+        room = self.capacity - self.inflight - self._starting
+        if self._stopping or self.writer.disk_full is not None or room <= 0:
+            return None
+        return LocalClaim(self.name, room, lambda job_id: lease_seconds(get_job(job_id)),
+                          self.start_claimed)
+
+    def start_claimed(self, claimed: list[states.Claimed]) -> None:
+        """Run samples already claimed for this process (a local refill); returns at once.
+        Never raises: samples it cannot start go back to ``pending``."""
+        why = ("interrupted", "the worker is stopping")
+        if not self._stopping:
+            try:
+                jobs = {c.job_id: get_job(c.job_id) for c in claimed}
+                with self._starting_lock:
+                    self._starting += len(claimed)
+                asyncio.run_coroutine_threadsafe(self._run(claimed, jobs, started=True),
+                                                 self.loop)
+                return
+            except Exception:  # noqa: BLE001 - the loop is gone: hand them back, never strand
+                log.exception("could not start %d claimed samples; handing them back",
+                              len(claimed))
+                with self._starting_lock:
+                    self._starting = 0
+                why = ("worker_error", "the worker could not start the call")
+
+        def give_back() -> None:  # no call was made: the attempt is not charged
+            now = utcnow()
+            with session_scope() as s:
+                for c in claimed:
+                    states.retry(s, c.sample_id, c.token, next_attempt_at=now,
+                                 error_class=why[0], error_message=why[1], charge=False,
+                                 now=now)
+
+        with_db_retry(give_back, attempts=CLAIM_PATH_ATTEMPTS, what="hand back")
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no call is in flight (after :meth:`begin_shutdown`, whose cut ends
+        them): samples a local refill started are in no Celery task, so Celery's warm
+        shutdown does not wait for them. True when drained."""
+        deadline = time.monotonic() + timeout
+        while self.inflight or self._starting:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def submit_batch(self, items: Sequence[Sequence[Any]],
                      pool: ThreadPoolExecutor) -> Future[dict[int, Outcome]]:
         """:meth:`run_batch` on a thread of ``pool`` (the embedded runner's carriers)."""
@@ -198,9 +251,14 @@ class Executor:
                 url, api_key=get_settings().api_key, max_connections=limit)
         return client
 
-    async def _run(self, claimed: list[states.Claimed],
-                   jobs: dict[int, Any]) -> dict[int, Outcome]:
-        results = await asyncio.gather(*(self._one(c, jobs[c.job_id]) for c in claimed))
+    async def _run(self, claimed: list[states.Claimed], jobs: dict[int, Any], *,
+                   started: bool = False) -> dict[int, Outcome]:
+        tasks = [asyncio.ensure_future(self._one(c, jobs[c.job_id])) for c in claimed]
+        if started:  # start_claimed's count: the calls are in self._calls from here on
+            await asyncio.sleep(0)
+            with self._starting_lock:
+                self._starting -= len(claimed)
+        results = await asyncio.gather(*tasks)
         return {c.sample_id: r for c, r in zip(claimed, results, strict=True)}
 
     async def _one(self, c: states.Claimed, job: Any) -> Outcome:

@@ -33,8 +33,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import JobState, RunState, SampleState
 
-__all__ = ["Base", "Job", "Sample", "Attempt", "Server", "Worker", "TrainingRun", "UTCDateTime",
-           "ApiSession"]
+__all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
+           "TrainingRun", "UTCDateTime", "ApiSession"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -304,6 +304,51 @@ class Attempt(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     #: The turn this call generated (0-based; jobs with regenerate=all), None otherwise.
     turn: Mapped[int | None] = mapped_column(Integer)
+
+
+class SampleCount(Base):
+    """Samples per (job, state, error class, tokenize version, response stored), kept by
+    triggers (migration 0016).
+
+    On PostgreSQL each statement that changes samples appends delta rows (no
+    writer waits on a hot counter row); a key may have several rows until the
+    sweep folds them (:func:`synthq.states.compact_counts`): read ``sum(n)``.
+    On SQLite one row per key. Never written by the code, except the fold.
+    """
+
+    __tablename__ = "sample_counts"
+    __table_args__ = (Index("ix_sample_counts_key", "job_id", "state", "error_class",
+                            "tokenize_version", "answered"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    job_id: Mapped[int] = mapped_column(IdType)
+    state: Mapped[str] = mapped_column(String(16))
+    error_class: Mapped[str | None] = mapped_column(String(32))
+    tokenize_version: Mapped[int | None] = mapped_column(Integer)
+    #: Their response is stored (what retokenize can work on).
+    answered: Mapped[bool] = mapped_column(Boolean)
+    #: Samples; their examples' tokens and supervised tokens; those whose tokens
+    #: differ from the server's (``token_mismatch``).
+    n: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    supervised: Mapped[int] = mapped_column(BigInteger)
+    mismatches: Mapped[int] = mapped_column(BigInteger)
+
+
+class CallCount(Base):
+    """Calls (attempt rows) per (job, server, outcome) and their completion tokens, kept
+    like :class:`SampleCount`. Calls are history: deleting a sample keeps its calls."""
+
+    __tablename__ = "call_counts"
+    __table_args__ = (Index("ix_call_counts_key", "job_id", "server", "outcome"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    job_id: Mapped[int] = mapped_column(IdType)
+    server: Mapped[str] = mapped_column(String(500))
+    outcome: Mapped[str | None] = mapped_column(String(32))
+    n: Mapped[int] = mapped_column(BigInteger)
+    #: Completion tokens of those calls (0 where none were reported).
+    tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class Server(Base):

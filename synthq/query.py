@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from synthq.db import safe_url, utcnow
 from synthq.enums import INFLIGHT, SampleState
-from synthq.models import Attempt, Job, Sample, Server, Worker
+from synthq.models import Attempt, CallCount, Job, Sample, SampleCount, Server, Worker
 from synthq.packing import unpack_ids, unpack_mask
 
 __all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail",
@@ -46,10 +46,10 @@ class JobSummary:
 def list_jobs(session: Session) -> list[JobSummary]:
     """Every job, oldest first, with its counts per state (one grouped query)."""
     counts: dict[int, dict[str, int]] = {}
-    for job_id, state, n in session.execute(
-            select(Sample.job_id, Sample.state, func.count()).group_by(Sample.job_id,
-                                                                       Sample.state)):
-        counts.setdefault(job_id, {s.value: 0 for s in SampleState})[str(state)] = n
+    for job_id, state, n in session.execute(  # the counters of migration 0016
+            select(SampleCount.job_id, SampleCount.state, func.sum(SampleCount.n))
+            .group_by(SampleCount.job_id, SampleCount.state)):
+        counts.setdefault(job_id, {s.value: 0 for s in SampleState})[str(state)] = int(n)
     return [JobSummary(j.id, j.name, str(j.state), j.model, j.created_at,
                        counts.get(j.id, {s.value: 0 for s in SampleState}))
             for j in session.scalars(select(Job).order_by(Job.id))]
@@ -292,15 +292,20 @@ class _AttemptFigures:
     ttft: dict[str, tuple[list[int], int, float]] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, session: Session, lo: int, hi: int | None) -> _AttemptFigures:
-        """The figures of the attempts with ``lo < id <= hi`` (one index range scan)."""
+    def read(cls, session: Session, lo: int, hi: int | None, *,
+             counts: bool = True) -> _AttemptFigures:
+        """The figures of the attempts with ``lo < id <= hi`` (one index range scan);
+        ``counts=False``: the histograms only (calls and tokens come from call_counts)."""
         where = [Attempt.id > lo] + ([Attempt.id <= hi] if hi is not None else [])
-        calls = {(safe_url(server), outcome or "running"): n for server, outcome, n in
-                 session.execute(select(Attempt.server, Attempt.outcome, func.count())
-                                 .where(*where).group_by(Attempt.server, Attempt.outcome))}
-        tokens = {safe_url(server): int(n or 0) for server, n in session.execute(
-            select(Attempt.server, func.sum(Attempt.completion_tokens))
-            .where(Attempt.outcome == "ok", *where).group_by(Attempt.server))}
+        calls: dict[tuple[str, str], int] = {}
+        tokens: dict[str, int] = {}
+        if counts:
+            calls = {(safe_url(server), outcome or "running"): n for server, outcome, n in
+                     session.execute(select(Attempt.server, Attempt.outcome, func.count())
+                                     .where(*where).group_by(Attempt.server, Attempt.outcome))}
+            tokens = {safe_url(server): int(n or 0) for server, n in session.execute(
+                select(Attempt.server, func.sum(Attempt.completion_tokens))
+                .where(Attempt.outcome == "ok", *where).group_by(Attempt.server))}
         return cls(calls, tokens, _histograms(session, Attempt.latency_s, LATENCY_BUCKETS, where),
                    _histograms(session, Attempt.ttft_s, TTFT_BUCKETS, where))
 
@@ -374,21 +379,42 @@ def _attempt_figures(session: Session) -> _AttemptFigures:
                 rollup = _rollups[bind.engine] = _Rollup()
         if target > rollup.upto:
             rollup.figures = rollup.figures.plus(
-                _AttemptFigures.read(session, rollup.upto, target))
+                _AttemptFigures.read(session, rollup.upto, target, counts=False))
             rollup.upto = target
-        return rollup.figures.plus(_AttemptFigures.read(session, rollup.upto, None))
+        return rollup.figures.plus(_AttemptFigures.read(session, rollup.upto, None,
+                                                        counts=False))
+
+
+def _call_figures(session: Session) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    """Calls per (server, outcome) and tokens of successful calls per server, from the
+    counters the triggers keep (migration 0016): a few rows, however many attempts."""
+    calls: dict[tuple[str, str], int] = {}
+    tokens: dict[str, int] = {}
+    for server, outcome, n, t in session.execute(
+            select(CallCount.server, CallCount.outcome, func.sum(CallCount.n),
+                   func.sum(CallCount.tokens))
+            .group_by(CallCount.server, CallCount.outcome)):
+        if not n:
+            continue
+        key = (safe_url(server), outcome or "running")
+        calls[key] = calls.get(key, 0) + int(n)
+        if outcome == "ok":
+            tokens[key[0]] = tokens.get(key[0], 0) + int(t or 0)
+    return calls, tokens
 
 
 def metrics_snapshot(session: Session) -> MetricsSnapshot:
     """What ``/metrics`` reports, read from SQL (so every process's work is counted).
 
-    The ``attempts`` figures are cumulative counters kept in this process
-    (:class:`_Rollup`): a scrape scans the attempts since the last safe point,
-    not the whole table (the first scrape of a process reads it all once).
+    Calls and tokens come from ``call_counts`` (kept by triggers). The latency
+    histograms are cumulative counters kept in this process (:class:`_Rollup`):
+    a scrape scans the attempts since the last safe point, not the whole table
+    (the first scrape of a process reads it all once).
     """
-    samples = {(name, str(state)): n for name, state, n in session.execute(
-        select(Job.name, Sample.state, func.count()).join(Sample, Sample.job_id == Job.id)
-        .group_by(Job.name, Sample.state))}
+    samples = {(name, str(state)): int(n) for name, state, n in session.execute(
+        select(Job.name, SampleCount.state, func.sum(SampleCount.n))
+        .join(SampleCount, SampleCount.job_id == Job.id)
+        .group_by(Job.name, SampleCount.state)) if n}
     inflight = {safe_url(server or ""): n for server, n in session.execute(
         select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT),
                                                   Sample.server.is_not(None))
@@ -396,10 +422,11 @@ def metrics_snapshot(session: Session) -> MetricsSnapshot:
     healthy = {safe_url(url): int(ok) for url, ok in session.execute(
         select(Server.url, Server.healthy))}
     attempts = _attempt_figures(session)
+    calls, tokens = _call_figures(session)
     workers = {w.name: (w.heartbeat_at.timestamp(), w.capacity, w.inflight)
                for w in session.scalars(select(Worker))}
-    return MetricsSnapshot(samples, inflight, healthy, attempts.calls, attempts.latency,
-                           attempts.ttft, attempts.tokens, workers)
+    return MetricsSnapshot(samples, inflight, healthy, calls, attempts.latency,
+                           attempts.ttft, tokens, workers)
 
 
 def to_json(obj: Any) -> str:
@@ -424,8 +451,8 @@ def cost_snapshot(session: Session) -> CostSnapshot:
     costs = {}
     for job in session.scalars(select(Job).where(Job.state.in_(
             [JobState.ACTIVE, JobState.PAUSED]))):
-        remaining = session.scalar(select(func.count()).select_from(Sample).where(
-            Sample.job_id == job.id, Sample.state.in_(
+        remaining = session.scalar(select(func.sum(SampleCount.n)).where(
+            SampleCount.job_id == job.id, SampleCount.state.in_(
                 [SampleState.PENDING, *INFLIGHT]))) or 0
         costs[job.name] = job_cost(session, job, remaining=remaining).to_dict()
     return CostSnapshot(limits, costs)

@@ -45,6 +45,14 @@ def _eligible(job_id: int) -> Any:
                  Sample.error_class.in_(errors.TOKENIZATION_CLASSES))))
 
 
+def eligible(state: str, error_class: str | None) -> bool:
+    """:func:`_eligible` for a sample in ``state`` with ``error_class`` whose response is
+    stored: what ``status`` counts from the counters."""
+    return state == SampleState.DONE or (
+        state in (SampleState.FAILED, SampleState.SKIPPED)
+        and error_class in errors.TOKENIZATION_CLASSES)
+
+
 def stale_query(job_id: int, version: int) -> Any:
     """Eligible samples whose example is from an older version (or missing)."""
     return and_(_eligible(job_id), or_(Sample.tokenize_version.is_(None),

@@ -10,10 +10,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
-from synthq.models import Attempt, Job, Sample
+from synthq.models import CallCount, Job, Sample, SampleCount
 from synthq.states import INFLIGHT, SampleState
 
-__all__ = ["JobStatus", "job_status", "state_counts"]
+__all__ = ["JobStatus", "job_status", "state_counts", "sample_counts", "call_counts", "counted",
+           "Counted"]
 
 #: Window for the done/s rate.
 RATE_WINDOW = timedelta(minutes=5)
@@ -109,21 +110,71 @@ def _by_key(rows: Any) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": n for key, n in rows}
 
 
-def state_counts(session: Session, job_id: int) -> dict[str, int]:
-    counts = {s.value: 0 for s in SampleState}
+@dataclass(frozen=True)
+class Counted:
+    """One key of the job's counters: samples in ``state`` with ``error_class`` at
+    ``tokenize_version``, and the sums over them."""
+
+    state: str
+    error_class: str | None
+    tokenize_version: int | None
+    #: The response is stored.
+    answered: bool
+    n: int
+    tokens: int
+    supervised: int
+    mismatches: int
+
+
+def counted(session: Session, job_id: int) -> list[Counted]:
+    """The job's counters (kept by the triggers of migration 0016): a few rows, however
+    many samples; the delta rows of a key not yet folded are summed here."""
+    key = (SampleCount.state, SampleCount.error_class, SampleCount.tokenize_version,
+           SampleCount.answered)
     rows = session.execute(
-        select(Sample.state, func.count()).where(Sample.job_id == job_id).group_by(Sample.state)
-    )
-    for state, n in rows:
-        counts[str(state)] = n
+        select(*key, func.sum(SampleCount.n), func.sum(SampleCount.tokens),
+               func.sum(SampleCount.supervised), func.sum(SampleCount.mismatches))
+        .where(SampleCount.job_id == job_id).group_by(*key))
+    return [Counted(str(r[0]), r[1], r[2], bool(r[3]), *(int(x or 0) for x in r[4:]))
+            for r in rows]
+
+
+def sample_counts(session: Session, job_id: int,
+                  rows: list[Counted] | None = None) -> dict[tuple[str, str | None], int]:
+    """The job's samples per (state, error class)."""
+    counts: dict[tuple[str, str | None], int] = {}
+    for c in rows if rows is not None else counted(session, job_id):
+        if c.n:
+            counts[(c.state, c.error_class)] = counts.get((c.state, c.error_class), 0) + c.n
     return counts
+
+
+def state_counts(session: Session, job_id: int,
+                 by_class: dict[tuple[str, str | None], int] | None = None) -> dict[str, int]:
+    """The job's samples per state (every state, 0 included)."""
+    counts = {s.value: 0 for s in SampleState}
+    for (state, _), n in (by_class if by_class is not None
+                          else sample_counts(session, job_id)).items():
+        counts[state] = counts.get(state, 0) + n
+    return counts
+
+
+def call_counts(session: Session, job_id: int) -> dict[str, int]:
+    """The job's calls per outcome (``ok`` or a failure class), from the counters."""
+    rows = session.execute(
+        select(CallCount.outcome, func.sum(CallCount.n))
+        .where(CallCount.job_id == job_id, CallCount.outcome.is_not(None))
+        .group_by(CallCount.outcome))
+    return {str(outcome): int(n) for outcome, n in rows if n}
 
 
 def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     """The job's status; ``cost=False`` leaves out the cost report and limit history (the
     embedded loop's frequent ticks)."""
     now = utcnow()
-    counts = state_counts(session, job.id)
+    rows = counted(session, job.id)
+    by_class = sample_counts(session, job.id, rows)
+    counts = state_counts(session, job.id, by_class)
     recent = session.scalar(
         select(func.count()).select_from(Sample).where(
             Sample.job_id == job.id, Sample.state == SampleState.DONE,
@@ -143,25 +194,16 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     status = JobStatus(
         id=job.id, name=job.name, state=str(job.state), model=job.model,
         total=sum(counts.values()), counts=counts, done_per_s=rate, eta_s=None,
-        failures=_by_key(session.execute(
-            select(Sample.error_class, func.count())
-            .where(Sample.job_id == job.id, Sample.state == SampleState.FAILED)
-            .group_by(Sample.error_class)).tuples().all()),
-        retrying=_by_key(session.execute(
-            select(Sample.error_class, func.count())
-            .where(Sample.job_id == job.id, Sample.state == SampleState.PENDING,
-                   Sample.error_class.is_not(None))
-            .group_by(Sample.error_class)).tuples().all()),
+        failures=_by_key((c, n) for (state, c), n in by_class.items()
+                         if state == SampleState.FAILED),
+        retrying=_by_key((c, n) for (state, c), n in by_class.items()
+                         if state == SampleState.PENDING and c is not None),
         inflight=_by_key(session.execute(
             select(Sample.server, func.count())
             .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
             .group_by(Sample.server)).tuples().all()),
         servers=list(job.servers),
-        calls=_by_key(session.execute(
-            select(Attempt.outcome, func.count())
-            .join(Sample, Sample.id == Attempt.sample_id)
-            .where(Sample.job_id == job.id, Attempt.outcome.is_not(None))
-            .group_by(Attempt.outcome)).tuples().all()),
+        calls=call_counts(session, job.id),
     )
     if rate > 0:
         status.eta_s = status.open / rate
@@ -192,17 +234,15 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
 
         status.cost = job_cost(session, job, remaining=status.open, now=now).to_dict()
     if job.tokenizer:
-        from synthq.retokenize import stale_query
+        from synthq.retokenize import eligible
 
         status.tokenizer, status.tokenize_version = job.tokenizer, job.tokenize_version
-        status.stale_examples = session.scalar(
-            select(func.count()).select_from(Sample)
-            .where(stale_query(job.id, job.tokenize_version))) or 0
-        tokens, supervised, mismatches = session.execute(
-            select(func.coalesce(func.sum(Sample.num_tokens), 0),
-                   func.coalesce(func.sum(Sample.num_supervised), 0),
-                   func.count().filter(Sample.token_mismatch.is_(True)))
-            .where(Sample.job_id == job.id, Sample.state == SampleState.DONE)).one()
-        status.num_tokens, status.num_supervised = int(tokens or 0), int(supervised or 0)
-        status.token_mismatches = int(mismatches or 0)
+        # From the counters: what stale_query counts, and the done samples' token sums.
+        status.stale_examples = sum(
+            c.n for c in rows if c.answered and eligible(c.state, c.error_class)
+            and (c.tokenize_version is None or c.tokenize_version < job.tokenize_version))
+        done = [c for c in rows if c.state == SampleState.DONE]
+        status.num_tokens = sum(c.tokens for c in done)
+        status.num_supervised = sum(c.supervised for c in done)
+        status.token_mismatches = sum(c.mismatches for c in done)
     return status

@@ -13,13 +13,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, select
 
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.errors import UserError
-from synthq.models import Job, Sample, TrainingRun
+from synthq.models import Job, TrainingRun
 from synthq.states import INFLIGHT, JobState, SampleState
+from synthq.status import state_counts
 from synthq.training import states
 from synthq.training.config import TrainConfig, parse_when
 from synthq.training.runs import new_run
@@ -59,8 +60,7 @@ def check_readiness(publish: Callable[[list[int]], None] | None = None) -> Readi
             except UserError as exc:
                 log.warning("job %s: cannot start training: %s", job.name, exc)
                 continue
-            counts = dict(s.execute(select(Sample.state, func.count())
-                                    .where(Sample.job_id == job.id).group_by(Sample.state)).all())
+            counts = state_counts(s, job.id)  # the counters: a few rows at any size
             total = sum(counts.values())
             inflight = sum(counts.get(st, 0) for st in INFLIGHT)
             if not when.met(done=counts.get(SampleState.DONE, 0), total=total,

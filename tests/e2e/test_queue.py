@@ -123,7 +123,10 @@ def test_redis_flushall_mid_run_loses_nothing(workers: Any, simulator: Callable[
 
 def test_flower_shows_generate_tasks_behind_basic_auth(workers: Any, simulator: Callable[..., Any],
                                                        job_factory: Callable[..., Any],
-                                                       tmp_path: Any) -> None:
+                                                       tmp_path: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sample is in a generate task (a worker's local refill, on by default, runs
+    samples without one: off here)."""
     import ast
     import sys
 
@@ -145,6 +148,7 @@ def test_flower_shows_generate_tasks_behind_basic_auth(workers: Any, simulator: 
             return False
 
     wait_for(flower_up, 30, flower.log())
+    monkeypatch.setenv("SYNTHQ_LOCAL_REFILL", "0")
     time.sleep(1.0)  # flower subscribes to events before the tasks run
     report = job_factory([f"flower {i}" for i in range(5)], servers=[sim.url])
     workers.worker(concurrency=4)

@@ -205,3 +205,30 @@ def test_health_url() -> None:
     assert health_url("http://vllm:8000/v1") == "http://vllm:8000/health"
     assert health_url("http://vllm:8000/v1/") == "http://vllm:8000/health"
     assert health_url("https://h/proxy") == "https://h/proxy/health"
+
+
+def test_a_local_refill_claims_its_own_share_within_the_limit(
+        job_factory: Callable[..., Any]) -> None:
+    """dispatch(local=...): the worker's free slots are claimed for it in the dispatch's
+    transaction (running, under its name), the rest published; the limit still holds."""
+    from synthq.dispatch import LocalClaim
+
+    servers = ["http://10.255.0.7:8000/v1", "http://10.255.0.8:8000/v1"]
+    report = job_factory([f"p{i}" for i in range(100)], servers=servers, inflight_limit=6)
+    started: list[states.Claimed] = []
+    published: list[Dispatched] = []
+    local = LocalClaim("me", 5, lambda job_id: 60.0, started.extend)
+    assert dispatch(published.extend, local=local, capacity=100) == 12
+    assert len(started) == 5 and len(published) == 7
+    assert {c.server for c in started} == set(servers)  # spread over both servers
+    assert not {c.sample_id for c in started} & {d.sample_id for d in published}
+    with session_scope() as s:
+        rows = s.execute(select(Sample.state, Sample.worker, Sample.attempts, Sample.claim)
+                         .where(Sample.id.in_([c.sample_id for c in started]))).all()
+    assert all(r[0] == "running" and r[1] == "me" and r[2] == 1 for r in rows)
+    assert {r[3] for r in rows} == {started[0].token}
+    # Full: nothing more is queued or claimed until a slot frees.
+    assert dispatch(published.extend, local=LocalClaim("me", 5, lambda j: 60.0, started.extend),
+                    capacity=100) == 0
+    assert [queued_on(u) for u in servers] == [6, 6]
+    assert counts(report.job_id)["running"] == 5
