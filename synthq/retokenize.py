@@ -27,7 +27,7 @@ from synthq.enums import SampleState
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
-from synthq.process import tokenize_response
+from synthq.process import effective, tokenize_response
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["configure", "stale_query", "stale_ids", "count_stale", "retokenize_batch",
@@ -114,15 +114,19 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         s.expunge(job)
         rows = s.execute(
             select(Sample.id, Sample.prompt, Sample.response_content, Sample.reasoning_content,
-                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turns)
+                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turns,
+                   Sample.overrides)
             .where(Sample.id.in_(sample_ids), stale_query(job_id, job.tokenize_version))
         ).all()
     result = BatchResult(unchanged=len(sample_ids) - len(rows))
     updates: list[tuple[int, dict[str, Any]]] = []
-    for sid, prompt, content, reasoning, server_ids, tool_calls, tools, answers in rows:
+    for sid, prompt, content, reasoning, server_ids, tool_calls, tools, answers, overrides \
+            in rows:
         ids = unpack_ids(server_ids)
         try:
-            values = tokenize_response(job, prompt or [], content or "", reasoning,
+            # A sample requeued with its own chat_template_kwargs was generated with
+            # them: its example is rendered with them too, as the worker did.
+            values = tokenize_response(effective(job, overrides), prompt or [], content or "", reasoning,
                                        ids.tolist() if ids is not None else None,
                                        tool_calls=tool_calls, tools=tools,
                                        answers=answers if job.regenerate == "all" else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +77,35 @@ def test_bad_overrides_are_refused(overrides: dict[str, Any], message: str) -> N
     with pytest.raises(UserError) as info:
         service.check_overrides(overrides)
     assert message in str(info.value)
+
+
+#: A chat template that writes a template variable into the rendered text, so an
+#: example shows which chat_template_kwargs rendered it.
+PERSONA_TEMPLATE = (
+    "{% if persona is defined %}{{ '<|im_start|>system\\n' + persona + '<|im_end|>\\n' }}"
+    "{% endif %}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_retokenize_keeps_a_samples_own_chat_template_kwargs(
+        job_factory: Callable[..., Any], sample_factory: Callable[..., int],
+        tmp_path: Path) -> None:
+    """A sample requeued with --chat-template-kwargs was generated with them; a later
+    retokenize renders its example with them too (as the worker did), not the job's."""
+    import chat_tokenizers as ct
+    from transformers import AutoTokenizer
+
+    from synthq.packing import unpack_ids
+    from synthq.retokenize import retokenize_batch
+
+    path = ct._chatml(tmp_path, "persona", PERSONA_TEMPLATE)
+    job_id = job_factory([], tokenizer=path, chat_template_kwargs={"persona": "JOBWIDE"}).job_id
+    own = sample_factory("done", job_id=job_id, response_content="4",
+                         overrides={"chat_template_kwargs": {"persona": "OWNPERSONA"}})
+    plain = sample_factory("done", job_id=job_id, response_content="5")
+    assert retokenize_batch(job_id, [own, plain]).done == 2
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = {sid: tok.decode(unpack_ids(row(sid).input_ids).tolist()) for sid in (own, plain)}
+    assert "OWNPERSONA" in texts[own] and "JOBWIDE" not in texts[own], texts
+    assert "JOBWIDE" in texts[plain], texts
