@@ -171,6 +171,8 @@ class JobDetail(BaseModel):
     turns_done: int = 0
     turns_total: int = 0
     cut: int = 0
+    #: Why synthq paused the job itself (a server URL without /v1); None otherwise.
+    pause_reason: str | None = None
 
 
 class JobStateChange(BaseModel):

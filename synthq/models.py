@@ -120,6 +120,8 @@ class Job(Base):
     #: non-streamed call per sample, cheaper, with the total timeout only.
     stream: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.ACTIVE)
+    #: Why synthq paused the job itself (a URL without /v1); None for a user's pause.
+    pause_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Where the samples came from (a path or a Hugging Face id), for people.
     dataset: Mapped[str] = mapped_column(Text, default="")
 

@@ -387,7 +387,7 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
     from synthq.enums import JobState
 
     def record(s: Session, now: datetime) -> bool:
-        states.set_job_state(s, c.job_id, JobState.PAUSED, now=now)
+        states.set_job_state(s, c.job_id, JobState.PAUSED, now=now, reason=hint)
         return states.retry(s, c.sample_id, c.token, now=now, next_attempt_at=now,
                             error_class="bad_request", error_message=hint, attempt=attempt,
                             charge=False)

@@ -531,11 +531,17 @@ def move_job(session: Session, job: Job, *, model: str | None, servers: list[str
     return move
 
 
-def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime) -> bool:
-    """pause (active → paused), resume (paused → active), cancel (→ cancelled), as a CAS."""
+def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime,
+                  reason: str | None = None) -> bool:
+    """pause (active → paused), resume (paused → active), cancel (→ cancelled), as a CAS.
+
+    ``reason``: why synthq pauses the job itself (shown by ``status``); any other
+    transition clears it."""
     result = session.execute(
         update(Job).where(Job.id == job_id, Job.state.in_(JOB_TRANSITIONS[target]))
-        .values(state=target, updated_at=now).execution_options(synchronize_session=False))
+        .values(state=target, updated_at=now,
+                pause_reason=reason if target == JobState.PAUSED else None)
+        .execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 

@@ -63,6 +63,8 @@ class JobStatus:
     turns_done: int = 0
     turns_total: int = 0
     cut: int = 0
+    #: Why synthq paused the job itself (None: not paused, or paused by a user).
+    pause_reason: str | None = None
 
     @property
     def open(self) -> int:
@@ -193,6 +195,7 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
     rate = recent / max(span, 1.0) if recent else 0.0
     status = JobStatus(
         id=job.id, name=job.name, state=str(job.state), model=job.model,
+        pause_reason=job.pause_reason,
         total=sum(counts.values()), counts=counts, done_per_s=rate, eta_s=None,
         failures=_by_key((c, n) for (state, c), n in by_class.items()
                          if state == SampleState.FAILED),

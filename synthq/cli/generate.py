@@ -251,11 +251,10 @@ def run(
         print_status(status)
     if stop.is_set():
         raise typer.Exit(130)
-    if status.state == "paused" and status.retrying.get("bad_request"):
+    if status.state == "paused" and status.pause_reason:
         # process.wrong_base_url: the first 404 from a URL without /v1 paused the job.
-        raise fail(f"job {status.name} paused: a server answered 404 for /chat/completions; "
-                   "is --server the OpenAI base URL, ending in /v1? Fix it with `synthq resume "
-                   f"{status.name}`, then run again with the right --server", code=1)
+        raise fail(f"job {status.name} paused: {status.pause_reason} Fix it with `synthq "
+                   f"resume {status.name}`, then run again with the right --server", code=1)
     failed = status.counts.get("failed", 0)
     if status.finished and failed and not status.counts.get("done", 0):
         hint = ""
@@ -294,7 +293,9 @@ def _stored_job(ref: str, *, quiet: bool) -> int:
         if found.state == JobState.CANCELLED:
             raise UserError(f"job {found.name} is cancelled; it cannot be resumed")
         if found.state == JobState.PAUSED:
-            raise UserError(f"job {found.name} is paused; `synthq resume {found.name}` first")
+            why = f" ({found.pause_reason})" if found.pause_reason else ""
+            raise UserError(f"job {found.name} is paused{why}; `synthq resume {found.name}` "
+                            "first")
         job_id, name, model = found.id, found.name, found.model
     if not quiet:
         console.print(f"job [bold]{escape(name)}[/] (id {job_id}): resuming with its stored "

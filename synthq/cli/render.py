@@ -62,6 +62,8 @@ def print_status(status: JobStatus) -> None:
         table.add_column(state.value, justify="right")
     table.add_row(*(f"{c[s]:,}" for s in SampleState))
     console.print(table)
+    if status.pause_reason:
+        console.print(f"[yellow]paused by synthq:[/] {escape(status.pause_reason)}")
     eta = f", ETA {status.eta_s:,.0f} s" if status.eta_s else ""
     console.print(f"{status.done_per_s:.2f} done/s over the last minutes{eta}")
     if status.regenerate == "all":

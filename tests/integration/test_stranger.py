@@ -45,8 +45,15 @@ def test_a_url_without_v1_on_a_server_without_models_pauses_at_the_first_404(
         assert job["state"] == "paused" and job["failed"] == 0 and job["pending"] == 40
         status = json.loads(synthq(tmp_path, "status", "d", "--json").stdout)
         assert status["failures"] == {} and status["retrying"]["bad_request"] >= 1
+        # The reason is kept on the job: status and the job page say it, not only a log.
+        assert "ending in /v1" in status["pause_reason"]
+        assert "paused by synthq" in synthq(tmp_path, "status", "d").stdout
+        refused = synthq(tmp_path, "run", "--job", "d")
+        assert "is paused (server " in error_line(refused), refused.stderr
         # The fix: resume, run again with the base URL.
         assert synthq(tmp_path, "resume", "d").returncode == 0
+        assert json.loads(synthq(tmp_path, "status", "d", "--json").stdout)[
+            "pause_reason"] is None
         again = synthq(tmp_path, "run", "-d", str(data), "-s", sim.url, "-m", "sim-model",
                        *QUICK)
         assert again.returncode == 0, again.stderr
