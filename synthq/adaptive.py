@@ -19,9 +19,12 @@ every dispatcher and worker sees one value. About once a second the scheduler
 
 The algorithm is a latency gradient (Netflix's Gradient / Vegas family) with
 a slow start and multiplicative cuts on errors. It judges a limit only by the
-calls that started after it was set ("fresh" calls), and only once as many of
-them ended as the last raise added (the first to end are those that found a
-free slot, not those that waited for one):
+calls that started after it was set ("fresh" calls; until the first change, all):
+bad news on the first of them to end (half as many as the last raise added),
+good news in slow start only on a whole turnover (as many as the limit), since
+on a server with slots the first calls to end are those that found a free slot,
+the last those that waited for one. The low-load baseline comes from the calls
+that did not wait (a time to first token near the lowest):
 
 * **slow start**: from 16 (within floor and cap), ×1.5 per step while the
   latency per generated token stays at its low-load baseline, the time to
@@ -86,6 +89,8 @@ CUT_TTFT = 0.75
 CUT_KV = 0.9
 #: Ticks without growth after a cut (calls started before it still report).
 COOLDOWN = 3
+#: The gradient's allowance for queueing: QUEUE × √limit calls above the no-queue level.
+QUEUE = 0.5
 #: Outcomes that mean "too much load" and cut sharply.
 OVERLOAD = ("rate_limited", "server_error")
 TIMEOUTS = ("timeout", "stalled")
@@ -113,6 +118,9 @@ class Window:
     #: Their seconds of call per generated token (sum of latencies / sum of tokens);
     #: the mean latency per call when the server reports no token counts.
     latency_per_token: float | None = None
+    #: The same over those of them that did not wait in the server's queue (a time to
+    #: first token near the lowest): the low-load figure, even while others queue.
+    unqueued_lpt: float | None = None
     #: 429 / 5xx calls, and timeouts + stalls, in the window.
     overload: int = 0
     timeouts: int = 0
@@ -174,7 +182,8 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
     """
     st: dict[str, Any] = dict(state or {})
     st.setdefault("phase", "start")
-    st.setdefault("changed_at", w.now)
+    # Until the first change every call counts: the first calls were sent at the start limit.
+    st.setdefault("changed_at", 0.0)
     st["ticks"] = int(st.get("ticks", 0)) + 1
     cooldown = int(st.get("cooldown", 0))
     st["cooldown"] = max(0, cooldown - 1)
@@ -205,10 +214,15 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         st["phase"] = "steady"  # the server queues: no more doubling
 
     # -- wait for calls that started at this limit to tell how it does -------------------------
+    # Bad news is judged on the first calls that started after the change (half as many
+    # as it added); good news in slow start only on a whole turnover (as many calls as
+    # the limit): on a server with slots, the first calls to end are those that found a
+    # free one, the last those that waited.
     lpt = w.latency_per_token
-    if lpt is None or w.fresh < max(2, int(st.get("added", 0)) + 1):
+    if lpt is None or w.fresh < max(2, int(st.get("added", 0)) // 2):
         return out(limit, "")
-    base = st["base_lpt"] = _drift(st.get("base_lpt"), lpt)
+    turnover = w.fresh >= limit
+    base = st["base_lpt"] = _drift(st.get("base_lpt"), w.unqueued_lpt or lpt)
     if w.ttft_s is not None:
         st["base_ttft"] = _drift(st.get("base_ttft"), w.ttft_s)
     if w.tpot_s is not None:
@@ -243,16 +257,18 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         queueing = base_ttft is not None and w.ttft_s is not None and \
             ttft_ratio >= 1.3 and w.ttft_s - base_ttft >= 0.15
         if gradient >= 0.9 and not queueing:
-            if not in_use:
+            if not in_use or not turnover:
                 return out(limit, "")
+            # Only a limit judged on a whole turnover grows (by SLOW_START at most): calls
+            # that had not all run at it yet cannot push it higher.
             return out(max(limit + 1, limit * SLOW_START),
                        f"latency at baseline ({ratio:.2f}×), {w.tokens_per_s:.0f} tok/s")
         st["phase"] = "steady"
 
     # -- steady: the gradient ---------------------------------------------------------------
-    queue = max(1.0, 0.5 * math.sqrt(limit))
+    queue = max(1.0, QUEUE * math.sqrt(limit))
     target = limit * gradient + queue
-    if target > limit and (waiting or not in_use or cooldown):
+    if target > limit and (waiting or not in_use or cooldown or w.fresh < limit // 2):
         target = limit  # requests wait in the server / the limit is not used / just cut
     new = math.floor(target) if target > limit else math.ceil(target)
     if new > limit:
@@ -321,57 +337,76 @@ def _scrape(url: str) -> dict[str, float]:
     return gauges
 
 
+#: One call as the controller reads it: (started, ended, outcome, latency_s, ttft_s,
+#: completion tokens), times in unix seconds.
+CallRow = tuple[float, float | None, str | None, float | None, float | None, int | None]
+
+
+def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int, since: float,
+              seconds: float = WINDOW_SECONDS) -> Window:
+    """The :class:`Window` of a server's calls (any order).
+
+    Counts (calls, tokens, errors, the concurrency) cover the calls that ended in the
+    last ``seconds``. Latency figures cover the ``limit`` calls that started at or after
+    ``since`` (the last change) and ended last, however long ago: one turnover of the
+    limit, so a call longer than the window is judged too.
+    """
+    cutoff = now - seconds
+    ok = tokens = overload = timeouts = fresh = 0
+    busy = 0.0
+    judged: list[CallRow] = []
+    for row in sorted((r for r in rows if r[1] is not None), key=lambda r: -(r[1] or 0.0)):
+        started, ended, outcome, lat, _, ntok = row
+        assert ended is not None
+        if ended >= cutoff:
+            if outcome in OVERLOAD:
+                overload += 1
+            elif outcome in TIMEOUTS:
+                timeouts += 1
+            elif outcome == "ok":
+                ok += 1
+                tokens += ntok or 0
+                busy += lat or 0.0
+        if outcome == "ok" and started >= since and lat is not None and len(judged) < limit:
+            judged.append(row)
+    fresh = len(judged)
+    ttfts = [r[4] for r in judged if r[4] is not None]
+    tpots = [max(0.0, (r[3] or 0.0) - r[4]) / (r[5] - 1)
+             for r in judged if r[4] is not None and r[5] and r[5] > 1]
+
+    def per_token(calls: list[CallRow]) -> float | None:
+        known = [r for r in calls if r[5]]
+        if known:
+            return sum(r[3] or 0.0 for r in known) / sum(r[5] or 0 for r in known)
+        return sum(r[3] or 0.0 for r in calls) / len(calls) if calls else None
+
+    # The calls that did not wait in the server's queue (a time to first token near the
+    # lowest): what the latency per token is at low load, even while others queue.
+    prompt = [r for r in judged if r[4] is not None]
+    unqueued = None
+    if prompt:
+        low = min(r[4] or 0.0 for r in prompt)
+        unqueued = per_token([r for r in prompt if (r[4] or 0.0) <= low * 1.5 + 0.05])
+    return Window(limit=limit, inflight=inflight, ok=ok, tokens=tokens, fresh=fresh,
+                  ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+                  tpot_s=sum(tpots) / len(tpots) if tpots else None,
+                  latency_per_token=per_token(judged), unqueued_lpt=unqueued,
+                  overload=overload, timeouts=timeouts, seconds=seconds, now=now,
+                  concurrency=busy / seconds if ok else None)
+
+
 def _window(session: Session, url: str, now: datetime, limit: int, inflight: int,
             since: float, seconds: float = WINDOW_SECONDS) -> Window:
-    """The server's last ``seconds`` of calls, from ``attempts`` (newest first, by id);
-    latency figures from the calls that started at or after ``since`` (unix time)."""
-    cutoff = now - timedelta(seconds=seconds)
+    """The server's recent calls (the newest 2,000, by id), from ``attempts``."""
     rows = session.execute(
         select(Attempt.started_at, Attempt.ended_at, Attempt.outcome, Attempt.latency_s,
                Attempt.ttft_s, Attempt.completion_tokens)
         .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(2000)).all()
-    ok = tokens = overload = timeouts = fresh = 0
-    latency = 0.0
-    busy = 0.0
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    latency_known = 0.0
-    tokens_known = 0
-    for started, ended, outcome, lat, ttft, ntok in rows:
-        if ended is None or ended < cutoff:
-            continue
-        if outcome in OVERLOAD:
-            overload += 1
-        elif outcome in TIMEOUTS:
-            timeouts += 1
-        if outcome != "ok":
-            continue
-        ok += 1
-        tokens += ntok or 0
-        busy += lat or 0.0
-        if started.timestamp() < since:
-            continue
-        fresh += 1
-        if lat is not None:
-            latency += lat
-            if ntok:
-                latency_known += lat
-                tokens_known += ntok
-        if ttft is not None:
-            ttfts.append(ttft)
-            if lat is not None and ntok and ntok > 1:
-                tpots.append(max(0.0, lat - ttft) / (ntok - 1))
-    lpt = None
-    if tokens_known:
-        lpt = latency_known / tokens_known
-    elif fresh:
-        lpt = latency / fresh
-    return Window(limit=limit, inflight=inflight, ok=ok, tokens=tokens, fresh=fresh,
-                  ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
-                  tpot_s=sum(tpots) / len(tpots) if tpots else None,
-                  latency_per_token=lpt, overload=overload, timeouts=timeouts,
-                  seconds=seconds, now=now.timestamp(),
-                  concurrency=busy / seconds if ok else None)
+    calls: list[CallRow] = [
+        (started.timestamp(), ended.timestamp() if ended is not None else None, outcome,
+         lat, ttft, ntok) for started, ended, outcome, lat, ttft, ntok in rows]
+    return summarize(calls, now=now.timestamp(), limit=limit, inflight=inflight, since=since,
+                     seconds=seconds)
 
 
 def auto_servers(session: Session, job_ids: Sequence[int] | None = None
