@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -122,6 +123,8 @@ def run_one(scenario: str, setting: str, *, samples: int, seconds: float, fallof
             if "run" in locals():
                 run.stop()
             sim.stop()
+        # The run's database stays beside the logs, for a closer look (samples.finished_at).
+        shutil.copy(data / "synthq.db", logs / f"{scenario}-{setting}.db")
         return _measure(data / "synthq.db", samples, seconds, killed) | {
             "setting": setting, "max_active": stats["max_active"],
             "max_running": stats["max_running"]}

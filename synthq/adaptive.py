@@ -32,7 +32,12 @@ that did not wait (a time to first token near the lowest):
 * **gradient**: ``new = limit × baseline / current + ½√limit``. Past a
   server's knee, each stream gets slower (or waits in the server's queue) and
   the latency per token rises in proportion: the limit settles a little
-  above the knee, where throughput is within ~10 % of its peak;
+  above the knee;
+* **hill-climb**: each raise in steady state is judged by what the limit
+  yields at full use (Little's law over its own calls: limit ÷ seconds per
+  token); a raise that did not pay at least a quarter of its proportional
+  gain is undone and barred for 30 s, so on a server whose throughput falls
+  past its peak the limit settles at the peak, not above;
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
   97 % (×0.9); then three ticks without another cut or growth;
@@ -87,6 +92,8 @@ CUT_ERRORS = 0.7
 CUT_TIMEOUTS = 0.5
 CUT_TTFT = 0.75
 CUT_KV = 0.9
+#: Seconds a raise that did not pay stays barred.
+CEILING_SECONDS = 30.0
 #: Ticks without growth after a cut (calls started before it still report).
 COOLDOWN = 3
 #: The gradient's allowance for queueing: QUEUE × √limit calls above the no-queue level.
@@ -265,13 +272,32 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
                        f"latency at baseline ({ratio:.2f}×), {w.tokens_per_s:.0f} tok/s")
         st["phase"] = "steady"
 
-    # -- steady: the gradient ---------------------------------------------------------------
+    # -- steady: the gradient, and a hill-climb on throughput --------------------------------
+    # What the limit yields at full use, by Little's law over its own calls: limit ÷ seconds
+    # per token (a mean over a turnover, steadier than the tokens that ended in a window).
+    yield_now = limit / lpt
+    probe = st.pop("probe", None)
+    if probe and limit > probe[0]:
+        # The last step was a raise from probe[0]: keep it only if it paid, by at least a
+        # quarter of what it would below the knee (past the peak, more calls yield less).
+        step = (limit - probe[0]) / probe[0]
+        if yield_now < probe[1] * (1 + 0.25 * step):
+            st["ceiling"] = [limit, w.now]
+            return out(probe[0], f"no gain at {limit} ({yield_now:.0f} vs "
+                                 f"{probe[1]:.0f} tok/s at {probe[0]})")
+    ceiling = st.get("ceiling")
+    if ceiling and w.now - ceiling[1] > CEILING_SECONDS:
+        st.pop("ceiling")  # try again now and then: the server or the prompts may have changed
+        ceiling = None
     queue = max(1.0, QUEUE * math.sqrt(limit))
     target = limit * gradient + queue
     if target > limit and (waiting or not in_use or cooldown or w.fresh < limit // 2):
         target = limit  # requests wait in the server / the limit is not used / just cut
+    if ceiling and target > limit:
+        target = max(limit, min(target, ceiling[0] - 1))
     new = math.floor(target) if target > limit else math.ceil(target)
     if new > limit:
+        st["probe"] = [limit, yield_now]
         return out(new, f"latency per token {ratio:.2f}× baseline, {w.tokens_per_s:.0f} tok/s")
     if new < limit:
         return out(new, why_latency())
@@ -367,7 +393,10 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
                 ok += 1
                 tokens += ntok or 0
                 busy += lat or 0.0
-        if outcome == "ok" and started >= since and lat is not None and len(judged) < limit:
+        # A call ran at the current limit if three quarters of it came after the change
+        # (a slot refilled just before a raise runs alongside the calls the raise adds).
+        if outcome == "ok" and lat is not None and started + 0.25 * lat >= since \
+                and len(judged) < limit:
             judged.append(row)
     fresh = len(judged)
     ttfts = [r[4] for r in judged if r[4] is not None]

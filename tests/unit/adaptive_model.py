@@ -13,6 +13,7 @@ ended in the last 2 s, latency figures from those that started after the last ch
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,8 @@ class Run:
 
 def simulate(kind: str, size: int, *, falloff: float = 1.0, samples: int = 400,
              fixed: int | None = None, floor: int = 4, cap: int = 256, latency: float = 0.2,
-             rate: float = 10.0, tokens: int = 16, seconds: float = 120.0) -> Run:
+             rate: float = 10.0, tokens: int = 16, seconds: float = 120.0,
+             tick_every: float = TICK_SECONDS, jitter: float = 0.0, seed: int = 0) -> Run:
     """Run ``samples`` calls through a ``kind`` ("slots" / "knee") server of ``size``,
     at a fixed limit or (``fixed=None``) the adaptive one."""
     run = Run()
@@ -54,7 +56,8 @@ def simulate(kind: str, size: int, *, falloff: float = 1.0, samples: int = 400,
     waiting: list[Call] = []
     sent = 0
     t = 0.0
-    next_tick = TICK_SECONDS * 0.5
+    rng = random.Random(seed)
+    next_tick = tick_every * 0.5
     while len(run.done_at) < samples and t < seconds:
         # The dispatcher refills up to the limit.
         while len(active) < limit and sent < samples:
@@ -90,7 +93,8 @@ def simulate(kind: str, size: int, *, falloff: float = 1.0, samples: int = 400,
             active.remove(c)
             run.done_at.append(t)
         if fixed is None and t >= next_tick:
-            next_tick += TICK_SECONDS
+            # The loop ticks about once a second, later when the machine is busy.
+            next_tick += tick_every + rng.uniform(0.0, jitter)
             since = float((state or {}).get("changed_at", 0.0))
             w = window(calls, t, limit, len(active), since)
             d = decide(w, state, floor=floor, cap=cap)

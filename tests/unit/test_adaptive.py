@@ -149,6 +149,16 @@ def test_converges_near_the_knee_within_30_s_and_holds(kind: str, size: int,
     assert run.max_seen <= max(lim for _, lim in run.limits) <= CAP
 
 
+@pytest.mark.parametrize("knee", [16, 32])
+def test_on_a_knee_with_falloff_it_settles_at_the_peak_not_above(knee: int) -> None:
+    """Past the peak more calls yield fewer tokens/s: a raise that did not pay is undone
+    (the gradient alone settles 2-3 above the knee, where 32 → 34 loses 6 %)."""
+    run = simulate("knee", knee, falloff=1.0, samples=4000, seconds=60.0)
+    settled = sorted(lim for t, lim in run.limits if t >= 30)
+    assert settled[len(settled) // 2] <= knee + 1, run.limits
+    assert any("no gain at" in r for r in run.reasons), run.reasons
+
+
 def test_a_server_with_fewer_slots_than_the_start_settles_near_them() -> None:
     """8 slots, the limit starting at 16: the first calls to end (those that found a slot)
     give the low-load baseline, so it comes down near 8 (it settled at 24 when the
