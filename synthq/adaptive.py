@@ -3,7 +3,9 @@
 The dispatcher's limit stays exact (DESIGN invariant 5); the controller only
 changes the number its room computation reads, in SQL (``servers``), so
 every dispatcher and worker sees one value. About once a second the scheduler
-(Celery beat's tick, or the embedded loop) calls :func:`tick`, which
+(Celery beat's tick, or the embedded loop, which in slow start ticks every
+0.3 s and before it dispatches, so a step is judged as soon as its calls
+ended) calls :func:`tick`, which
 
 1. reads what the server did in the last window from ``attempts`` (completed
    calls, generated tokens, time to first token, latency per token, 429/5xx,
@@ -462,6 +464,21 @@ def _inflight(session: Session, url: str) -> int:
 _TRACE = os.environ.get("SYNTHQ_ADAPTIVE_TRACE")
 #: This process's last tick per server (monotonic), so a loop that wakes often ticks once a second.
 _last_tick: dict[str, float] = {}
+#: Servers whose controller is in slow start: ticked as often as every START_TICK_SECONDS,
+#: so that a step is judged as soon as its calls ended (a wave of calls ends together).
+_starting: set[str] = set()
+START_TICK_SECONDS = 0.3
+#: The auto servers last found, per job_ids argument: (monotonic time, urls).
+_known: dict[tuple[int, ...] | None, tuple[float, list[str]]] = {}
+
+
+def in_slow_start() -> bool:
+    """Whether a server's controller in this process is in slow start."""
+    return bool(_starting)
+
+
+def _spacing(url: str) -> float:
+    return START_TICK_SECONDS if url in _starting else TICK_SECONDS * 0.9
 
 
 def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[str, Decision]:
@@ -470,9 +487,17 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
     from synthq.dispatch import _LOCK_KEY  # one lock with the dispatcher's room computation
 
     mono = time.monotonic()
+    # The embedded loop calls this on every wake: ask the database which servers are auto
+    # at most once a second while none of them is due.
+    key = tuple(job_ids) if job_ids is not None else None
+    known = _known.get(key)
+    if known is not None and mono - known[0] < 1.0 and \
+            all(mono - _last_tick.get(u, -1e9) < _spacing(u) for u in known[1]):
+        return {}
     with session_scope() as s:
         servers = auto_servers(s, job_ids)
-    due = [u for u in servers if mono - _last_tick.get(u, -1e9) >= TICK_SECONDS * 0.9]
+    _known[key] = (mono, list(servers))
+    due = [u for u in servers if mono - _last_tick.get(u, -1e9) >= _spacing(u)]
     decisions: dict[str, Decision] = {}
     for url in due:
         _last_tick[url] = mono
@@ -484,7 +509,7 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
             now = utcnow()
             row = s.get(Server, url)
             if row is not None and row.limit_at is not None and \
-                    (now - row.limit_at).total_seconds() < TICK_SECONDS * 0.9:
+                    (now - row.limit_at).total_seconds() < _spacing(url):
                 continue  # another scheduler ran it a moment ago
             fresh = row is None or row.limit_target is None or row.limit_at is None or \
                 now - row.limit_at > FORGET_AFTER
@@ -499,6 +524,10 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
                 window = replace(window, waiting=gauges.get("waiting"),
                                  running=gauges.get("running"), kv_usage=gauges.get("kv_usage"))
             decision = decide(window, state, floor=floor, cap=cap)
+            if decision.state.get("phase") == "start":
+                _starting.add(url)
+            else:
+                _starting.discard(url)
             if _TRACE:
                 with open(_TRACE, "a") as fh:
                     fh.write(f"{time.time():.1f} {window} -> {decision.limit} "
