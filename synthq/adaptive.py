@@ -99,7 +99,7 @@ CEILING_SECONDS = 30.0
 #: Ticks without growth after a cut (calls started before it still report).
 COOLDOWN = 3
 #: The gradient's allowance for queueing: QUEUE × √limit calls above the no-queue level.
-QUEUE = 0.5
+QUEUE = 0.25
 #: Outcomes that mean "too much load" and cut sharply.
 OVERLOAD = ("rate_limited", "server_error")
 TIMEOUTS = ("timeout", "stalled")
