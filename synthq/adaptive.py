@@ -31,7 +31,7 @@ that did not wait (a time to first token near the lowest):
 * **slow start**: from 16 (within floor and cap), ×1.5 per step while the
   latency per generated token stays at its low-load baseline, the time to
   first token does not rise, and the limit is in use;
-* **gradient**: ``new = limit × baseline / current + ½√limit``. Past a
+* **gradient**: ``new = limit × baseline / current + ¼√limit``. Past a
   server's knee, each stream gets slower (or waits in the server's queue) and
   the latency per token rises in proportion: the limit settles a little
   above the knee;
