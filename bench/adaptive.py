@@ -4,7 +4,7 @@ Two simulated servers (``synthq simulate``), each run once per setting with a
 fresh ``synthq run`` (SQLite, no broker) and a fresh simulator:
 
 1. **knee**: the total token rate grows with the streams running up to a
-   hidden 32, then falls (``--knee 32 --knee-falloff F``); room for 1,024 at
+   hidden 32 (``--knee N``), then falls (``--knee-falloff F``); room for 1,024 at
    once, so a fixed 256 really runs 256;
 2. **slots**: at most 32 requests run at once, the rest wait in the server's
    queue (as in vLLM); ~2 s answers and a short ``--timeout``; a fixed 200
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -122,6 +123,8 @@ def run_one(scenario: str, setting: str, *, samples: int, seconds: float, fallof
             if "run" in locals():
                 run.stop()
             sim.stop()
+        # The run's database stays beside the logs, for a closer look (samples.finished_at).
+        shutil.copy(data / "synthq.db", logs / f"{scenario}-{setting}.db")
         return _measure(data / "synthq.db", samples, seconds, killed) | {
             "setting": setting, "max_active": stats["max_active"],
             "max_running": stats["max_running"]}
@@ -161,12 +164,15 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(SCENARIOS))
     parser.add_argument("--settings", help="comma-separated, e.g. 8,32,auto")
     parser.add_argument("--knee-falloff", type=float, default=0.5)
+    parser.add_argument("--knee", type=int, default=32,
+                        help="where the knee server's rate peaks (streams)")
     parser.add_argument("--vllm-metrics", action="store_true",
                         help="the simulators serve vLLM's gauges")
     parser.add_argument("--logs", type=Path, default=None)
     args = parser.parse_args()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="synthq-adaptive-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
+    SCENARIOS["knee"]["sim"][1] = str(args.knee)
     for scenario in ([args.only] if args.only else list(SCENARIOS)):
         spec = SCENARIOS[scenario]
         settings = args.settings.split(",") if args.settings else \

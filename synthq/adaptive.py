@@ -3,7 +3,9 @@
 The dispatcher's limit stays exact (DESIGN invariant 5); the controller only
 changes the number its room computation reads, in SQL (``servers``), so
 every dispatcher and worker sees one value. About once a second the scheduler
-(Celery beat's tick, or the embedded loop) calls :func:`tick`, which
+(Celery beat's tick, or the embedded loop, which in slow start ticks every
+0.3 s and before it dispatches, so a step is judged as soon as its calls
+ended) calls :func:`tick`, which
 
 1. reads what the server did in the last window from ``attempts`` (completed
    calls, generated tokens, time to first token, latency per token, 429/5xx,
@@ -19,17 +21,25 @@ every dispatcher and worker sees one value. About once a second the scheduler
 
 The algorithm is a latency gradient (Netflix's Gradient / Vegas family) with
 a slow start and multiplicative cuts on errors. It judges a limit only by the
-calls that started after it was set ("fresh" calls), and only once as many of
-them ended as the last raise added (the first to end are those that found a
-free slot, not those that waited for one):
+calls that started after it was set ("fresh" calls; until the first change, all):
+bad news on the first of them to end (half as many as the last raise added),
+good news in slow start only on a whole turnover (as many as the limit), since
+on a server with slots the first calls to end are those that found a free slot,
+the last those that waited for one. The low-load baseline comes from the calls
+that did not wait (a time to first token near the lowest):
 
 * **slow start**: from 16 (within floor and cap), ×1.5 per step while the
   latency per generated token stays at its low-load baseline, the time to
   first token does not rise, and the limit is in use;
-* **gradient**: ``new = limit × baseline / current + ½√limit``. Past a
+* **gradient**: ``new = limit × baseline / current + ¼√limit``. Past a
   server's knee, each stream gets slower (or waits in the server's queue) and
   the latency per token rises in proportion: the limit settles a little
-  above the knee, where throughput is within ~10 % of its peak;
+  above the knee;
+* **hill-climb**: each raise in steady state is judged by what the limit
+  yields at full use (Little's law over its own calls: limit ÷ seconds per
+  token); a raise that did not pay at least a quarter of its proportional
+  gain is undone and barred for 30 s, so on a server whose throughput falls
+  past its peak the limit settles at the peak, not above;
 * **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
   first token of 3× its baseline and over a second (×0.75), a KV cache over
   97 % (×0.9); then three ticks without another cut or growth;
@@ -84,8 +94,12 @@ CUT_ERRORS = 0.7
 CUT_TIMEOUTS = 0.5
 CUT_TTFT = 0.75
 CUT_KV = 0.9
+#: Seconds a raise that did not pay stays barred.
+CEILING_SECONDS = 30.0
 #: Ticks without growth after a cut (calls started before it still report).
 COOLDOWN = 3
+#: The gradient's allowance for queueing: QUEUE × √limit calls above the no-queue level.
+QUEUE = 0.25
 #: Outcomes that mean "too much load" and cut sharply.
 OVERLOAD = ("rate_limited", "server_error")
 TIMEOUTS = ("timeout", "stalled")
@@ -113,6 +127,9 @@ class Window:
     #: Their seconds of call per generated token (sum of latencies / sum of tokens);
     #: the mean latency per call when the server reports no token counts.
     latency_per_token: float | None = None
+    #: The same over those of them that did not wait in the server's queue (a time to
+    #: first token near the lowest): the low-load figure, even while others queue.
+    unqueued_lpt: float | None = None
     #: 429 / 5xx calls, and timeouts + stalls, in the window.
     overload: int = 0
     timeouts: int = 0
@@ -174,7 +191,8 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
     """
     st: dict[str, Any] = dict(state or {})
     st.setdefault("phase", "start")
-    st.setdefault("changed_at", w.now)
+    # Until the first change every call counts: the first calls were sent at the start limit.
+    st.setdefault("changed_at", 0.0)
     st["ticks"] = int(st.get("ticks", 0)) + 1
     cooldown = int(st.get("cooldown", 0))
     st["cooldown"] = max(0, cooldown - 1)
@@ -205,10 +223,15 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         st["phase"] = "steady"  # the server queues: no more doubling
 
     # -- wait for calls that started at this limit to tell how it does -------------------------
+    # Bad news is judged on the first calls that started after the change (half as many
+    # as it added); good news in slow start only on a whole turnover (as many calls as
+    # the limit): on a server with slots, the first calls to end are those that found a
+    # free one, the last those that waited.
     lpt = w.latency_per_token
-    if lpt is None or w.fresh < max(2, int(st.get("added", 0)) + 1):
+    if lpt is None or w.fresh < max(2, int(st.get("added", 0)) // 2):
         return out(limit, "")
-    base = st["base_lpt"] = _drift(st.get("base_lpt"), lpt)
+    turnover = w.fresh >= limit
+    base = st["base_lpt"] = _drift(st.get("base_lpt"), w.unqueued_lpt or lpt)
     if w.ttft_s is not None:
         st["base_ttft"] = _drift(st.get("base_ttft"), w.ttft_s)
     if w.tpot_s is not None:
@@ -243,19 +266,40 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         queueing = base_ttft is not None and w.ttft_s is not None and \
             ttft_ratio >= 1.3 and w.ttft_s - base_ttft >= 0.15
         if gradient >= 0.9 and not queueing:
-            if not in_use:
+            if not in_use or not turnover:
                 return out(limit, "")
+            # Only a limit judged on a whole turnover grows (by SLOW_START at most): calls
+            # that had not all run at it yet cannot push it higher.
             return out(max(limit + 1, limit * SLOW_START),
                        f"latency at baseline ({ratio:.2f}×), {w.tokens_per_s:.0f} tok/s")
         st["phase"] = "steady"
 
-    # -- steady: the gradient ---------------------------------------------------------------
-    queue = max(1.0, 0.5 * math.sqrt(limit))
+    # -- steady: the gradient, and a hill-climb on throughput --------------------------------
+    # What the limit yields at full use, by Little's law over its own calls: limit ÷ seconds
+    # per token (a mean over a turnover, steadier than the tokens that ended in a window).
+    yield_now = limit / lpt
+    probe = st.pop("probe", None)
+    if probe and limit > probe[0]:
+        # The last step was a raise from probe[0]: keep it only if it paid, by at least a
+        # quarter of what it would below the knee (past the peak, more calls yield less).
+        step = (limit - probe[0]) / probe[0]
+        if yield_now < probe[1] * (1 + 0.25 * step):
+            st["ceiling"] = [limit, w.now]
+            return out(probe[0], f"no gain at {limit} ({yield_now:.0f} vs "
+                                 f"{probe[1]:.0f} tok/s at {probe[0]})")
+    ceiling = st.get("ceiling")
+    if ceiling and w.now - ceiling[1] > CEILING_SECONDS:
+        st.pop("ceiling")  # try again now and then: the server or the prompts may have changed
+        ceiling = None
+    queue = max(1.0, QUEUE * math.sqrt(limit))
     target = limit * gradient + queue
-    if target > limit and (waiting or not in_use or cooldown):
+    if target > limit and (waiting or not in_use or cooldown or w.fresh < limit // 2):
         target = limit  # requests wait in the server / the limit is not used / just cut
+    if ceiling and target > limit:
+        target = max(limit, min(target, ceiling[0] - 1))
     new = math.floor(target) if target > limit else math.ceil(target)
     if new > limit:
+        st["probe"] = [limit, yield_now]
         return out(new, f"latency per token {ratio:.2f}× baseline, {w.tokens_per_s:.0f} tok/s")
     if new < limit:
         return out(new, why_latency())
@@ -321,57 +365,79 @@ def _scrape(url: str) -> dict[str, float]:
     return gauges
 
 
+#: One call as the controller reads it: (started, ended, outcome, latency_s, ttft_s,
+#: completion tokens), times in unix seconds.
+CallRow = tuple[float, float | None, str | None, float | None, float | None, int | None]
+
+
+def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int, since: float,
+              seconds: float = WINDOW_SECONDS) -> Window:
+    """The :class:`Window` of a server's calls (any order).
+
+    Counts (calls, tokens, errors, the concurrency) cover the calls that ended in the
+    last ``seconds``. Latency figures cover the ``limit`` calls that started at or after
+    ``since`` (the last change) and ended last, however long ago: one turnover of the
+    limit, so a call longer than the window is judged too.
+    """
+    cutoff = now - seconds
+    ok = tokens = overload = timeouts = fresh = 0
+    busy = 0.0
+    judged: list[CallRow] = []
+    for row in sorted((r for r in rows if r[1] is not None), key=lambda r: -(r[1] or 0.0)):
+        started, ended, outcome, lat, _, ntok = row
+        assert ended is not None
+        if ended >= cutoff:
+            if outcome in OVERLOAD:
+                overload += 1
+            elif outcome in TIMEOUTS:
+                timeouts += 1
+            elif outcome == "ok":
+                ok += 1
+                tokens += ntok or 0
+                busy += lat or 0.0
+        # A call ran at the current limit if three quarters of it came after the change
+        # (a slot refilled just before a raise runs alongside the calls the raise adds).
+        if outcome == "ok" and lat is not None and started + 0.25 * lat >= since \
+                and len(judged) < limit:
+            judged.append(row)
+    fresh = len(judged)
+    ttfts = [r[4] for r in judged if r[4] is not None]
+    tpots = [max(0.0, (r[3] or 0.0) - r[4]) / (r[5] - 1)
+             for r in judged if r[4] is not None and r[5] and r[5] > 1]
+
+    def per_token(calls: list[CallRow]) -> float | None:
+        known = [r for r in calls if r[5]]
+        if known:
+            return sum(r[3] or 0.0 for r in known) / sum(r[5] or 0 for r in known)
+        return sum(r[3] or 0.0 for r in calls) / len(calls) if calls else None
+
+    # The calls that did not wait in the server's queue (a time to first token near the
+    # lowest): what the latency per token is at low load, even while others queue.
+    prompt = [r for r in judged if r[4] is not None]
+    unqueued = None
+    if prompt:
+        low = min(r[4] or 0.0 for r in prompt)
+        unqueued = per_token([r for r in prompt if (r[4] or 0.0) <= low * 1.5 + 0.05])
+    return Window(limit=limit, inflight=inflight, ok=ok, tokens=tokens, fresh=fresh,
+                  ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+                  tpot_s=sum(tpots) / len(tpots) if tpots else None,
+                  latency_per_token=per_token(judged), unqueued_lpt=unqueued,
+                  overload=overload, timeouts=timeouts, seconds=seconds, now=now,
+                  concurrency=busy / seconds if ok else None)
+
+
 def _window(session: Session, url: str, now: datetime, limit: int, inflight: int,
             since: float, seconds: float = WINDOW_SECONDS) -> Window:
-    """The server's last ``seconds`` of calls, from ``attempts`` (newest first, by id);
-    latency figures from the calls that started at or after ``since`` (unix time)."""
-    cutoff = now - timedelta(seconds=seconds)
+    """The server's recent calls (the newest 2,000, by id), from ``attempts``."""
     rows = session.execute(
         select(Attempt.started_at, Attempt.ended_at, Attempt.outcome, Attempt.latency_s,
                Attempt.ttft_s, Attempt.completion_tokens)
         .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(2000)).all()
-    ok = tokens = overload = timeouts = fresh = 0
-    latency = 0.0
-    busy = 0.0
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    latency_known = 0.0
-    tokens_known = 0
-    for started, ended, outcome, lat, ttft, ntok in rows:
-        if ended is None or ended < cutoff:
-            continue
-        if outcome in OVERLOAD:
-            overload += 1
-        elif outcome in TIMEOUTS:
-            timeouts += 1
-        if outcome != "ok":
-            continue
-        ok += 1
-        tokens += ntok or 0
-        busy += lat or 0.0
-        if started.timestamp() < since:
-            continue
-        fresh += 1
-        if lat is not None:
-            latency += lat
-            if ntok:
-                latency_known += lat
-                tokens_known += ntok
-        if ttft is not None:
-            ttfts.append(ttft)
-            if lat is not None and ntok and ntok > 1:
-                tpots.append(max(0.0, lat - ttft) / (ntok - 1))
-    lpt = None
-    if tokens_known:
-        lpt = latency_known / tokens_known
-    elif fresh:
-        lpt = latency / fresh
-    return Window(limit=limit, inflight=inflight, ok=ok, tokens=tokens, fresh=fresh,
-                  ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
-                  tpot_s=sum(tpots) / len(tpots) if tpots else None,
-                  latency_per_token=lpt, overload=overload, timeouts=timeouts,
-                  seconds=seconds, now=now.timestamp(),
-                  concurrency=busy / seconds if ok else None)
+    calls: list[CallRow] = [
+        (started.timestamp(), ended.timestamp() if ended is not None else None, outcome,
+         lat, ttft, ntok) for started, ended, outcome, lat, ttft, ntok in rows]
+    return summarize(calls, now=now.timestamp(), limit=limit, inflight=inflight, since=since,
+                     seconds=seconds)
 
 
 def auto_servers(session: Session, job_ids: Sequence[int] | None = None
@@ -398,6 +464,21 @@ def _inflight(session: Session, url: str) -> int:
 _TRACE = os.environ.get("SYNTHQ_ADAPTIVE_TRACE")
 #: This process's last tick per server (monotonic), so a loop that wakes often ticks once a second.
 _last_tick: dict[str, float] = {}
+#: Servers whose controller is in slow start: ticked as often as every START_TICK_SECONDS,
+#: so that a step is judged as soon as its calls ended (a wave of calls ends together).
+_starting: set[str] = set()
+START_TICK_SECONDS = 0.3
+#: The auto servers last found, per job_ids argument: (monotonic time, urls).
+_known: dict[tuple[int, ...] | None, tuple[float, list[str]]] = {}
+
+
+def in_slow_start() -> bool:
+    """Whether a server's controller in this process is in slow start."""
+    return bool(_starting)
+
+
+def _spacing(url: str) -> float:
+    return START_TICK_SECONDS if url in _starting else TICK_SECONDS * 0.9
 
 
 def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[str, Decision]:
@@ -406,9 +487,17 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
     from synthq.dispatch import _LOCK_KEY  # one lock with the dispatcher's room computation
 
     mono = time.monotonic()
+    # The embedded loop calls this on every wake: ask the database which servers are auto
+    # at most once a second while none of them is due.
+    key = tuple(job_ids) if job_ids is not None else None
+    known = _known.get(key)
+    if known is not None and mono - known[0] < 1.0 and \
+            all(mono - _last_tick.get(u, -1e9) < _spacing(u) for u in known[1]):
+        return {}
     with session_scope() as s:
         servers = auto_servers(s, job_ids)
-    due = [u for u in servers if mono - _last_tick.get(u, -1e9) >= TICK_SECONDS * 0.9]
+    _known[key] = (mono, list(servers))
+    due = [u for u in servers if mono - _last_tick.get(u, -1e9) >= _spacing(u)]
     decisions: dict[str, Decision] = {}
     for url in due:
         _last_tick[url] = mono
@@ -420,7 +509,7 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
             now = utcnow()
             row = s.get(Server, url)
             if row is not None and row.limit_at is not None and \
-                    (now - row.limit_at).total_seconds() < TICK_SECONDS * 0.9:
+                    (now - row.limit_at).total_seconds() < _spacing(url):
                 continue  # another scheduler ran it a moment ago
             fresh = row is None or row.limit_target is None or row.limit_at is None or \
                 now - row.limit_at > FORGET_AFTER
@@ -435,6 +524,10 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
                 window = replace(window, waiting=gauges.get("waiting"),
                                  running=gauges.get("running"), kv_usage=gauges.get("kv_usage"))
             decision = decide(window, state, floor=floor, cap=cap)
+            if decision.state.get("phase") == "start":
+                _starting.add(url)
+            else:
+                _starting.discard(url)
             if _TRACE:
                 with open(_TRACE, "a") as fh:
                     fh.write(f"{time.time():.1f} {window} -> {decision.limit} "

@@ -9,7 +9,8 @@
 * With a price (``--gpu-hour-price``, or ``SYNTHQ_GPU_HOUR_PRICE``): dollars
   so far = GPU-hours × price; dollars per 1M generated tokens = $/h ÷ (tok/s ×
   3600) × 10⁶; projected remaining time = remaining samples × mean tokens per
-  sample ÷ current tokens/s (the last minute), and its cost at the job's GPUs.
+  call (remaining turns with
+  ``--regenerate all``) ÷ current tokens/s (the last minute), and its cost at the job's GPUs.
 
 Where it misleads: a server shared with other jobs (or other users) is billed
 to each job for the whole time the job had a call on it, so shared time is
@@ -26,11 +27,13 @@ from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
-from synthq.enums import SampleState
+from synthq.enums import INFLIGHT, SampleState
 from synthq.models import Attempt, Job, Sample
 
 __all__ = ["ServerCost", "JobCost", "job_cost", "busy_intervals", "merge", "price_of"]
 
+#: Samples not yet in a final state.
+OPEN = (SampleState.PENDING, *INFLIGHT)
 #: Window of the "current" token rate the projection uses.
 CURRENT_WINDOW = timedelta(seconds=60)
 
@@ -57,7 +60,10 @@ class JobCost:
     tokens_per_s: float = 0.0
     #: Tokens per second over the last minute (the projection's rate).
     current_tokens_per_s: float = 0.0
+    #: Completion tokens per successful call (per sample, or per turn with --regenerate all).
     mean_tokens_per_sample: float | None = None
+    #: Calls the projection counts: open samples, or their turns left (--regenerate all).
+    remaining_calls: int | None = None
     dollars: float | None = None
     dollars_per_mtok: float | None = None
     remaining_s: float | None = None
@@ -112,6 +118,18 @@ def busy_intervals(session: Session, job_id: int, now: datetime
         if server is not None and start is not None:
             found.setdefault(server, []).append((start, max(start, now)))
     return {server: merge(spans) for server, spans in found.items()}
+
+
+def remaining_calls(session: Session, job: Job, remaining: int) -> int:
+    """Calls the job still has to make: ``remaining`` open samples, one call each, or for a
+    multi-turn job (``--regenerate all``) the sum of their turns left."""
+    if job.regenerate != "all":
+        return remaining
+    left = func.coalesce(Sample.turn_count, 1) - Sample.turn
+    turns = session.scalar(
+        select(func.coalesce(func.sum(case((left > 1, left), else_=1)), 0))
+        .where(Sample.job_id == job.id, Sample.state.in_(OPEN))) or 0
+    return max(int(turns), remaining)
 
 
 def price_of(job: Job) -> float | None:
@@ -169,7 +187,11 @@ def job_cost(session: Session, job: Job, *, remaining: int,
             # $/h of GPUs ÷ (tokens/s × 3600) × 10⁶, over all servers at once.
             cost.dollars_per_mtok = cost.dollars / cost.tokens * 1e6
     if remaining and cost.mean_tokens_per_sample and cost.current_tokens_per_s > 0:
-        cost.remaining_s = remaining * cost.mean_tokens_per_sample / cost.current_tokens_per_s
+        # Calls still to make: one per open sample, or with --regenerate all the turns
+        # each open sample has left (its current one included); the mean is per call.
+        calls = remaining_calls(session, job, remaining)
+        cost.remaining_calls = calls
+        cost.remaining_s = calls * cost.mean_tokens_per_sample / cost.current_tokens_per_s
         if price is not None:
             servers = max(1, len(job.servers))
             cost.remaining_dollars = cost.remaining_s / 3600.0 * price * gpus * servers

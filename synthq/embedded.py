@@ -23,6 +23,7 @@ from pathlib import Path
 from sqlalchemy.exc import DBAPIError
 
 from synthq import states
+from synthq.adaptive import START_TICK_SECONDS, in_slow_start
 from synthq.adaptive import tick as adapt
 from synthq.config import get_settings
 from synthq.db import database_location, disk_full, session_scope, utcnow
@@ -98,14 +99,17 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 last_tick = time.monotonic()
                 probe_due(active_servers([job_id]))
                 sweep(job_ids=[job_id])
+            # --inflight auto: the limit's controller first, so that a raise decided on
+            # the calls that just ended fills their slots and the new ones at once. It
+            # runs about once a second (more often in slow start), whenever it is called.
+            adapt(job_ids=[job_id])
             queued = 0
             if not stop.is_set():
                 queued = dispatch(publish, job_ids=[job_id])
             if status is not None and not full and queued and not stop.is_set():
-                wake.wait(timeout=settings.dispatch_interval)
+                wake.wait(timeout=_pause(settings.dispatch_interval))
                 wake.clear()
                 continue
-            adapt(job_ids=[job_id])  # --inflight auto: about once a second
             with session_scope() as s:
                 status = job_status(s, s.get_one(Job, job_id), cost=False)
             if status.finished:
@@ -119,7 +123,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                     (status.state != JobState.ACTIVE and not _inflight(status)):
                 with session_scope() as s:  # the full report, cost included
                     return replace(job_status(s, s.get_one(Job, job_id)), state=status.state)
-            wake.wait(timeout=settings.dispatch_interval)
+            wake.wait(timeout=_pause(settings.dispatch_interval))
             wake.clear()
     except (DiskFull, DBAPIError) as exc:
         if not isinstance(exc, DiskFull) and not disk_full(exc):
@@ -134,6 +138,13 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
     finally:
         pool.shutdown(wait=True, cancel_futures=False)
         engine.close()
+
+
+def _pause(interval: float) -> float:
+    """How long the loop sleeps when nothing wakes it: shorter while a server's adaptive
+    limit is in slow start, so that a step is judged as soon as its calls have ended
+    (they end together, and wake the loop before their results are all written)."""
+    return min(interval, START_TICK_SECONDS) if in_slow_start() else interval
 
 
 @contextmanager
