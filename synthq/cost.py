@@ -12,6 +12,11 @@
   call (remaining turns with
   ``--regenerate all``) ÷ current tokens/s (the last minute), and its cost at the job's GPUs.
 
+Busy time at 10⁶ calls: a status folds the calls that ended more than
+``FOLD_LAG`` ago into ``jobs.busy_folded`` (at most once a minute, see
+:func:`fold_busy`) and reads only the calls that ended since. Tokens and
+successful calls come from the per-job counters (``call_counts``).
+
 Where it misleads: a server shared with other jobs (or other users) is billed
 to each job for the whole time the job had a call on it, so shared time is
 counted once per job; an idle server between calls is not counted at all.
@@ -23,19 +28,25 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
 from synthq.enums import INFLIGHT, SampleState
-from synthq.models import Attempt, Job, Sample
+from synthq.models import Attempt, CallCount, Job, Sample
 
-__all__ = ["ServerCost", "JobCost", "job_cost", "busy_intervals", "merge", "price_of"]
+__all__ = ["ServerCost", "JobCost", "job_cost", "busy_intervals", "fold_busy", "measure",
+           "merge", "price_of"]
 
 #: Samples not yet in a final state.
 OPEN = (SampleState.PENDING, *INFLIGHT)
 #: Window of the "current" token rate the projection uses.
 CURRENT_WINDOW = timedelta(seconds=60)
+#: The fold stays this far behind now: a call that ended just before is still being
+#: written (the writer commits within ~50 ms).
+FOLD_LAG = timedelta(seconds=10)
+#: A status folds again once the fold is this much older than FOLD_LAG.
+FOLD_EVERY = timedelta(seconds=60)
 
 
 @dataclass
@@ -86,18 +97,38 @@ def merge(intervals: list[tuple[datetime, datetime]]) -> list[tuple[datetime, da
     return out
 
 
-def busy_intervals(session: Session, job_id: int, now: datetime
-                   ) -> dict[str, list[tuple[datetime, datetime]]]:
-    """Per server, the disjoint intervals with a call of the job in flight.
+def measure(intervals: list[tuple[datetime, datetime]], start: datetime | None = None,
+            end: datetime | None = None) -> float:
+    """Seconds covered by disjoint ``intervals`` within [start, end] (None: unbounded)."""
+    total = 0.0
+    for s, e in intervals:
+        s = s if start is None else max(s, start)
+        e = e if end is None else min(e, end)
+        if e > s:
+            total += (e - s).total_seconds()
+    return total
+
+
+def busy_intervals(session: Session, job_id: int, now: datetime, *,
+                   ended_after: datetime | None = None, started_before: datetime | None = None,
+                   running: bool = True) -> dict[str, list[tuple[datetime, datetime]]]:
+    """Per server, the disjoint intervals with a call of the job in flight: of the calls
+    that ended after ``ended_after`` and started before ``started_before`` (None: all),
+    and with ``running``, the calls in flight now (from their start until now).
 
     The database merges overlapping calls (a running maximum of end times over
     the calls ordered by start: a call that starts after every earlier call
     ended opens a new interval), so a long busy stretch comes back as one row.
     """
-    a = (select(Attempt.server.label("server"), Attempt.started_at.label("s"),
-                Attempt.ended_at.label("e"))
-         .join(Sample, Sample.id == Attempt.sample_id)
-         .where(Sample.job_id == job_id, Attempt.ended_at.is_not(None)).subquery())
+    calls = (select(Attempt.server.label("server"), Attempt.started_at.label("s"),
+                    Attempt.ended_at.label("e"))
+             .join(Sample, Sample.id == Attempt.sample_id)
+             .where(Sample.job_id == job_id, Attempt.ended_at.is_not(None)))
+    if ended_after is not None:
+        calls = calls.where(Attempt.ended_at > ended_after)
+    if started_before is not None:
+        calls = calls.where(Attempt.started_at < started_before)
+    a = calls.subquery()
     prev = func.max(a.c.e).over(partition_by=a.c.server, order_by=(a.c.s, a.c.e),
                                 rows=(None, -1))
     b = select(a.c.server, a.c.s, a.c.e, prev.label("p")).subquery()
@@ -111,13 +142,52 @@ def busy_intervals(session: Session, job_id: int, now: datetime
     for server, start, end in rows:
         found.setdefault(server, []).append((start, end))
     # Calls running now: from their start until now.
-    for server, start in session.execute(
+    for server, start in [] if not running else session.execute(
             select(Sample.server, Sample.started_at).where(
                 Sample.job_id == job_id, Sample.state == SampleState.RUNNING,
                 Sample.started_at.is_not(None), Sample.server.is_not(None))):
         if server is not None and start is not None:
             found.setdefault(server, []).append((start, max(start, now)))
     return {server: merge(spans) for server, spans in found.items()}
+
+
+def fold_busy(session: Session, job: Job, now: datetime, *, store: bool = True
+              ) -> tuple[datetime | None, dict[str, float]]:
+    """The job's busy seconds per server up to a time T, and T (None: nothing folded).
+
+    Every call's part before T is in the fold; a status adds the calls that
+    ended after T (their part after T) and the calls running now. T moves on
+    at most once a minute, to ``FOLD_LAG`` before now but never past the start
+    of a call running now (so no call in flight straddles it), adding the
+    parts in [old T, new T] of the calls that ended after the old T. A
+    compare-and-set on the old T: two statuses folding at once write one fold.
+    Exact but for a call that ended before the new T and is written after the
+    fold (a writer holding answers through a database outage): its part
+    before T is not counted. ``store=False`` (a read-only transaction: the
+    export's snapshot) computes the new fold without writing it.
+    """
+    until = job.busy_until
+    folded = {k: float(v) for k, v in (job.busy_folded or {}).items()}
+    if until is not None and now - until < FOLD_LAG + FOLD_EVERY:
+        return until, folded
+    target = now - FOLD_LAG
+    oldest = session.scalar(select(func.min(Sample.started_at)).where(
+        Sample.job_id == job.id, Sample.state == SampleState.RUNNING))
+    if oldest is not None:
+        target = min(target, oldest)
+    if until is not None and target <= until:
+        return until, folded
+    spans = busy_intervals(session, job.id, now, ended_after=until, started_before=target,
+                           running=False)
+    for server, intervals in spans.items():
+        folded[server] = folded.get(server, 0.0) + measure(intervals, until, target)
+    if not store:
+        return target, folded
+    same = Job.busy_until.is_(None) if until is None else Job.busy_until == until
+    session.execute(update(Job).where(Job.id == job.id, same)
+                    .values(busy_until=target, busy_folded=folded)
+                    .execution_options(synchronize_session=False))
+    return target, folded
 
 
 def remaining_calls(session: Session, job: Job, remaining: int) -> int:
@@ -141,29 +211,33 @@ def price_of(job: Job) -> float | None:
     return get_settings().gpu_hour_price
 
 
-def job_cost(session: Session, job: Job, *, remaining: int,
-             now: datetime | None = None) -> JobCost:
-    """The cost report of ``job`` (``remaining``: samples not yet in a final state)."""
+def job_cost(session: Session, job: Job, *, remaining: int, now: datetime | None = None,
+             store: bool = True) -> JobCost:
+    """The cost report of ``job`` (``remaining``: samples not yet in a final state;
+    ``store=False`` in a read-only transaction, see :func:`fold_busy`)."""
     now = now or utcnow()
     price = price_of(job)
     gpus = max(1, job.gpus or 1)
     cost = JobCost(gpus=gpus, gpu_hour_price=price)
-    busy = busy_intervals(session, job.id, now)
-    tokens = {server: int(n or 0) for server, n in session.execute(
-        select(Attempt.server, func.sum(Attempt.completion_tokens))
-        .join(Sample, Sample.id == Attempt.sample_id)
-        .where(Sample.job_id == job.id, Attempt.outcome == "ok")
-        .group_by(Attempt.server))}
-    ok_calls = session.scalar(
-        select(func.count()).select_from(Attempt).join(Sample, Sample.id == Attempt.sample_id)
-        .where(Sample.job_id == job.id, Attempt.outcome == "ok")) or 0
+    until, folded = fold_busy(session, job, now, store=store)
+    recent_spans = busy_intervals(session, job.id, now, ended_after=until)
+    busy = {server: folded.get(server, 0.0) + measure(recent_spans.get(server, []), until)
+            for server in set(folded) | set(recent_spans)}
+    tokens: dict[str, int] = {}
+    ok_calls = 0
+    for server, n, sum_tokens in session.execute(
+            select(CallCount.server, func.sum(CallCount.n), func.sum(CallCount.tokens))
+            .where(CallCount.job_id == job.id, CallCount.outcome == "ok")
+            .group_by(CallCount.server)):
+        tokens[server] = int(sum_tokens or 0)
+        ok_calls += int(n or 0)
     recent, first = session.execute(
         select(func.coalesce(func.sum(Attempt.completion_tokens), 0), func.min(Attempt.ended_at))
         .join(Sample, Sample.id == Attempt.sample_id)
         .where(Sample.job_id == job.id, Attempt.outcome == "ok",
                Attempt.ended_at >= now - CURRENT_WINDOW)).one()
     for server in sorted(set(busy) | set(tokens)):
-        seconds = sum((e - s).total_seconds() for s, e in busy.get(server, []))
+        seconds = busy.get(server, 0.0)
         n = tokens.get(server, 0)
         sc = ServerCost(busy_s=seconds, gpu_hours=seconds * gpus / 3600.0, tokens=n,
                         tokens_per_s=n / seconds if seconds > 0 else 0.0)

@@ -483,7 +483,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
             from synthq.cost import job_cost
 
             open_ = sum(counts.get(x, 0) for x in ("pending", "queued", "running"))
-            cost = job_cost(s, job, remaining=open_).to_dict()
+            cost = job_cost(s, job, remaining=open_, store=False).to_dict()  # read-only
             done = [Sample.job_id == job.id, Sample.state == SampleState.DONE]
             truncated = 0 if include_truncated else s.scalar(
                 select(func.count()).where(*done, Sample.finish_reason == "length")) or 0

@@ -111,6 +111,10 @@ class Job(Base):
     #: SYNTHQ_GPU_HOUR_PRICE, or no dollar figures), for the cost report.
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     gpu_hour_price: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The cost report's busy seconds per server, folded up to ``busy_until``
+    #: (synthq.cost.fold_busy): a status adds only the calls that ended after it.
+    busy_until: Mapped[datetime | None] = mapped_column(nullable=True)
+    busy_folded: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
     #: Bytes of streamed response after which a call fails as response_too_large.
     max_response_bytes: Mapped[int] = mapped_column(Integer, default=4 << 20,
                                                     server_default=str(4 << 20))
@@ -287,6 +291,8 @@ class Attempt(Base):
     __table_args__ = (
         # The dispatcher's health check: a server's latest calls.
         Index("ix_attempts_server_id", "server", "id"),
+        # The cost report: calls that ended after its fold, and in the last minute.
+        Index("ix_attempts_ended_at", "ended_at"),
     )
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True)

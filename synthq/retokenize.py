@@ -126,8 +126,8 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         try:
             # A sample requeued with its own chat_template_kwargs was generated with
             # them: its example is rendered with them too, as the worker did.
-            values = tokenize_response(effective(job, overrides), prompt or [], content or "", reasoning,
-                                       ids.tolist() if ids is not None else None,
+            values = tokenize_response(effective(job, overrides), prompt or [], content or "",
+                                       reasoning, ids.tolist() if ids is not None else None,
                                        tool_calls=tool_calls, tools=tools,
                                        answers=answers if job.regenerate == "all" else None)
             values.update(state=SampleState.DONE, error_class=None, error_message=None)

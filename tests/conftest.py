@@ -18,31 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import Proc, Simulator, child_env
-
-PG_ADMIN_URL = os.environ.get("SYNTHQ_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15")
-
-#: Short clocks so lease expiry and queue deadlines happen within a test.
-TEST_ENV = {
-    "SYNTHQ_LEASE_MARGIN": "2",
-    "SYNTHQ_QUEUED_TIMEOUT": "4",
-    "SYNTHQ_DISPATCH_INTERVAL": "0.5",
-    "SYNTHQ_HEARTBEAT_INTERVAL": "0.5",
-    "SYNTHQ_WORKER_TIMEOUT": "3",
-}
-
-
-def _reset_process_state() -> None:
-    from synthq import process
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines
-    from synthq.executor import reset_default_executor
-
-    reset_default_executor()
-    get_settings.cache_clear()
-    dispose_engines()
-    process._jobs.clear()  # job ids restart at 1 in every test
+from support import (  # noqa: F401 - the settings, shared with tests that need them
+    PG_ADMIN_URL,
+    REDIS_URL,
+    TEST_ENV,
+    Proc,
+    Simulator,
+    _reset_process_state,
+    child_env,
+)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,32 @@ from synthq.testing.procs import Proc, free_port  # noqa: F401 - Proc: re-export
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The test services and settings (conftest.py uses them; a test module imports them
+# from here: `conftest` is a different module under tests/api).
+PG_ADMIN_URL = os.environ.get("SYNTHQ_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15")
+
+#: Short clocks so lease expiry and queue deadlines happen within a test.
+TEST_ENV = {
+    "SYNTHQ_LEASE_MARGIN": "2",
+    "SYNTHQ_QUEUED_TIMEOUT": "4",
+    "SYNTHQ_DISPATCH_INTERVAL": "0.5",
+    "SYNTHQ_HEARTBEAT_INTERVAL": "0.5",
+    "SYNTHQ_WORKER_TIMEOUT": "3",
+}
+
+
+def _reset_process_state() -> None:
+    from synthq import process
+    from synthq.config import get_settings
+    from synthq.db import dispose_engines
+    from synthq.executor import reset_default_executor
+
+    reset_default_executor()
+    get_settings.cache_clear()
+    dispose_engines()
+    process._jobs.clear()  # job ids restart at 1 in every test
+
 
 class Simulator:
     """A simulator subprocess on a free port: ``synthq simulate ARGS`` (the CLI), or
