@@ -35,6 +35,7 @@ supervised: the model did not write it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -258,7 +259,9 @@ class ChatTokenizer:
     def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str,
               tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, int]:
         prefix = self.render(messages[:i], generation_prompt=True, tools=tools)
-        through = self.render(messages[: i + 1], generation_prompt=False, tools=tools)
+        # Through the last message is the whole conversation: rendered already.
+        through = full if i == len(messages) - 1 else \
+            self.render(messages[: i + 1], generation_prompt=False, tools=tools)
         if not through.startswith(prefix):
             raise errors.BoundaryUnstable(
                 f"assistant turn {i}: rendering the conversation through the turn does not "
@@ -301,7 +304,10 @@ class ChatTokenizer:
         # The chat template writes BOS and every marker itself: no special tokens added.
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # fromiter over the flattened pairs: half the time of asarray on a list of tuples.
+        pairs = enc["offset_mapping"]
+        offsets = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64,
+                              count=2 * len(pairs)).reshape(-1, 2)
         starts, ends = offsets[:, 0], offsets[:, 1]
         mask = np.zeros(len(ids), dtype=np.uint8)
         in_span = []
