@@ -2,8 +2,10 @@
 
 Samples are keyed by content (DESIGN invariant 9): enqueueing the same data
 into a job again inserts nothing. Malformed rows become ``skipped`` samples
-with their reason (invariant 8). Rows are inserted in batches with
-``ON CONFLICT DO NOTHING``.
+with their reason (invariant 8). Rows are inserted in batches: on PostgreSQL
+by a binary ``COPY`` streamed while the rows are read (through a temporary
+table and ``ON CONFLICT DO NOTHING`` once a batch meets a key the job holds),
+on SQLite by ``INSERT … ON CONFLICT DO NOTHING``.
 
 A job keeps the prompt rule it was created under (``jobs.key_version``, see
 :data:`synthq.dataset.KEY_VERSION`): rows enqueued into a job made before the
