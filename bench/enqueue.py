@@ -27,7 +27,9 @@ For scale: the reference figures measured on this machine are ``COPY`` 143,000
 rows/s and psycopg ``executemany`` with ``ON CONFLICT DO NOTHING`` 62,000
 rows/s (100k short prompts, one index).
 
-Run: ``python bench/enqueue.py`` (options: ``--rows``, ``--keep-logs``).
+Run: ``python bench/enqueue.py`` (options: ``--rows``, ``--keep-logs``,
+``--redis-db``; ``--sqlite``: the same into a fresh SQLite file, where the
+figure to compare is the enqueue process's CPU per row).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--redis-db", type=int, default=12, help="unused; flushed for symmetry")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--sqlite", action="store_true",
+                    help="into a fresh SQLite file (synthq run's database) instead")
     args = ap.parse_args()
 
     from _harness import service_cpu_seconds
@@ -79,6 +83,16 @@ def main() -> None:
                        max_tokens=512)
 
     with Bench("enqueue", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:
+        if args.sqlite:
+            import os
+
+            from synthq.migrate import upgrade
+
+            (b.tmp / "data").mkdir(exist_ok=True)
+            url = f"sqlite:///{b.tmp / 'data' / 'synthq.db'}"
+            os.environ["SYNTHQ_DATABASE_URL"] = url  # Bench puts the variable back
+            upgrade(url)
+            b._reset_process_state()
         path = b.tmp / "prompts.jsonl"
         size = write_dataset(path, args.rows)
         n = args.rows
