@@ -9,8 +9,12 @@ trailing assistant answer to drop, ShareGPT ``conversations`` with
 Phases, each timed end to end on the real code path:
 
 1. ``enqueue``: :func:`synthq.enqueue.enqueue` (read + parse + normalise +
-   content hash + batched ``INSERT … ON CONFLICT DO NOTHING RETURNING``) into a
-   new job. Figure: rows/s; ``inserted`` should equal ``--rows``.
+   content hash + a binary ``COPY`` per batch of 5,000, streamed while the rows
+   are read) into a new job. Figure: rows/s; ``inserted`` should equal
+   ``--rows``. Beside it, the CPU it took per row: this process's (reading,
+   hashing, formatting) and every PostgreSQL process's (inserting: the heap,
+   six indexes, the foreign key, WAL); whichever is larger bounds the rate.
+   On a shared machine the PostgreSQL figure includes other sessions' work.
 2. ``re-enqueue``: the same call again with the same file and job: every row
    is a duplicate (invariant 9), ``inserted`` must be 0. Figure: rows/s and
    seconds — what a user pays for re-running an enqueue command.
@@ -23,7 +27,9 @@ For scale: the reference figures measured on this machine are ``COPY`` 143,000
 rows/s and psycopg ``executemany`` with ``ON CONFLICT DO NOTHING`` 62,000
 rows/s (100k short prompts, one index).
 
-Run: ``python bench/enqueue.py`` (options: ``--rows``, ``--keep-logs``).
+Run: ``python bench/enqueue.py`` (options: ``--rows``, ``--keep-logs``,
+``--redis-db``; ``--sqlite``: the same into a fresh SQLite file, where the
+figure to compare is the enqueue process's CPU per row).
 """
 
 from __future__ import annotations
@@ -63,7 +69,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--redis-db", type=int, default=12, help="unused; flushed for symmetry")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--sqlite", action="store_true",
+                    help="into a fresh SQLite file (synthq run's database) instead")
     args = ap.parse_args()
+
+    from _harness import service_cpu_seconds
 
     from synthq.dataset import content_key, iter_rows
     from synthq.enqueue import EnqueueReport, JobSpec, enqueue, insert_rows
@@ -73,13 +83,25 @@ def main() -> None:
                        max_tokens=512)
 
     with Bench("enqueue", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:
+        if args.sqlite:
+            import os
+
+            from synthq.migrate import upgrade
+
+            (b.tmp / "data").mkdir(exist_ok=True)
+            url = f"sqlite:///{b.tmp / 'data' / 'synthq.db'}"
+            os.environ["SYNTHQ_DATABASE_URL"] = url  # Bench puts the variable back
+            upgrade(url)
+            b._reset_process_state()
         path = b.tmp / "prompts.jsonl"
         size = write_dataset(path, args.rows)
         n = args.rows
 
-        t = time.perf_counter()
+        pg_cpu, cpu, t = service_cpu_seconds("postgres"), time.process_time(), time.perf_counter()
         first = enqueue(spec("bench-enqueue"), str(path))
         t_first = time.perf_counter() - t
+        cpu = time.process_time() - cpu
+        pg_cpu = service_cpu_seconds("postgres") - pg_cpu
 
         t = time.perf_counter()
         again = enqueue(spec("bench-enqueue"), str(path))
@@ -113,6 +135,8 @@ def main() -> None:
     print(f"dataset           {n:,} rows, {size / 1e6:.1f} MB JSONL (messages/sharegpt/prompt)")
     print(f"enqueue           {t_first:6.2f} s  {rate(t_first):9,.0f} rows/s  "
           f"inserted {first.inserted:,} skipped {first.skipped:,}")
+    print(f"  CPU per row     enqueue process {cpu / n * 1e6:5.1f} us, PostgreSQL "
+          f"{pg_cpu / n * 1e6:5.1f} us")
     print(f"re-enqueue        {t_again:6.2f} s  {rate(t_again):9,.0f} rows/s  "
           f"inserted {again.inserted:,} duplicates {again.duplicates:,}"
           f"{'' if again.inserted == 0 else '  <-- EXPECTED 0'}")
@@ -123,6 +147,8 @@ def main() -> None:
     summary("enqueue", {
         "rows": n, "enqueue_s": round(t_first, 2), "enqueue_rows_per_s": round(rate(t_first)),
         "inserted": first.inserted, "skipped": first.skipped,
+        "enqueue_cpu_us_per_row": round(cpu / n * 1e6, 1),
+        "postgres_cpu_us_per_row": round(pg_cpu / n * 1e6, 1),
         "reenqueue_s": round(t_again, 2), "reenqueue_rows_per_s": round(rate(t_again)),
         "reenqueue_inserted": again.inserted,
         "parse_rows_per_s": round(rate(t_parse)), "hash_rows_per_s": round(rate(t_hash)),

@@ -35,6 +35,7 @@ supervised: the model did not write it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -164,6 +165,7 @@ class ChatTokenizer:
             + re.escape(settings.think_close.strip()) + r"\s*")
         self._check_round_trip()
         self.reasoning_field = self._probe_reasoning()
+        self._decode_ids = self._span_decoder()
 
     # -- rendering -----------------------------------------------------------------
 
@@ -258,7 +260,9 @@ class ChatTokenizer:
     def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str,
               tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, int]:
         prefix = self.render(messages[:i], generation_prompt=True, tools=tools)
-        through = self.render(messages[: i + 1], generation_prompt=False, tools=tools)
+        # Through the last message is the whole conversation: rendered already.
+        through = full if i == len(messages) - 1 else \
+            self.render(messages[: i + 1], generation_prompt=False, tools=tools)
         if not through.startswith(prefix):
             raise errors.BoundaryUnstable(
                 f"assistant turn {i}: rendering the conversation through the turn does not "
@@ -301,7 +305,10 @@ class ChatTokenizer:
         # The chat template writes BOS and every marker itself: no special tokens added.
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # fromiter over the flattened pairs: half the time of asarray on a list of tuples.
+        pairs = enc["offset_mapping"]
+        offsets = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64,
+                              count=2 * len(pairs)).reshape(-1, 2)
         starts, ends = offsets[:, 0], offsets[:, 1]
         mask = np.zeros(len(ids), dtype=np.uint8)
         in_span = []
@@ -320,8 +327,7 @@ class ChatTokenizer:
         for (a, b), inside in zip(spans, in_span, strict=True):
             kept = np.flatnonzero(inside[:limit])
             expected = full[a:b] if not truncated else full[a:min(b, int(ends[limit - 1]))]
-            got = self.tok.decode(ids[kept].tolist(), skip_special_tokens=False,
-                                  clean_up_tokenization_spaces=False) if len(kept) else ""
+            got = self._decode_ids(ids[kept].tolist()) if len(kept) else ""
             if got != expected:
                 raise errors.MaskMismatch(
                     f"supervised tokens decode to {got[:80]!r}… but the assistant text is "
@@ -332,6 +338,24 @@ class ChatTokenizer:
                 f"{spans[0][0]} characters long)")
         return Tokenized(input_ids=ids, loss_mask=mask, truncated=truncated,
                          completion_ids=completion_ids)
+
+    def _span_decoder(self) -> Any:
+        """``ids -> text`` as ``tok.decode(ids, skip_special_tokens=False,
+        clean_up_tokenization_spaces=False)`` gives it.
+
+        For transformers' fast tokenizer class, whose ``_decode`` is then exactly
+        the tokenizers library's ``decode``, that is called directly: the wrapper
+        checks every id's type in Python first (``to_py_obj``), which cost more
+        than the decode itself (0.8 against 0.6 ms for 2,000 ids). A class that
+        decodes its own way keeps its own.
+        """
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        backend = getattr(self.tok, "_tokenizer", None)
+        if backend is not None and type(self.tok)._decode is TokenizersBackend._decode:
+            return lambda ids: backend.decode(ids, skip_special_tokens=False)
+        return lambda ids: self.tok.decode(ids, skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False)
 
     def _cross_check(self, messages: Sequence[Mapping[str, Any]], ids: np.ndarray,
                      mask: np.ndarray, turns: list[int]) -> None:

@@ -597,6 +597,29 @@ def test_content_key_sensitive() -> None:
     assert content_key([msg("user", "hi"), msg("user", "hi")], {"temperature": 0.7}) != base
 
 
+_json_leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+_json = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=200)
+@given(messages=st.lists(st.dictionaries(st.sampled_from(["role", "content", "tool_calls",
+                                                          "name"]), _json, min_size=1),
+                         max_size=4),
+       key_settings=st.dictionaries(st.text(max_size=8), _json, max_size=4),
+       key_version=st.sampled_from([1, 2, 3]),
+       tools=st.none() | st.dictionaries(st.sampled_from(["tools", "tool_choice"]), _json))
+def test_content_keys_match_content_key(messages: list[dict[str, Any]],
+                                        key_settings: dict[str, Any], key_version: int,
+                                        tools: dict[str, Any] | None) -> None:
+    """Enqueue's ContentKeys builds content_key's digest from parts: the same for any
+    JSON (lone surrogates, floats, nesting, tools or none), and the prompt text it
+    returns is the messages' canonical JSON."""
+    key, text = ds.ContentKeys(key_settings, key_version).key(messages, tools)
+    assert key == content_key(messages, key_settings, key_version, tools)
+    assert json.loads(text.decode("utf-8", "surrogatepass")) == messages
+
+
 def test_raw_key() -> None:
     assert raw_key("{bad") == hashlib.sha256(b"skipped:{bad").hexdigest()
     assert raw_key("{bad") != raw_key("{bad ")

@@ -7,6 +7,7 @@ its end-of-turn marker — and nothing of the headers or other roles.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -235,6 +236,22 @@ def test_property_test_was_not_vacuous() -> None:
     if not ACCEPTED and not REFUSED:
         pytest.skip("property test not run")
     assert len(ACCEPTED) >= 4 * len(REFUSED), REFUSED[:5]
+
+
+def test_a_token_across_the_turn_boundary_fails_the_self_check(root: Path) -> None:
+    """A template that glues the answer to the word ``assistant``: BPE merges
+    ``assistant`` + ``s`` into tokens that cross the boundary, so the supervised
+    tokens decode to less than the answer. The decode self-check refuses the
+    sample rather than store a mask that starts mid-answer ("ship" does not merge)."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}{{ m['content'] }}<|im_end|>"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+    tok = ChatTokenizer(TokenizeSettings(ct.qwen3(root), chat_template=template,
+                                         reasoning="drop"))
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(errors.MaskMismatch, match=re.escape(
+            "decode to ' are good<|im_end|>'… but the assistant text is 's are good<|im_end|>'")):
+        tok.tokenize(tok.conversation(user, "s are good", None))
+    assert tok.tokenize(tok.conversation(user, "ship", None)).num_supervised == 2
 
 
 def test_template_that_refuses_a_conversation_is_invalid_input(root: Path) -> None:
