@@ -227,7 +227,9 @@ def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatT
     assert got.endswith(END[name])
     body = got[: -len(END[name])]
     # The template may trim the answer (Llama-3 does); the text is the rendered answer.
-    assert body == answer or body == answer.strip()
+    # After an empty think block the template injects (Qwen3 with reasoning dropped),
+    # the answer's leading whitespace goes with the block, unsupervised ('\r0\r').
+    assert body in (answer, answer.strip(), answer.lstrip())
     assert rendered.count(got) >= 1
 
 
