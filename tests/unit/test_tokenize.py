@@ -14,7 +14,7 @@ from pathlib import Path
 import chat_tokenizers as ct
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from synthq import errors
@@ -208,6 +208,7 @@ text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turns=st.lists(st.tuples(text, text), min_size=1, max_size=3), system=st.none() | text,
        answer=text, name=st.sampled_from(["llama3", "qwen3-drop", "deepseek-v3", "generation"]))
+@example(turns=[("hi", "x")], system=None, answer="\r0\r", name="qwen3-drop")
 def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatTokenizer],
                                                      turns, system, answer, name) -> None:  # type: ignore[no-untyped-def]
     tok = tokenizers[name]
