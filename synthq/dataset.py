@@ -403,6 +403,33 @@ def _check_prompt(prompt: list[dict[str, Any]], *, max_chars: int, whole: bool =
         raise InvalidRow(f"row has {total} characters, over the limit of {max_chars}")
 
 
+def _check_storable(value: Any, what: str) -> None:
+    """Refuse text a database cannot store: a NUL character (PostgreSQL's text and JSONB
+    refuse ``\\u0000``) or a lone surrogate (not UTF-8), anywhere in ``value``."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidRow(f"{what} holds a NUL character (\\u0000), which cannot be stored")
+        if not _is_encodable(value):
+            raise InvalidRow(f"{what} holds text that is not valid Unicode (a lone surrogate)")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_storable(key, what)
+            _check_storable(item, what)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_storable(item, what)
+
+
+def storable(text: str) -> str:
+    """``text`` as a database stores it: NUL written as ``\\u0000``, lone surrogates as
+    ``\\udXXX`` escapes (a skipped row's preview, ids, file names)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\u0000")
+    if not _is_encodable(text):
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _is_encodable(text: str) -> bool:
     """True unless ``text`` holds lone surrogates (from ``\\ud83d``-style escapes)."""
     try:
@@ -609,16 +636,20 @@ def _rows_from_objects(records: Iterable[_Record], max_chars: int,
                 messages = normalize(obj, max_chars=max_chars, key_version=key_version,
                                      regenerate=regenerate)
                 tools = row_tools(obj)
+                _check_storable(messages, "the conversation")
+                _check_storable(tools, "tools")
             except InvalidRow as exc:
                 skip_reason = exc.reason
             else:
                 yield Row(index=index, messages=messages, skip_reason=None, raw=None,
-                          source_id=sid, where=where, tools=tools)
+                          source_id=storable(sid) if sid is not None else None, where=where,
+                          tools=tools)
                 continue
         if raw is None:
             raw = _preview(obj)
         yield Row(index=index, messages=None, skip_reason=skip_reason,
-                  raw=raw[:RAW_PREVIEW_CHARS], source_id=sid, where=where)
+                  raw=storable(raw[:RAW_PREVIEW_CHARS]),
+                  source_id=storable(sid) if sid is not None else None, where=storable(where))
 
 
 def _preview(obj: Any) -> str:

@@ -53,6 +53,14 @@ def _rows() -> list[Any]:
         {"prompt": "Plain question?", "system": "You answer.", "id": "p-dup"},
         {"prompt": "Last one, \u2028 and \u00e9."},
         "{not json",
+        # Text no database stores: skipped with its reason, the rest of the batch stays.
+        {"prompt": "a NUL \x00 inside", "id": "nul"},
+        {"prompt": "fine", "id": "id with a NUL \x00"},
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": '
+        'null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "weather", '
+        '"arguments": "\\ud800"}}]}, {"role": "tool", "tool_call_id": "c", "content": "x"}, '
+        '{"role": "user", "content": "next"}]}',
+        '{"broken": "\\u0000 and \\udc00", ',
     ]
 
 
@@ -109,9 +117,13 @@ def test_postgres_copy_and_sqlite_insert_write_the_same_samples(
     reports, stored = on_postgres
     assert reports == on_sqlite[0]
     assert stored == on_sqlite[1]
-    # 11 rows: 9 new (two repeat a prompt), 4 of them skipped; then nothing; then 7 more.
-    assert [r[:5] for r in reports] == [(11, 9, 4, 2, 7), (11, 0, 4, 11, 7), (18, 7, 4, 11, 7)]
-    assert [s[2] for s in stored] == [0, 2, 3, 4, 5, 6, 7, 9, 10, *range(11, 18)]
+    # 15 rows: 13 new (two repeat a prompt), 7 of them skipped; then nothing; then 7 more.
+    assert [r[:5] for r in reports] == [(15, 13, 7, 2, 9), (15, 0, 7, 15, 9),
+                                        (22, 7, 7, 15, 9)]
+    assert [s[2] for s in stored] == [0, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14,
+                                      *range(15, 22)]
+    # A NUL in an id is stored escaped; the rows NUL or a lone surrogate spoil are skipped.
+    assert stored[10][3] == "id with a NUL \\u0000" and stored[10][5] == "pending"
     assert [s[3] for s in stored[:7]] == ["a", "7", "p", None, "bad", "tools", None]
     assert stored[0][4][1]["content"] == "Tab\there, quote \" and \\ too"
     assert stored[5][11] == {"tools": [WEATHER], "tool_choice": "auto"}
@@ -119,4 +131,10 @@ def test_postgres_copy_and_sqlite_insert_write_the_same_samples(
         ("line 5", "row is not a JSON object"), ("line 6", "no user turn"),
         ("line 8", "unknown role 'wizard' in message 1"),
         ("line 11", "not valid JSON: Expecting property name enclosed in double quotes: "
-                    "line 1 column 2 (char 1)")]
+                    "line 1 column 2 (char 1)"),
+        ("line 12", "the conversation holds a NUL character (\\u0000), which cannot be "
+                    "stored"),
+        ("line 14", "the conversation holds text that is not valid Unicode (a lone "
+                    "surrogate)"),
+        ("line 15", "not valid JSON: Expecting property name enclosed in double quotes: "
+                    "line 1 column 32 (char 31)")]
