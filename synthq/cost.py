@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.db import utcnow
@@ -183,10 +183,9 @@ def fold_busy(session: Session, job: Job, now: datetime, *, store: bool = True
         folded[server] = folded.get(server, 0.0) + measure(intervals, until, target)
     if not store:
         return target, folded
-    same = Job.busy_until.is_(None) if until is None else Job.busy_until == until
-    session.execute(update(Job).where(Job.id == job.id, same)
-                    .values(busy_until=target, busy_folded=folded)
-                    .execution_options(synchronize_session=False))
+    from synthq.states import store_busy_fold
+
+    store_busy_fold(session, job.id, was=until, until=target, folded=folded)
     return target, folded
 
 

@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = re.compile(
     r"update\(\s*(Sample|Attempt|Job)\b|insert\(\s*(Sample|Attempt)\b|delete\(\s*(Sample|Attempt)\b"
     r"|\.state\s*=[^=]|session\.add\(\s*(Sample|Attempt)\(")
+#: New samples are created by enqueue (a COPY, or an INSERT of pending and skipped rows);
+#: every change to a sample after that is states.py's.
+CREATES_SAMPLES = (Path("synthq/enqueue.py"), re.compile(r"insert\(\s*Sample\b"))
 
 
 def offenders() -> list[str]:
@@ -19,7 +22,11 @@ def offenders() -> list[str]:
             if path == ROOT / "synthq" / "states.py":
                 continue
             for no, line in enumerate(path.read_text().splitlines(), 1):
-                if FORBIDDEN.search(line.split("#", 1)[0]):
+                code = line.split("#", 1)[0]
+                if path.relative_to(ROOT) == CREATES_SAMPLES[0] and \
+                        CREATES_SAMPLES[1].search(code) and "update(" not in code:
+                    continue
+                if FORBIDDEN.search(code):
                     found.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     return found
 
