@@ -123,11 +123,17 @@ def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
 
 def inflight_by_server(session: Session) -> dict[str, int]:
     """Samples queued or running, per server."""
+    return _inflight(session)[0]
+
+
+def _inflight(session: Session) -> tuple[dict[str, int], int]:
+    """Samples queued or running: per server, and in all (the workers' held slots).
+    One read serves both the room per server and the workers' free capacity."""
     rows = session.execute(
         select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT))
         .group_by(Sample.server)
-    )
-    return {url: n for url, n in rows if url}
+    ).all()
+    return {url: n for url, n in rows if url}, sum(n for _, n in rows)
 
 
 #: A server whose last this-many calls all failed to connect, stalled or timed out
@@ -163,24 +169,30 @@ def server_is_down(session: Session, url: str) -> bool:
     ``/health`` but hangs or answers 503 to every generation is down too.
     Derived from the attempts table, so every dispatcher agrees.
     """
-    latest = session.execute(
-        select(Attempt.outcome, Attempt.error_message).where(Attempt.server == url)
-        .order_by(Attempt.id.desc()).limit(TRIP_AFTER)
-    ).all()
-    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m in latest)
+    return _is_down_now(_latest_calls(session, url))
 
 
-def _probe_due(session: Session, url: str, now: datetime) -> bool:
-    last = session.execute(select(Attempt.ended_at, Attempt.error_message)
-                           .where(Attempt.server == url)
-                           .order_by(Attempt.id.desc()).limit(1)).first()
-    if last is None or last[0] is None:
+def _latest_calls(session: Session, url: str) -> list[Any]:
+    """The server's latest TRIP_AFTER attempts (outcome, message, end), newest first:
+    one read answers both "is it down" and "is its probe due"."""
+    return list(session.execute(
+        select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+        .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(TRIP_AFTER)
+    ).all())
+
+
+def _is_down_now(latest: Sequence[Any]) -> bool:
+    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m, _ in latest)
+
+
+def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
+    if not latest or latest[0][2] is None:
         return True
     interval = PROBE_INTERVAL
-    said = _RETRY_AFTER.match(last[1] or "")
+    said = _RETRY_AFTER.match(latest[0][1] or "")
     if said:
         interval = min(PROBE_INTERVAL_MAX, max(interval, float(said.group(1))))
-    return (now - last[0]).total_seconds() >= interval
+    return (now - latest[0][2]).total_seconds() >= interval
 
 
 #: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
@@ -203,20 +215,26 @@ def _preference(server: _Server) -> list[Any]:
 
 def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
           extra: Sequence[Any]) -> list[Dispatched]:
-    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued."""
-    rows = [(r[0], r[1]) for r in s.execute(
-        select(Sample.id, Sample.job_id)
-        .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-               Sample.next_attempt_at <= now, *extra)
-        .order_by(Sample.next_attempt_at, Sample.id)
-        .limit(room)
-        .with_for_update(of=Sample, skip_locked=True)
-    )]
-    if not rows:
-        return []
+    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued.
+
+    One statement (an UPDATE of the rows a locking subquery picks) instead of a
+    SELECT then an UPDATE: a refill runs this for every freed slot, and each
+    round trip is a wait for the GIL in a busy worker.
+
+    The pick is a MATERIALIZED CTE, run exactly once: as a plain ``IN (subquery)``
+    PostgreSQL may rescan it per outer row, and each rescan, skipping the rows
+    this very statement just updated, would take ``room`` more (the limit broken).
+    """
+    due = (select(Sample.id)
+           .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+                  Sample.next_attempt_at <= now, *extra)
+           .order_by(Sample.next_attempt_at, Sample.id)
+           .limit(room)
+           .with_for_update(skip_locked=True)
+           .cte("due").prefix_with("MATERIALIZED"))
     token = secrets.token_hex(16)
-    states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
-                 deadline=now + timedelta(seconds=queued_timeout))
+    rows = sorted(states.queue_due(s, due, server=server.url, token=token, now=now,
+                                   deadline=now + timedelta(seconds=queued_timeout)))
     return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 
@@ -249,22 +267,25 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
             servers = [x for x in servers if x.url == server]
         if not servers:
             return 0
+        load, held = _inflight(s)
         if capacity is None and not settings.embedded:
-            capacity = workers.free_capacity(s, now=now, timeout=settings.worker_timeout)
+            capacity = max(0, workers.live_capacity(
+                s, now=now, timeout=settings.worker_timeout) - held)
         free = capacity if capacity is not None else 1 << 62
         if free <= 0:
             return 0
-        load = inflight_by_server(s)
         sick = health.unhealthy(s, [x.url for x in servers])
+        latest = {}
         for entry in servers:
             entry.unhealthy = entry.url in sick
-            entry.down = server_is_down(s, entry.url)
+            latest[entry.url] = _latest_calls(s, entry.url)
+            entry.down = _is_down_now(latest[entry.url])
         # Most room first: when there is less work than room, it goes where room is.
         servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
         rooms = {x.url: min(x.effective_limit - load.get(x.url, 0), settings.dispatch_batch)
                  for x in servers}
         for entry in servers:
-            if entry.down and not _probe_due(s, entry.url, now):
+            if entry.down and not _probe_due(latest[entry.url], now):
                 rooms[entry.url] = 0
         taken_by: dict[str, list[Dispatched]] = {}
         # Round 1: each server's preferred samples; round 2: whatever is left.
