@@ -215,26 +215,20 @@ def _preference(server: _Server) -> list[Any]:
 
 def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
           extra: Sequence[Any]) -> list[Dispatched]:
-    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued.
-
-    One statement (an UPDATE of the rows a locking subquery picks) instead of a
-    SELECT then an UPDATE: a refill runs this for every freed slot, and each
-    round trip is a wait for the GIL in a busy worker.
-
-    The pick is a MATERIALIZED CTE, run exactly once: as a plain ``IN (subquery)``
-    PostgreSQL may rescan it per outer row, and each rescan, skipping the rows
-    this very statement just updated, would take ``room`` more (the limit broken).
-    """
-    due = (select(Sample.id)
-           .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-                  Sample.next_attempt_at <= now, *extra)
-           .order_by(Sample.next_attempt_at, Sample.id)
-           .limit(room)
-           .with_for_update(skip_locked=True)
-           .cte("due").prefix_with("MATERIALIZED"))
+    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued."""
+    rows = [(r[0], r[1]) for r in s.execute(
+        select(Sample.id, Sample.job_id)
+        .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
+               Sample.next_attempt_at <= now, *extra)
+        .order_by(Sample.next_attempt_at, Sample.id)
+        .limit(room)
+        .with_for_update(of=Sample, skip_locked=True)
+    )]
+    if not rows:
+        return []
     token = secrets.token_hex(16)
-    rows = sorted(states.queue_due(s, due, server=server.url, token=token, now=now,
-                                   deadline=now + timedelta(seconds=queued_timeout)))
+    states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
+                 deadline=now + timedelta(seconds=queued_timeout))
     return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 

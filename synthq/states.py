@@ -179,19 +179,6 @@ def queue(session: Session, sample_ids: Sequence[int], *, server: str, token: st
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def queue_due(session: Session, due: Any, *, server: str, token: str, deadline: datetime,
-              now: datetime) -> list[tuple[int, int]]:
-    """pending → queued for the ids the CTE ``due`` (one ``id`` column) selects and
-    locks, in one statement. Returns the ``(id, job_id)`` of those moved."""
-    rows = _exec(session,
-        update(Sample)
-        .where(Sample.id.in_(select(due.c.id)), Sample.state == SampleState.PENDING)
-        .values(state=SampleState.QUEUED, server=server, claim=token, lease_expires_at=deadline,
-                queued_at=now, updated_at=now)
-        .returning(Sample.id, Sample.job_id))
-    return [(r[0], r[1]) for r in rows]
-
-
 def claim_batch(session: Session, items: Sequence[Item], *, new_token: str,
                 lease_until: datetime, worker: str, now: datetime) -> list[Claimed]:
     """queued → running for every ``(id, token)`` that still matches, in one statement.
