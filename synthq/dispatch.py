@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, text
+from sqlalchemy import String, func, literal, or_, select, text, union_all
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from synthq import health, states, workers
+from synthq import states, workers
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState, SampleState
-from synthq.models import Attempt, Job, Sample
+from synthq.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
            "server_is_down", "active_servers"]
@@ -123,17 +123,50 @@ def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
 
 def inflight_by_server(session: Session) -> dict[str, int]:
     """Samples queued or running, per server."""
-    return _inflight(session)[0]
-
-
-def _inflight(session: Session) -> tuple[dict[str, int], int]:
-    """Samples queued or running: per server, and in all (the workers' held slots).
-    One read serves both the room per server and the workers' free capacity."""
     rows = session.execute(
         select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT))
         .group_by(Sample.server)
-    ).all()
-    return {url: n for url, n in rows if url}, sum(n for _, n in rows)
+    )
+    return {url: n for url, n in rows if url}
+
+
+@dataclass(slots=True)
+class _Load:
+    by_server: dict[str, int]
+    #: Samples queued or running in all: the workers' held slots.
+    held: int
+    #: The live workers' capacity (None when not asked for).
+    capacity: int | None
+    #: Servers whose last health probe failed (what synthq.health.unhealthy lists).
+    sick: set[str]
+
+
+def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | None) -> _Load:
+    """The in-flight count per server, the servers that failed their probe and (with
+    ``capacity_since``) the live workers' capacity, in one statement: a refill runs
+    this for every few freed slots, and in a busy worker each round trip is a wait
+    for the GIL. Rows are tagged: 0 in flight, 1 unhealthy, 2 capacity."""
+    parts = [
+        select(literal(0), Sample.server, func.count())
+        .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
+        select(literal(1), Server.url, literal(0))
+        .where(Server.url.in_(list(urls)), Server.healthy.is_(False)),
+    ]
+    if capacity_since is not None:
+        parts.append(select(literal(2), literal(None, String),
+                            func.coalesce(func.sum(Worker.capacity), 0))
+                     .where(Worker.heartbeat_at >= capacity_since))
+    load = _Load({}, 0, None, set())
+    for tag, url, n in session.execute(union_all(*parts)):
+        if tag == 0:
+            load.held += n
+            if url:
+                load.by_server[url] = n
+        elif tag == 1:
+            load.sick.add(url)
+        else:
+            load.capacity = int(n)
+    return load
 
 
 #: A server whose last this-many calls all failed to connect, stalled or timed out
@@ -261,17 +294,18 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
             servers = [x for x in servers if x.url == server]
         if not servers:
             return 0
-        load, held = _inflight(s)
-        if capacity is None and not settings.embedded:
-            capacity = max(0, workers.live_capacity(
-                s, now=now, timeout=settings.worker_timeout) - held)
+        count_workers = capacity is None and not settings.embedded
+        seen = _load(s, [x.url for x in servers], capacity_since=now - timedelta(
+            seconds=settings.worker_timeout) if count_workers else None)
+        load = seen.by_server
+        if count_workers:
+            capacity = max(0, (seen.capacity or 0) - seen.held)
         free = capacity if capacity is not None else 1 << 62
         if free <= 0:
             return 0
-        sick = health.unhealthy(s, [x.url for x in servers])
         latest = {}
         for entry in servers:
-            entry.unhealthy = entry.url in sick
+            entry.unhealthy = entry.url in seen.sick
             latest[entry.url] = _latest_calls(s, entry.url)
             entry.down = _is_down_now(latest[entry.url])
         # Most room first: when there is less work than room, it goes where room is.

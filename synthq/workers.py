@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from synthq.enums import INFLIGHT
 from synthq.models import Sample, Worker
 
-__all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "live_capacity", "free_capacity"]
+__all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity"]
 
 
 def new_name() -> str:
@@ -64,13 +64,6 @@ def live(session: Session, *, now: datetime, timeout: float) -> list[WorkerInfo]
         .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))
         .order_by(Worker.started_at))
     return [WorkerInfo(*r) for r in rows]
-
-
-def live_capacity(session: Session, *, now: datetime, timeout: float) -> int:
-    """The live workers' capacity in all (held slots not subtracted)."""
-    return int(session.scalar(
-        select(func.coalesce(func.sum(Worker.capacity), 0))
-        .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))) or 0)
 
 
 def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:
