@@ -162,7 +162,7 @@ def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | N
             load.held += n
             if url:
                 load.by_server[url] = n
-        elif tag == 1 and url is not None:
+        elif tag == 1:
             load.sick.add(url)
         else:
             load.capacity = int(n)
