@@ -50,20 +50,41 @@ class _Refill:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def poke(self) -> None:
         with self._lock:
+            if self._stopped:
+                return
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="synthq-refill",
                                                  daemon=True)
                 self._thread.start()
         self._wake.set()
 
+    def stop(self, timeout: float = 0.0) -> None:
+        """No refill starts from now on; wait up to ``timeout`` s for the one under way.
+
+        A stopping worker has no slots to refill (the beat tick fills the other
+        workers'), and a dispatch cut by the process's exit between its commit
+        and its publish would leave samples queued without a message until the
+        queued deadline: on a server judged down (one call at a time) they
+        block it all that time.
+        """
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread() and timeout > 0:
+            thread.join(timeout)
+
     def _run(self) -> None:
         failures = 0
         while True:
             self._wake.wait()
             self._wake.clear()
+            if self._stopped:
+                return
             try:
                 with _executor_lock:
                     mine = _executor if get_settings().local_refill else None
@@ -124,7 +145,9 @@ def _start_executor(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_shutting_down.connect
 def _begin_shutdown(**_: Any) -> None:
-    """Warm shutdown (SIGTERM): calls get ``shutdown_grace`` seconds, then are cut."""
+    """Warm shutdown (SIGTERM): calls get ``shutdown_grace`` seconds, then are cut; this
+    process refills no slot any more."""
+    refill.stop()
     with _executor_lock:
         if _executor is not None:
             _executor.begin_shutdown(get_settings().shutdown_grace)
@@ -135,6 +158,7 @@ def _stop_executor(**_: Any) -> None:
     """Warm shutdown: the batches have finished; the locally refilled calls end too (cut
     at the grace like the others); then forget this worker at once."""
     global _executor
+    refill.stop(timeout=30.0)  # a dispatch under way publishes what it queued
     with _executor_lock:
         if _executor is not None:
             if not _executor.drain(get_settings().shutdown_grace + 30.0):

@@ -287,7 +287,8 @@ class Cluster:
         return proc
 
     def logs(self, chars: int = 3000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.log()[-chars:]}" for p in self.procs)
+        return "\n".join([holders(), *(f"--- {p.name}\n{p.log()[-chars:]}"
+                                        for p in self.procs)])
 
     def wait_workers(self, n: int = 1, timeout: float = 60) -> None:
         """Wait until ``n`` generation workers have a ``workers`` row."""
@@ -375,6 +376,41 @@ def counts(job_id: int) -> dict[str, int]:
 
     with session_scope() as s:
         return dict(state_counts(s, job_id))
+
+
+def holders() -> str:
+    """Who holds the samples in flight, and the workers' rows: what a stuck run's
+    timeout shows beside the logs (a test's failure names the culprit)."""
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.dispatch import server_is_down
+    from synthq.models import Sample, Worker
+
+    try:
+        with session_scope() as s:
+            now = utcnow()
+            held = s.execute(
+                select(Sample.state, Sample.worker, func.count(),
+                       func.min(Sample.lease_expires_at), func.min(Sample.updated_at))
+                .where(Sample.state.in_(("queued", "running")))
+                .group_by(Sample.state, Sample.worker)).all()
+            rows = s.execute(select(Worker.name, Worker.capacity, Worker.inflight,
+                                    Worker.heartbeat_at)).all()
+            states = dict(s.execute(select(Sample.state, func.count())
+                                    .group_by(Sample.state)).all())
+            servers = {url for (url,) in s.execute(select(Sample.server).distinct())
+                       if url}
+            down = sorted(url for url in servers if server_is_down(s, url))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic never hides the failure
+        return f"--- holders: unreadable ({exc})"
+    lines = [f"--- now: samples per state {states}; servers judged down {down}",
+             "--- holders (state, worker, samples, first lease end, oldest update)"]
+    lines += [f"{st} {w} {n} lease {lease} updated {(now - up).total_seconds():.1f} s ago"
+              for st, w, n, lease, up in held]
+    lines += [f"worker {n}: capacity {c}, inflight {i}, heartbeat "
+              f"{(now - hb).total_seconds():.1f} s ago" for n, c, i, hb in rows]
+    return "\n".join(lines)
 
 
 def ok_calls_per_sample(job_id: int) -> dict[int, int]:
