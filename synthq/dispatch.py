@@ -65,8 +65,9 @@ class LocalClaim:
 
     worker: str
     room: int
-    #: The lease, in seconds, of a running sample of this job.
-    lease: Callable[[int], float]
+    #: The lease, in seconds, of a running sample of this job (read through the
+    #: dispatch's session, which holds SQLite's write lock).
+    lease: Callable[[Session, int], float]
     #: Runs the claimed samples (after the commit); must not raise.
     start: Callable[[list[states.Claimed]], None]
 
@@ -310,7 +311,7 @@ def _claim_locally(s: Session, local: LocalClaim, batches: list[list[Dispatched]
         for b in left:  # one from each server in turn
             if b and len(mine) < local.room:
                 mine.append(b.pop(0))
-    lease = max(local.lease(d.job_id) for d in mine)
+    lease = max(local.lease(s, job_id) for job_id in {d.job_id for d in mine})
     claimed = states.claim_batch(s, [(d.sample_id, d.token) for d in mine],
                                  new_token=secrets.token_hex(16),
                                  lease_until=now + timedelta(seconds=lease),

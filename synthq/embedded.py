@@ -105,7 +105,10 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             adapt(job_ids=[job_id])
             queued = 0
             if not stop.is_set():
-                queued = dispatch(publish, job_ids=[job_id])
+                # The samples for the free slots are claimed in the dispatch's own
+                # transaction and started on the loop at once (as a worker's refill
+                # does): no carrier thread and no second transaction per batch.
+                queued = dispatch(publish, job_ids=[job_id], local=engine.local_claim())
             if status is not None and not full and queued and not stop.is_set():
                 wake.wait(timeout=_pause(settings.dispatch_interval))
                 wake.clear()

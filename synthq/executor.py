@@ -143,7 +143,8 @@ class Executor:
         room = self.capacity - self.inflight - self._starting
         if self._stopping or self.writer.disk_full is not None or room <= 0:
             return None
-        return LocalClaim(self.name, room, lambda job_id: lease_seconds(get_job(job_id)),
+        return LocalClaim(self.name, room,
+                          lambda session, job_id: lease_seconds(get_job(job_id, session)),
                           self.start_claimed)
 
     def start_claimed(self, claimed: list[states.Claimed]) -> None:

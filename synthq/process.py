@@ -100,12 +100,21 @@ JOB_CACHE_SECONDS = 5.0
 _jobs: dict[int, tuple[float, Job]] = {}
 
 
-def get_job(job_id: int) -> Job:
-    """The job's settings; re-read at most every JOB_CACHE_SECONDS (call off the event loop)."""
+def get_job(job_id: int, session: Session | None = None) -> Job:
+    """The job's settings; re-read at most every JOB_CACHE_SECONDS (call off the event loop).
+
+    Inside a transaction pass its ``session``: on SQLite a second connection's
+    ``BEGIN IMMEDIATE`` would wait for that transaction's lock (a deadlock).
+    """
     now = time.monotonic()
     hit = _jobs.get(job_id)
     if hit and now - hit[0] < JOB_CACHE_SECONDS:
         return hit[1]
+    if session is not None:
+        job = session.get_one(Job, job_id)
+        session.expunge(job)
+        _jobs[job_id] = (now, job)
+        return job
 
     def load() -> Job:
         with session_scope() as s:

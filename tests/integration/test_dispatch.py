@@ -217,7 +217,7 @@ def test_a_local_refill_claims_its_own_share_within_the_limit(
     report = job_factory([f"p{i}" for i in range(100)], servers=servers, inflight_limit=6)
     started: list[states.Claimed] = []
     published: list[Dispatched] = []
-    local = LocalClaim("me", 5, lambda job_id: 60.0, started.extend)
+    local = LocalClaim("me", 5, lambda s, job_id: 60.0, started.extend)
     assert dispatch(published.extend, local=local, capacity=100) == 12
     assert len(started) == 5 and len(published) == 7
     assert {c.server for c in started} == set(servers)  # spread over both servers
@@ -228,7 +228,7 @@ def test_a_local_refill_claims_its_own_share_within_the_limit(
     assert all(r[0] == "running" and r[1] == "me" and r[2] == 1 for r in rows)
     assert {r[3] for r in rows} == {started[0].token}
     # Full: nothing more is queued or claimed until a slot frees.
-    assert dispatch(published.extend, local=LocalClaim("me", 5, lambda j: 60.0, started.extend),
+    assert dispatch(published.extend, local=LocalClaim("me", 5, lambda s, j: 60.0, started.extend),
                     capacity=100) == 0
     assert [queued_on(u) for u in servers] == [6, 6]
     assert counts(report.job_id)["running"] == 5
