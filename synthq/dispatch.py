@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, text
+from sqlalchemy import String, func, literal, or_, select, text, union_all
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from synthq import health, states, workers
+from synthq import states, workers
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState, SampleState
-from synthq.models import Attempt, Job, Sample
+from synthq.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
            "server_is_down", "active_servers"]
@@ -131,6 +131,45 @@ def inflight_by_server(session: Session) -> dict[str, int]:
     return {url: n for url, n in rows if url}
 
 
+@dataclass(slots=True)
+class _Load:
+    by_server: dict[str, int]
+    #: Samples queued or running in all: the workers' held slots.
+    held: int
+    #: The live workers' capacity (None when not asked for).
+    capacity: int | None
+    #: Servers whose last health probe failed (what synthq.health.unhealthy lists).
+    sick: set[str]
+
+
+def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | None) -> _Load:
+    """The in-flight count per server, the servers that failed their probe and (with
+    ``capacity_since``) the live workers' capacity, in one statement: a refill runs
+    this for every few freed slots, and in a busy worker each round trip is a wait
+    for the GIL. Rows are tagged: 0 in flight, 1 unhealthy, 2 capacity."""
+    parts = [
+        select(literal(0), Sample.server, func.count())
+        .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
+        select(literal(1), Server.url, literal(0))
+        .where(Server.url.in_(list(urls)), Server.healthy.is_(False)),
+    ]
+    if capacity_since is not None:
+        parts.append(select(literal(2), literal(None, String),
+                            func.coalesce(func.sum(Worker.capacity), 0))
+                     .where(Worker.heartbeat_at >= capacity_since))
+    load = _Load({}, 0, None, set())
+    for tag, url, n in session.execute(union_all(*parts)):
+        if tag == 0:
+            load.held += n
+            if url:
+                load.by_server[url] = n
+        elif tag == 1 and url is not None:
+            load.sick.add(url)
+        else:
+            load.capacity = int(n)
+    return load
+
+
 #: A server whose last this-many calls all failed to connect, stalled or timed out
 #: is treated as down.
 TRIP_AFTER = 3
@@ -164,24 +203,30 @@ def server_is_down(session: Session, url: str) -> bool:
     ``/health`` but hangs or answers 503 to every generation is down too.
     Derived from the attempts table, so every dispatcher agrees.
     """
-    latest = session.execute(
-        select(Attempt.outcome, Attempt.error_message).where(Attempt.server == url)
-        .order_by(Attempt.id.desc()).limit(TRIP_AFTER)
-    ).all()
-    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m in latest)
+    return _is_down_now(_latest_calls(session, url))
 
 
-def _probe_due(session: Session, url: str, now: datetime) -> bool:
-    last = session.execute(select(Attempt.ended_at, Attempt.error_message)
-                           .where(Attempt.server == url)
-                           .order_by(Attempt.id.desc()).limit(1)).first()
-    if last is None or last[0] is None:
+def _latest_calls(session: Session, url: str) -> list[Any]:
+    """The server's latest TRIP_AFTER attempts (outcome, message, end), newest first:
+    one read answers both "is it down" and "is its probe due"."""
+    return list(session.execute(
+        select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+        .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(TRIP_AFTER)
+    ).all())
+
+
+def _is_down_now(latest: Sequence[Any]) -> bool:
+    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m, _ in latest)
+
+
+def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
+    if not latest or latest[0][2] is None:
         return True
     interval = PROBE_INTERVAL
-    said = _RETRY_AFTER.match(last[1] or "")
+    said = _RETRY_AFTER.match(latest[0][1] or "")
     if said:
         interval = min(PROBE_INTERVAL_MAX, max(interval, float(said.group(1))))
-    return (now - last[0]).total_seconds() >= interval
+    return (now - latest[0][2]).total_seconds() >= interval
 
 
 #: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
@@ -250,22 +295,26 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
             servers = [x for x in servers if x.url == server]
         if not servers:
             return 0
-        if capacity is None and not settings.embedded:
-            capacity = workers.free_capacity(s, now=now, timeout=settings.worker_timeout)
+        count_workers = capacity is None and not settings.embedded
+        seen = _load(s, [x.url for x in servers], capacity_since=now - timedelta(
+            seconds=settings.worker_timeout) if count_workers else None)
+        load = seen.by_server
+        if count_workers:
+            capacity = max(0, (seen.capacity or 0) - seen.held)
         free = capacity if capacity is not None else 1 << 62
         if free <= 0:
             return 0
-        load = inflight_by_server(s)
-        sick = health.unhealthy(s, [x.url for x in servers])
+        latest = {}
         for entry in servers:
-            entry.unhealthy = entry.url in sick
-            entry.down = server_is_down(s, entry.url)
+            entry.unhealthy = entry.url in seen.sick
+            latest[entry.url] = _latest_calls(s, entry.url)
+            entry.down = _is_down_now(latest[entry.url])
         # Most room first: when there is less work than room, it goes where room is.
         servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
         rooms = {x.url: min(x.effective_limit - load.get(x.url, 0), settings.dispatch_batch)
                  for x in servers}
         for entry in servers:
-            if entry.down and not _probe_due(s, entry.url, now):
+            if entry.down and not _probe_due(latest[entry.url], now):
                 rooms[entry.url] = 0
         taken_by: dict[str, list[Dispatched]] = {}
         # Round 1: each server's preferred samples; round 2: whatever is left.

@@ -91,9 +91,8 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             if engine.writer.disk_full is not None:  # answers cannot be written: stop
                 raise DiskFull(database_location())
             # A finished sample wakes the loop: refill its slot at once. The probes,
-            # the sweep, the limit controller and the status (a dozen queries) run
-            # once per interval, or when nothing was left to dispatch (the job may
-            # be ending).
+            # the sweep and the status (a dozen queries) run once per interval, or
+            # when this process holds no call (the job may be ending).
             full = time.monotonic() - last_tick >= settings.dispatch_interval
             if full:
                 last_tick = time.monotonic()
@@ -109,7 +108,12 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 # transaction and started on the loop at once (as a worker's refill
                 # does): no carrier thread and no second transaction per batch.
                 queued = dispatch(publish, job_ids=[job_id], local=engine.local_claim())
-            if status is not None and not full and queued and not stop.is_set():
+            # The status (and on_tick) between two ticks only when the job may be ending:
+            # while this process holds calls, none of its samples is finished, and a wake
+            # that refilled nothing (its slot was taken by the previous refill) needs no
+            # report. A pause or cancel from elsewhere is seen at the next tick.
+            if status is not None and not full and (queued or engine.inflight) \
+                    and not stop.is_set():
                 wake.wait(timeout=_pause(settings.dispatch_interval))
                 wake.clear()
                 continue

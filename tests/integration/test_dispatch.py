@@ -232,3 +232,25 @@ def test_a_local_refill_claims_its_own_share_within_the_limit(
                     capacity=100) == 0
     assert [queued_on(u) for u in servers] == [6, 6]
     assert counts(report.job_id)["running"] == 5
+
+
+def test_only_the_live_workers_free_slots_are_queued(job_factory: Callable[..., Any],
+                                                    redis_url: str) -> None:
+    """Without an explicit capacity, a dispatch queues at most the live workers'
+    capacity minus what is already queued or running; a silent worker counts for none.
+    (A broker is configured: ``redis_url``; in embedded mode the runner passes its own.)"""
+    from synthq import workers
+
+    server = "http://10.255.0.9:8000/v1"
+    job_factory([f"p{i}" for i in range(50)], servers=[server], inflight_limit=40)
+    published: list[Dispatched] = []
+    now = utcnow()
+    with session_scope() as s:
+        workers.heartbeat(s, "h:1:live", capacity=7, inflight=0, now=now)
+        workers.heartbeat(s, "h:2:gone", capacity=100, inflight=0, now=now - timedelta(hours=1))
+    assert dispatch(published.extend) == 7
+    assert dispatch(published.extend) == 0  # all 7 slots held by queued samples
+    with session_scope() as s:
+        workers.heartbeat(s, "h:3:new", capacity=3, inflight=0, now=utcnow())
+    assert dispatch(published.extend) == 3
+    assert queued_on(server) == 10
