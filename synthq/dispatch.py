@@ -17,6 +17,7 @@ returns it to ``pending``: the table is the truth, the broker carries hints.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import secrets
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import String, func, literal, or_, select, text, union_all
+from sqlalchemy import String, bindparam, func, literal, or_, select, text, union_all
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -91,14 +92,24 @@ class _Server:
         return 1 if self.down else self.limit
 
 
-def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
+# The refill path's statements are built once, every value a bound parameter (lists
+# expanding): SQLAlchemy then reuses their cache keys and compiled forms. Building them
+# per dispatch was half of a refill dispatch's CPU.
+
+
+@functools.cache
+def _servers_statement(some: bool) -> Any:
     query = select(Job.id, Job.servers, Job.inflight_limit, Job.inflight_auto,
                    Job.min_inflight).where(Job.state == JobState.ACTIVE)
-    if job_ids is not None:
-        query = query.where(Job.id.in_(job_ids))
+    return query.where(Job.id.in_(bindparam("job_ids", expanding=True))) if some else query
+
+
+def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
     servers: dict[str, _Server] = {}
     auto: dict[str, tuple[int, int]] = {}
-    for job_id, urls, limit, is_auto, floor in session.execute(query):
+    params = {"job_ids": list(job_ids)} if job_ids is not None else {}
+    for job_id, urls, limit, is_auto, floor in session.execute(
+            _servers_statement(job_ids is not None), params):
         for url in urls:
             entry = servers.setdefault(url, _Server(url, limit))
             # Two jobs on one server: the stricter limit holds for both.
@@ -147,18 +158,11 @@ def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | N
     ``capacity_since``) the live workers' capacity, in one statement: a refill runs
     this for every few freed slots, and in a busy worker each round trip is a wait
     for the GIL. Rows are tagged: 0 in flight, 1 unhealthy, 2 capacity."""
-    parts = [
-        select(literal(0), Sample.server, func.count())
-        .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
-        select(literal(1), Server.url, literal(0))
-        .where(Server.url.in_(list(urls)), Server.healthy.is_(False)),
-    ]
+    params: dict[str, Any] = {"urls": list(urls)}
     if capacity_since is not None:
-        parts.append(select(literal(2), literal(None, String),
-                            func.coalesce(func.sum(Worker.capacity), 0))
-                     .where(Worker.heartbeat_at >= capacity_since))
+        params["since"] = capacity_since
     load = _Load({}, 0, None, set())
-    for tag, url, n in session.execute(union_all(*parts)):
+    for tag, url, n in session.execute(_load_statement(capacity_since is not None), params):
         if tag == 0:
             load.held += n
             if url:
@@ -168,6 +172,22 @@ def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | N
         else:
             load.capacity = int(n)
     return load
+
+
+@functools.cache
+def _load_statement(capacity: bool) -> Any:
+    parts = [
+        select(literal(0), Sample.server, func.count())
+        .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
+        select(literal(1), Server.url, literal(0))
+        .where(Server.url.in_(bindparam("urls", expanding=True)), Server.healthy.is_(False)),
+    ]
+    if capacity:
+        since = bindparam("since", type_=Worker.__table__.c["heartbeat_at"].type)
+        parts.append(select(literal(2), literal(None, String),
+                            func.coalesce(func.sum(Worker.capacity), 0))
+                     .where(Worker.heartbeat_at >= since))
+    return union_all(*parts)
 
 
 #: A server whose last this-many calls all failed to connect, stalled or timed out
@@ -209,10 +229,14 @@ def server_is_down(session: Session, url: str) -> bool:
 def _latest_calls(session: Session, url: str) -> list[Any]:
     """The server's latest TRIP_AFTER attempts (outcome, message, end), newest first:
     one read answers both "is it down" and "is its probe due"."""
-    return list(session.execute(
-        select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
-        .where(Attempt.server == url).order_by(Attempt.id.desc()).limit(TRIP_AFTER)
-    ).all())
+    return list(session.execute(_latest_statement(), {"url": url}).all())
+
+
+@functools.cache
+def _latest_statement() -> Any:
+    return (select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+            .where(Attempt.server == bindparam("url", type_=Attempt.__table__.c["server"].type))
+            .order_by(Attempt.id.desc()).limit(TRIP_AFTER))
 
 
 def _is_down_now(latest: Sequence[Any]) -> bool:
@@ -233,31 +257,49 @@ def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
 _LOCK_KEY = int.from_bytes(hashlib.sha256(b"synthq:dispatch").digest()[:8], "big", signed=True)
 
 
-def _preference(server: _Server) -> list[Any]:
-    """The first round's filter for a server; the second round takes any due sample.
+def _preference(server: _Server) -> str | None:
+    """The first round's filter for a server (a :func:`_take_statement` kind); the second
+    round takes any due sample.
 
-    A probe of a down server takes a sample that has not failed yet, so probing
-    does not wear out one sample's attempts; with other servers on the job, a
-    sample that just failed on this server goes to another one first.
+    A probe of a down server takes a sample that has not failed yet ("fresh"), so
+    probing does not wear out one sample's attempts; with other servers on the job, a
+    sample that just failed on this server goes to another one first ("elsewhere").
     """
     if server.down:
-        return [Sample.attempts == 0]
+        return "fresh"
     if server.shared:
-        return [or_(Sample.last_server.is_(None), Sample.last_server != server.url)]
-    return []
+        return "elsewhere"
+    return None
+
+
+@functools.cache
+def _take_statement(kind: str | None) -> Any:
+    """Up to ``:room`` due samples of ``:job_ids`` (locked, others' locks skipped), in
+    the order they fell due; ``kind`` is :func:`_preference`'s filter."""
+    extra: list[Any] = []
+    if kind == "fresh":
+        extra = [Sample.attempts == 0]
+    elif kind == "elsewhere":
+        url = bindparam("url", type_=Sample.__table__.c["last_server"].type)
+        extra = [or_(Sample.last_server.is_(None), Sample.last_server != url)]
+    return (select(Sample.id, Sample.job_id)
+            .where(Sample.job_id.in_(bindparam("job_ids", expanding=True)),
+                   Sample.state == SampleState.PENDING,
+                   Sample.next_attempt_at <= bindparam(
+                       "now", type_=Sample.__table__.c["next_attempt_at"].type), *extra)
+            .order_by(Sample.next_attempt_at, Sample.id)
+            .limit(bindparam("room"))
+            .with_for_update(of=Sample, skip_locked=True))
 
 
 def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
-          extra: Sequence[Any]) -> list[Dispatched]:
-    """Move up to ``room`` due samples of the server's jobs (matching ``extra``) to queued."""
-    rows = [(r[0], r[1]) for r in s.execute(
-        select(Sample.id, Sample.job_id)
-        .where(Sample.job_id.in_(server.job_ids), Sample.state == SampleState.PENDING,
-               Sample.next_attempt_at <= now, *extra)
-        .order_by(Sample.next_attempt_at, Sample.id)
-        .limit(room)
-        .with_for_update(of=Sample, skip_locked=True)
-    )]
+          kind: str | None) -> list[Dispatched]:
+    """Move up to ``room`` due samples of the server's jobs (of :func:`_preference`'s
+    ``kind``) to queued."""
+    params = {"job_ids": list(server.job_ids), "now": now, "room": room}
+    if kind == "elsewhere":
+        params["url"] = server.url
+    rows = [(r[0], r[1]) for r in s.execute(_take_statement(kind), params)]
     if not rows:
         return []
     token = secrets.token_hex(16)
@@ -321,13 +363,13 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
         for preferred in (True, False):
             for entry in servers:
                 room = min(rooms[entry.url], free)
-                extra = _preference(entry)
+                kind = _preference(entry)
                 # Round 2 is for servers with a preference; a down server's probe is one.
-                second_needed = bool(extra) and not (entry.down and taken_by.get(entry.url))
+                second_needed = kind is not None and not (entry.down and taken_by.get(entry.url))
                 if room <= 0 or (not preferred and not second_needed):
                     continue
                 taken = _take(s, entry, room, now, settings.queued_timeout,
-                              extra if preferred else [])
+                              kind if preferred else None)
                 taken_by.setdefault(entry.url, []).extend(taken)
                 rooms[entry.url] -= len(taken)
                 free -= len(taken)
