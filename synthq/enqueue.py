@@ -46,8 +46,12 @@ from synthq.turns import turn_positions
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_job",
            "find_job", "inflight_settings", "DEFAULT_MAX_INFLIGHT", "DEFAULT_MIN_INFLIGHT"]
 
-#: Rows per INSERT round trip.
-BATCH = 5000
+#: Rows per transaction (one COPY on PostgreSQL), at most: the reader waits for the
+#: server at each batch's end, so fewer ends overlap more (5,000 rows: 41,000 rows/s;
+#: 20,000: 58,000-68,000 rows/s here). A batch's rows are kept in memory for the duplicate
+#: fallback, so a batch also ends after BATCH_BYTES of prompts.
+BATCH = 20_000
+BATCH_BYTES = 64 << 20
 #: ``--inflight auto``: the default hard cap and floor of the adaptive limit.
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MIN_INFLIGHT = 4
@@ -476,14 +480,36 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
             return
         batch: list[tuple[Any, ...]] = []
         with engine.begin() as conn:
-            added = write(conn, itertools.chain((peek,), itertools.islice(values, BATCH - 1)),
-                          batch)
+            added = write(conn, _bounded(peek, values), batch)
             if added:  # a finished job has work again
                 states.reactivate(conn, job_id, now=utcnow())
         report.inserted += added
         report.duplicates += len(batch) - added
         if progress:
             progress(report)
+
+
+def _bounded(first: tuple[Any, ...], values: Iterator[tuple[Any, ...]]
+             ) -> Iterator[tuple[Any, ...]]:
+    """``first``, then ``values`` up to BATCH rows or BATCH_BYTES of prompts in all; never
+    takes a row from ``values`` that it does not yield."""
+    row, count, size = first, 1, 0
+    while True:
+        yield row
+        size += _prompt_size(row[4])
+        if count >= BATCH or size >= BATCH_BYTES:
+            return
+        nxt = next(values, None)
+        if nxt is None:
+            return
+        row, count = nxt, count + 1
+
+
+def _prompt_size(prompt: Any) -> int:
+    """PostgreSQL's JSON bytes, or SQLite's messages counted by their text."""
+    if isinstance(prompt, bytes):
+        return len(prompt)
+    return sum(len(m.get("content") or "") for m in prompt or () if isinstance(m, dict))
 
 
 def _sample_values(job_id: int, keys: ContentKeys, rows: Iterable[Row], report: EnqueueReport,

@@ -96,11 +96,14 @@ def _run(tmp_path: Path) -> list[Any]:
     return [reports, stored]
 
 
+@pytest.mark.parametrize("rows, size", [(3, 64 << 20), (1000, 60)],
+                         ids=["batches-of-3-rows", "batches-of-60-prompt-bytes"])
 def test_postgres_copy_and_sqlite_insert_write_the_same_samples(
-        pg: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Batches of 3: direct COPYs, a duplicate within a batch, a re-enqueue, and a
-    # batch that holds old and new rows all happen.
-    monkeypatch.setattr(enqueue_mod, "BATCH", 3)
+        pg: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, size: int) -> None:
+    # Small batches (by rows, or by the prompts' size): direct COPYs, a duplicate within
+    # a batch, a re-enqueue, and a batch that holds old and new rows all happen.
+    monkeypatch.setattr(enqueue_mod, "BATCH", rows)
+    monkeypatch.setattr(enqueue_mod, "BATCH_BYTES", size)
     on_postgres = _run(tmp_path / "pg")
 
     from synthq.config import get_settings
