@@ -94,7 +94,7 @@ def _check_settings(ctx: typer.Context) -> None:
     """Every command but the simulator needs valid settings: a bad one is one line, exit 2."""
     if ctx.invoked_subcommand == "simulate":
         return
-    if ctx.invoked_subcommand == "jobs":
+    if ctx.invoked_subcommand in ("jobs", "status"):
         from synthq.cli import fast
 
         if fast.eligible():  # default settings: nothing to validate (see synthq/cli/fast.py)
