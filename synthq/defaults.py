@@ -8,7 +8,7 @@ one definition for both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["DATA_DIR", "WORKER_TIMEOUT", "GPU_HOUR_PRICE", "StatusSettings"]
 
@@ -20,8 +20,7 @@ WORKER_TIMEOUT = 15.0
 GPU_HOUR_PRICE: float | None = None
 
 
-@dataclass(frozen=True)
-class StatusSettings:
+class StatusSettings(NamedTuple):
     """The settings a status and its cost report read. ``StatusSettings()`` holds the
     defaults (the fast path's case); :meth:`configured` the environment's."""
 

@@ -9,8 +9,7 @@ the dispatcher and ``synthq status`` read of them is here, in plain SQL
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from synthq.sqlread import Reader, in_list, read_json, reader_of
 
@@ -29,8 +28,7 @@ def start_limit(floor: int, cap: int) -> int:
     return max(floor, min(cap, START))
 
 
-@dataclass(frozen=True, slots=True)
-class LimitRow:
+class LimitRow(NamedTuple):
     """One server's adaptive limit (the columns of ``servers`` that synthq.adaptive writes)."""
 
     url: str
