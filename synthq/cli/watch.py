@@ -16,7 +16,6 @@ from synthq.cli import (
     fail,
     with_job,
 )
-from synthq.cli.render import job_progress, print_status
 from synthq.errors import UserError
 
 
@@ -81,6 +80,7 @@ def status(
 
     Example: `synthq status my-job --watch`
     """
+    from synthq.cli.render import job_progress, print_status  # not for --json
     from synthq.status import job_status
 
     if not watch:
