@@ -556,5 +556,3 @@ def _save(session: Session, url: str, now: datetime, target: int, bound: int,
     stmt = insert(Server).values(url=url, healthy=True, checked_at=datetime(2000, 1, 1, tzinfo=UTC),
                                  failures=0, **values)
     session.execute(stmt.on_conflict_do_update(index_elements=["url"], set_=values))
-
-

@@ -242,6 +242,5 @@ def with_job(ref: str, fn):  # type: ignore[no-untyped-def]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary.")]
 
 
-
 def main() -> None:  # pragma: no cover
     app()
