@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from synthq.clock import utcnow
 from synthq.cost import CostJob, job_cost
+from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
 from synthq.enums import INFLIGHT, SampleState
 from synthq.errors import TOKENIZATION_CLASSES
@@ -202,60 +203,6 @@ def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
 
 def _by_key(rows: Iterable[tuple[Any, Any]]) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": int(n) for key, n in rows}
-
-
-class Counted(NamedTuple):
-    """One key of the job's counters: samples in ``state`` with ``error_class`` at
-    ``tokenize_version``, and the sums over them."""
-
-    state: str
-    error_class: str | None
-    tokenize_version: int | None
-    #: The response is stored.
-    answered: bool
-    n: int
-    tokens: int
-    supervised: int
-    mismatches: int
-
-
-def counted(db: Session | Reader, job_id: int) -> list[Counted]:
-    """The job's counters (kept by the triggers of migration 0016): a few rows, however
-    many samples; the delta rows of a key not yet folded are summed here."""
-    rows = reader_of(db).rows(
-        "SELECT state, error_class, tokenize_version, answered, sum(n), sum(tokens), "
-        "sum(supervised), sum(mismatches) FROM sample_counts WHERE job_id = :job_id "
-        "GROUP BY state, error_class, tokenize_version, answered", {"job_id": job_id})
-    return [Counted(str(r[0]), r[1], r[2], bool(r[3]), *(int(x or 0) for x in r[4:]))
-            for r in rows]
-
-
-def sample_counts(db: Session | Reader, job_id: int,
-                  rows: list[Counted] | None = None) -> dict[tuple[str, str | None], int]:
-    """The job's samples per (state, error class)."""
-    counts: dict[tuple[str, str | None], int] = {}
-    for c in rows if rows is not None else counted(db, job_id):
-        if c.n:
-            counts[(c.state, c.error_class)] = counts.get((c.state, c.error_class), 0) + c.n
-    return counts
-
-
-def state_counts(db: Session | Reader, job_id: int,
-                 by_class: dict[tuple[str, str | None], int] | None = None) -> dict[str, int]:
-    """The job's samples per state (every state, 0 included)."""
-    counts = {s.value: 0 for s in SampleState}
-    for (state, _), n in (by_class if by_class is not None
-                          else sample_counts(db, job_id)).items():
-        counts[state] = counts.get(state, 0) + n
-    return counts
-
-
-def call_counts(db: Session | Reader, job_id: int) -> dict[str, int]:
-    """The job's calls per outcome (``ok`` or a failure class), from the counters."""
-    rows = reader_of(db).rows(
-        "SELECT outcome, sum(n) FROM call_counts WHERE job_id = :job_id "
-        "AND outcome IS NOT NULL GROUP BY outcome", {"job_id": job_id})
-    return {str(outcome): int(n) for outcome, n in rows if n}
 
 
 def retokenizable(state: str, error_class: str | None) -> bool:

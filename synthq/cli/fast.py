@@ -6,10 +6,10 @@ CPU of a bare Typer app. When the settings are the embedded defaults (no
 ``SYNTHQ_DATABASE_URL``) and the SQLite file exists at the current schema,
 these commands read it with the standard library's ``sqlite3``:
 
-* the job list in two queries (the same ones :func:`synthq.query.list_jobs` makes);
-* a job's status through :func:`synthq.status.job_status` itself, whose reads
-  are plain SQL (:mod:`synthq.sqlread`): the same figures, computed by the
-  same code as on the ordinary path.
+* the job list through :func:`synthq.counts.job_list`, and a job's status
+  through :func:`synthq.status.job_status`: the functions the ordinary path
+  calls, whose reads are plain SQL (:mod:`synthq.sqlread`), so the same
+  figures come from the same code.
 
 Anything else (PostgreSQL, another setting, no database yet, an older schema,
 an unknown job, any SQLite error) returns None and the command takes the
@@ -19,7 +19,7 @@ ordinary path, which validates, creates and migrates, and words the errors.
 from __future__ import annotations
 
 import os
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,24 +82,14 @@ def job_rows() -> list[dict[str, Any]] | None:
     """Every job with its counts per state, as `synthq jobs --json` prints them; or None."""
     import sqlite3
 
-    from synthq.enums import SampleState
+    from synthq.counts import job_list
+    from synthq.sqlread import SqliteReader
 
     conn = _connect("ro")
     if conn is None:
         return None
     try:
-        counts: dict[int, dict[str, int]] = {}
-        for job_id, state, n in conn.execute(
-                "SELECT job_id, state, count(*) FROM samples GROUP BY job_id, state"):
-            counts.setdefault(job_id, {s.value: 0 for s in SampleState})[state] = n
-        rows = []
-        for job_id, name, state, model, created in conn.execute(
-                "SELECT id, name, state, model, created_at FROM jobs ORDER BY id"):
-            at = datetime.fromisoformat(created).replace(tzinfo=UTC)
-            rows.append({"id": job_id, "name": name, "state": state, "model": model,
-                         "created_at": at.isoformat(),
-                         **counts.get(job_id, {s.value: 0 for s in SampleState})})
-        return rows
+        return job_list(SqliteReader(conn))
     except (sqlite3.Error, ValueError):
         return None
     finally:

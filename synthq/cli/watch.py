@@ -49,23 +49,15 @@ def jobs(as_json: JsonOpt = False) -> None:
 
 
 def _job_rows() -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
+    from synthq.counts import job_list
     from synthq.db import session_scope
-    from synthq.models import Job
-    from synthq.status import state_counts
 
     try:
         ensure_db()
     except UserError as exc:
         raise fail(str(exc)) from None
-    rows: list[dict[str, Any]] = []
     with session_scope() as s:
-        for job in s.scalars(select(Job).order_by(Job.id)):
-            rows.append({"id": job.id, "name": job.name, "state": str(job.state),
-                         "model": job.model, "created_at": job.created_at.isoformat(),
-                         **state_counts(s, job.id)})
-    return rows
+        return job_list(s)
 
 
 @app.command()
