@@ -70,12 +70,14 @@ from sqlalchemy.orm import Session
 
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState
+from synthq.limits import START, current_limits, start_limit  # read without SQLAlchemy
 from synthq.models import Attempt, Job, Sample, Server
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["Window", "Decision", "decide", "tick", "auto_servers", "start_limit",
+__all__ = ["Window", "Decision", "decide", "tick", "auto_servers", "start_limit", "START",
+           "current_limits",
            "parse_vllm_gauges", "metrics_url", "TICK_SECONDS", "WINDOW_SECONDS"]
 
 log = logging.getLogger(__name__)
@@ -160,16 +162,6 @@ class Decision:
     reason: str | None
     #: The controller's memory for the next tick (JSON-ready).
     state: dict[str, Any] = field(default_factory=dict)
-
-
-#: Where a server's limit starts (within the floor and the cap): every OpenAI-compatible
-#: server we know runs 16 requests at once, and slow start doubles it in ~2 call lengths.
-START = 16
-
-
-def start_limit(floor: int, cap: int) -> int:
-    """Where a server's limit starts: START, within the floor and the cap."""
-    return max(floor, min(cap, START))
 
 
 def _fmt_s(seconds: float) -> str:
@@ -564,11 +556,3 @@ def _save(session: Session, url: str, now: datetime, target: int, bound: int,
     stmt = insert(Server).values(url=url, healthy=True, checked_at=datetime(2000, 1, 1, tzinfo=UTC),
                                  failures=0, **values)
     session.execute(stmt.on_conflict_do_update(index_elements=["url"], set_=values))
-
-
-def current_limits(session: Session, urls: Sequence[str]) -> dict[str, Server]:
-    """The ``servers`` rows of ``urls`` that carry an adaptive limit."""
-    if not urls:
-        return {}
-    return {r.url: r for r in session.scalars(select(Server).where(
-        Server.url.in_(list(urls)), Server.limit_target.is_not(None)))}

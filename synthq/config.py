@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from synthq import defaults
+
 __all__ = ["Settings", "get_settings"]
 
 
@@ -20,7 +22,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SYNTHQ_", extra="ignore")
 
     #: Where the embedded SQLite file and other local state live.
-    data_dir: Path = Path("synthq-data")
+    data_dir: Path = Path(defaults.DATA_DIR)
     #: SQLAlchemy URL; empty means ``sqlite:///<data_dir>/synthq.db``.
     database_url: str = ""
     #: Celery broker (Redis) URL; empty means embedded mode (no broker).
@@ -41,7 +43,7 @@ class Settings(BaseSettings):
     #: Seconds between a worker's heartbeats, and silence after which it counts
     #: as dead (its capacity is freed, its running samples go back to pending).
     heartbeat_interval: float = 2.0
-    worker_timeout: float = 15.0
+    worker_timeout: float = defaults.WORKER_TIMEOUT
     #: Calls one generation process holds in flight; 0: the worker's ``-c``.
     worker_capacity: int = 0
     #: A worker's refill claims the samples for its own freed slots in the
@@ -69,7 +71,7 @@ class Settings(BaseSettings):
     train_lease: float = 120.0
     train_resend_after: float = 900.0
     #: Dollars per GPU-hour for the cost report of jobs enqueued without --gpu-hour-price.
-    gpu_hour_price: float | None = None
+    gpu_hour_price: float | None = defaults.GPU_HOUR_PRICE
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

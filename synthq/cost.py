@@ -20,23 +20,28 @@ successful calls come from the per-job counters (``call_counts``).
 Where it misleads: a server shared with other jobs (or other users) is billed
 to each job for the whole time the job had a call on it, so shared time is
 counted once per job; an idle server between calls is not counted at all.
+
+The reads are plain SQL (:mod:`synthq.sqlread`), so that the CLI's fast path
+computes this same report with ``sqlite3``; this module imports no SQLAlchemy.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import case, func, or_, select
-from sqlalchemy.orm import Session
-
-from synthq.db import utcnow
+from synthq.clock import utcnow
+from synthq.defaults import StatusSettings
 from synthq.enums import INFLIGHT, SampleState
-from synthq.models import Attempt, CallCount, Job, Sample
+from synthq.sqlread import Reader, read_time, reader_of
 
-__all__ = ["ServerCost", "JobCost", "job_cost", "busy_intervals", "fold_busy", "measure",
-           "merge", "price_of"]
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+__all__ = ["ServerCost", "JobCost", "CostJob", "job_cost", "busy_intervals", "fold_busy",
+           "measure", "merge", "price_of", "remaining_calls"]
 
 #: Samples not yet in a final state.
 OPEN = (SampleState.PENDING, *INFLIGHT)
@@ -47,6 +52,28 @@ CURRENT_WINDOW = timedelta(seconds=60)
 FOLD_LAG = timedelta(seconds=10)
 #: A status folds again once the fold is this much older than FOLD_LAG.
 FOLD_EVERY = timedelta(seconds=60)
+
+_OPEN_SQL = "(" + ", ".join(f"'{s.value}'" for s in OPEN) + ")"
+
+
+class CostJob(Protocol):
+    """What the cost report reads of a job: a :class:`synthq.models.Job`, or the CLI's
+    fast path's :class:`synthq.status.JobRow`."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def servers(self) -> list[str]: ...
+    @property
+    def regenerate(self) -> str: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def gpu_hour_price(self) -> float | None: ...
+    @property
+    def busy_until(self) -> datetime | None: ...
+    @property
+    def busy_folded(self) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -109,49 +136,64 @@ def measure(intervals: list[tuple[datetime, datetime]], start: datetime | None =
     return total
 
 
-def busy_intervals(session: Session, job_id: int, now: datetime, *,
+# The job's calls that ended ({filters}: after a time, started before one), merged per
+# server: a running maximum of end times over the calls ordered by start (a call that
+# starts after every earlier call ended opens a new interval, g), one row per interval.
+_BUSY_SQL = """
+SELECT server, min(s), max(e) FROM (
+    SELECT server, s, e,
+           sum(CASE WHEN p IS NULL OR s > p THEN 1 ELSE 0 END) OVER (
+               PARTITION BY server ORDER BY s, e
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS g
+    FROM (
+        SELECT server, s, e,
+               max(e) OVER (PARTITION BY server ORDER BY s, e
+                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS p
+        FROM (
+            SELECT attempts.server AS server, attempts.started_at AS s,
+                   attempts.ended_at AS e
+            FROM attempts JOIN samples ON samples.id = attempts.sample_id
+            WHERE samples.job_id = :job_id AND attempts.ended_at IS NOT NULL{filters}
+        ) AS calls
+    ) AS ordered
+) AS grouped
+GROUP BY server, g"""
+
+
+def busy_intervals(db: Session | Reader, job_id: int, now: datetime, *,
                    ended_after: datetime | None = None, started_before: datetime | None = None,
                    running: bool = True) -> dict[str, list[tuple[datetime, datetime]]]:
     """Per server, the disjoint intervals with a call of the job in flight: of the calls
     that ended after ``ended_after`` and started before ``started_before`` (None: all),
     and with ``running``, the calls in flight now (from their start until now).
 
-    The database merges overlapping calls (a running maximum of end times over
-    the calls ordered by start: a call that starts after every earlier call
-    ended opens a new interval), so a long busy stretch comes back as one row.
+    The database merges overlapping calls (see ``_BUSY_SQL``), so a long busy
+    stretch comes back as one row.
     """
-    calls = (select(Attempt.server.label("server"), Attempt.started_at.label("s"),
-                    Attempt.ended_at.label("e"))
-             .join(Sample, Sample.id == Attempt.sample_id)
-             .where(Sample.job_id == job_id, Attempt.ended_at.is_not(None)))
+    reader = reader_of(db)
+    filters = ""
+    params: dict[str, Any] = {"job_id": job_id}
     if ended_after is not None:
-        calls = calls.where(Attempt.ended_at > ended_after)
+        filters += " AND attempts.ended_at > :ended_after"
+        params["ended_after"] = ended_after
     if started_before is not None:
-        calls = calls.where(Attempt.started_at < started_before)
-    a = calls.subquery()
-    prev = func.max(a.c.e).over(partition_by=a.c.server, order_by=(a.c.s, a.c.e),
-                                rows=(None, -1))
-    b = select(a.c.server, a.c.s, a.c.e, prev.label("p")).subquery()
-    opens = case((or_(b.c.p.is_(None), b.c.s > b.c.p), 1), else_=0)
-    c = select(b.c.server, b.c.s, b.c.e,
-               func.sum(opens).over(partition_by=b.c.server, order_by=(b.c.s, b.c.e),
-                                    rows=(None, 0)).label("g")).subquery()
-    rows = session.execute(select(c.c.server, func.min(c.c.s), func.max(c.c.e))
-                           .group_by(c.c.server, c.c.g)).all()
+        filters += " AND attempts.started_at < :started_before"
+        params["started_before"] = started_before
     found: dict[str, list[tuple[datetime, datetime]]] = {}
-    for server, start, end in rows:
-        found.setdefault(server, []).append((start, end))
+    for server, start, end in reader.rows(_BUSY_SQL.format(filters=filters), params):
+        found.setdefault(server, []).append((read_time(start), read_time(end)))
     # Calls running now: from their start until now.
-    for server, start in [] if not running else session.execute(
-            select(Sample.server, Sample.started_at).where(
-                Sample.job_id == job_id, Sample.state == SampleState.RUNNING,
-                Sample.started_at.is_not(None), Sample.server.is_not(None))):
-        if server is not None and start is not None:
-            found.setdefault(server, []).append((start, max(start, now)))
+    if running:
+        for server, start in reader.rows(
+                "SELECT server, started_at FROM samples WHERE job_id = :job_id "
+                "AND state = 'running' AND started_at IS NOT NULL AND server IS NOT NULL",
+                {"job_id": job_id}):
+            started = read_time(start)
+            found.setdefault(server, []).append((started, max(started, now)))
     return {server: merge(spans) for server, spans in found.items()}
 
 
-def fold_busy(session: Session, job: Job, now: datetime, *, store: bool = True
+def fold_busy(db: Session | Reader, job: CostJob, now: datetime, *, store: bool = True
               ) -> tuple[datetime | None, dict[str, float]]:
     """The job's busy seconds per server up to a time T, and T (None: nothing folded).
 
@@ -166,75 +208,80 @@ def fold_busy(session: Session, job: Job, now: datetime, *, store: bool = True
     before T is not counted. ``store=False`` (a read-only transaction: the
     export's snapshot) computes the new fold without writing it.
     """
+    reader = reader_of(db)
     until = job.busy_until
     folded = {k: float(v) for k, v in (job.busy_folded or {}).items()}
     if until is not None and now - until < FOLD_LAG + FOLD_EVERY:
         return until, folded
     target = now - FOLD_LAG
-    oldest = session.scalar(select(func.min(Sample.started_at)).where(
-        Sample.job_id == job.id, Sample.state == SampleState.RUNNING))
+    [(oldest,)] = reader.rows("SELECT min(started_at) FROM samples "
+                              "WHERE job_id = :job_id AND state = 'running'", {"job_id": job.id})
     if oldest is not None:
-        target = min(target, oldest)
+        target = min(target, read_time(oldest))
     if until is not None and target <= until:
         return until, folded
-    spans = busy_intervals(session, job.id, now, ended_after=until, started_before=target,
+    spans = busy_intervals(reader, job.id, now, ended_after=until, started_before=target,
                            running=False)
     for server, intervals in spans.items():
         folded[server] = folded.get(server, 0.0) + measure(intervals, until, target)
-    if not store:
-        return target, folded
-    from synthq.states import store_busy_fold
-
-    store_busy_fold(session, job.id, was=until, until=target, folded=folded)
+    if store:
+        # The compare-and-set on the fold it was computed from.
+        params: dict[str, Any] = {"until": target, "folded": json.dumps(folded),
+                                  "job_id": job.id}
+        same = "busy_until IS NULL"
+        if until is not None:
+            same, params["was"] = "busy_until = :was", until
+        reader.write("UPDATE jobs SET busy_until = :until, busy_folded = :folded "
+                     f"WHERE id = :job_id AND {same}", params)
     return target, folded
 
 
-def remaining_calls(session: Session, job: Job, remaining: int) -> int:
+def remaining_calls(db: Session | Reader, job: CostJob, remaining: int) -> int:
     """Calls the job still has to make: ``remaining`` open samples, one call each, or for a
     multi-turn job (``--regenerate all``) the sum of their turns left."""
     if job.regenerate != "all":
         return remaining
-    left = func.coalesce(Sample.turn_count, 1) - Sample.turn
-    turns = session.scalar(
-        select(func.coalesce(func.sum(case((left > 1, left), else_=1)), 0))
-        .where(Sample.job_id == job.id, Sample.state.in_(OPEN))) or 0
-    return max(int(turns), remaining)
+    [(turns,)] = reader_of(db).rows(
+        "SELECT coalesce(sum(CASE WHEN coalesce(turn_count, 1) - turn > 1 "
+        "THEN coalesce(turn_count, 1) - turn ELSE 1 END), 0) "
+        f"FROM samples WHERE job_id = :job_id AND state IN {_OPEN_SQL}", {"job_id": job.id})
+    return max(int(turns or 0), remaining)
 
 
-def price_of(job: Job) -> float | None:
+def price_of(job: CostJob, settings: StatusSettings | None = None) -> float | None:
     """The job's GPU-hour price, else SYNTHQ_GPU_HOUR_PRICE, else None."""
     if job.gpu_hour_price is not None:
         return job.gpu_hour_price
-    from synthq.config import get_settings
-
-    return get_settings().gpu_hour_price
+    return (settings or StatusSettings.configured()).gpu_hour_price
 
 
-def job_cost(session: Session, job: Job, *, remaining: int, now: datetime | None = None,
-             store: bool = True) -> JobCost:
+def job_cost(db: Session | Reader, job: CostJob, *, remaining: int,
+             now: datetime | None = None, store: bool = True,
+             settings: StatusSettings | None = None) -> JobCost:
     """The cost report of ``job`` (``remaining``: samples not yet in a final state;
-    ``store=False`` in a read-only transaction, see :func:`fold_busy`)."""
+    ``store=False`` in a read-only transaction, see :func:`fold_busy`; ``settings``:
+    None reads them from the environment)."""
+    reader = reader_of(db)
     now = now or utcnow()
-    price = price_of(job)
+    price = price_of(job, settings)
     gpus = max(1, job.gpus or 1)
     cost = JobCost(gpus=gpus, gpu_hour_price=price)
-    until, folded = fold_busy(session, job, now, store=store)
-    recent_spans = busy_intervals(session, job.id, now, ended_after=until)
+    until, folded = fold_busy(reader, job, now, store=store)
+    recent_spans = busy_intervals(reader, job.id, now, ended_after=until)
     busy = {server: folded.get(server, 0.0) + measure(recent_spans.get(server, []), until)
             for server in set(folded) | set(recent_spans)}
     tokens: dict[str, int] = {}
     ok_calls = 0
-    for server, n, sum_tokens in session.execute(
-            select(CallCount.server, func.sum(CallCount.n), func.sum(CallCount.tokens))
-            .where(CallCount.job_id == job.id, CallCount.outcome == "ok")
-            .group_by(CallCount.server)):
+    for server, n, sum_tokens in reader.rows(
+            "SELECT server, sum(n), sum(tokens) FROM call_counts "
+            "WHERE job_id = :job_id AND outcome = 'ok' GROUP BY server", {"job_id": job.id}):
         tokens[server] = int(sum_tokens or 0)
         ok_calls += int(n or 0)
-    recent, first = session.execute(
-        select(func.coalesce(func.sum(Attempt.completion_tokens), 0), func.min(Attempt.ended_at))
-        .join(Sample, Sample.id == Attempt.sample_id)
-        .where(Sample.job_id == job.id, Attempt.outcome == "ok",
-               Attempt.ended_at >= now - CURRENT_WINDOW)).one()
+    [(recent, first)] = reader.rows(
+        "SELECT coalesce(sum(attempts.completion_tokens), 0), min(attempts.ended_at) "
+        "FROM attempts JOIN samples ON samples.id = attempts.sample_id "
+        "WHERE samples.job_id = :job_id AND attempts.outcome = 'ok' "
+        "AND attempts.ended_at >= :since", {"job_id": job.id, "since": now - CURRENT_WINDOW})
     for server in sorted(set(busy) | set(tokens)):
         seconds = busy.get(server, 0.0)
         n = tokens.get(server, 0)
@@ -250,7 +297,8 @@ def job_cost(session: Session, job: Job, *, remaining: int, now: datetime | None
     cost.tokens = sum(x.tokens for x in cost.servers.values())
     cost.tokens_per_s = cost.tokens / cost.busy_s if cost.busy_s > 0 else 0.0
     if recent and first is not None:
-        span = max(1.0, min(CURRENT_WINDOW.total_seconds(), (now - first).total_seconds()))
+        span = max(1.0, min(CURRENT_WINDOW.total_seconds(),
+                            (now - read_time(first)).total_seconds()))
         cost.current_tokens_per_s = int(recent) / span
     if ok_calls:
         cost.mean_tokens_per_sample = cost.tokens / ok_calls
@@ -262,7 +310,7 @@ def job_cost(session: Session, job: Job, *, remaining: int, now: datetime | None
     if remaining and cost.mean_tokens_per_sample and cost.current_tokens_per_s > 0:
         # Calls still to make: one per open sample, or with --regenerate all the turns
         # each open sample has left (its current one included); the mean is per call.
-        calls = remaining_calls(session, job, remaining)
+        calls = remaining_calls(reader, job, remaining)
         cost.remaining_calls = calls
         cost.remaining_s = calls * cost.mean_tokens_per_sample / cost.current_tokens_per_s
         if price is not None:

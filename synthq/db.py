@@ -16,13 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from synthq.clock import utcnow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,11 +41,6 @@ def safe_url(text: str) -> str:
 
 
 _PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.I)
-
-
-def utcnow() -> datetime:
-    """The current time, timezone-aware UTC (the only clock synthq uses)."""
-    return datetime.now(UTC)
 
 
 def _make_engine(url: str) -> Engine:

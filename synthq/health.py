@@ -14,18 +14,14 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
-
-from synthq.db import session_scope, utcnow
-from synthq.models import Server
+from synthq.sqlread import Reader, in_list, read_time, reader_of
 
 if TYPE_CHECKING:
-    # Imported where a probe runs: `synthq status` reads only the table (unhealthy()),
-    # and importing httpx costs it ~15 % of its start-up CPU.
+    # Imported where a probe runs: `synthq status` reads only the table (unhealthy(), in
+    # plain SQL), and importing httpx, SQLAlchemy and the models costs it most of its
+    # start-up CPU.
     import httpx
+    from sqlalchemy.orm import Session
 
 __all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy", "served_models",
            "check_model"]
@@ -133,6 +129,11 @@ def _shared_client() -> httpx.Client:
 
 def probe_due(urls: Iterable[str], *, client: httpx.Client | None = None) -> dict[str, bool]:
     """Probe the servers not probed for PROBE_EVERY seconds; returns url → healthy."""
+    from sqlalchemy import select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Server
+
     urls = sorted(set(urls))
     if not urls:
         return {}
@@ -152,6 +153,12 @@ def probe_due(urls: Iterable[str], *, client: httpx.Client | None = None) -> dic
 
 
 def _record(session: Session, url: str, error: str | None) -> None:
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    from synthq.db import utcnow
+    from synthq.models import Server
+
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     now = utcnow()
     stmt = insert(Server).values(url=url, healthy=error is None, checked_at=now,
@@ -162,14 +169,14 @@ def _record(session: Session, url: str, error: str | None) -> None:
     session.execute(stmt)
 
 
-def unhealthy(session: Session, urls: Iterable[str]) -> dict[str, str | None]:
+def unhealthy(db: Session | Reader, urls: Iterable[str]) -> dict[str, str | None]:
     """Servers among ``urls`` whose last probe failed: since when (local time), and why."""
-    rows = session.execute(select(Server.url, Server.last_error, Server.checked_at,
-                                  Server.failures)
-                           .where(Server.url.in_(list(urls)), Server.healthy.is_(False)))
+    among, params = in_list("url", list(urls))
+    rows = reader_of(db).rows("SELECT url, last_error, checked_at, failures FROM servers "
+                              f"WHERE url IN {among} AND NOT healthy", params)
     result: dict[str, str | None] = {}
     for url, error, checked_at, failures in rows:
         # Probes run every PROBE_EVERY seconds: the first failure was that long per failure ago.
-        since = checked_at - timedelta(seconds=PROBE_EVERY * max(0, (failures or 1) - 1))
+        since = read_time(checked_at) - timedelta(seconds=PROBE_EVERY * max(0, (failures or 1) - 1))
         result[url] = f"failing since {since.astimezone():%H:%M:%S}: {error or 'no answer'}"
     return result

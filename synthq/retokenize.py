@@ -38,19 +38,13 @@ _HAS_RESPONSE = Sample.response_content.is_not(None)
 
 
 def _eligible(job_id: int) -> Any:
+    """Samples retokenize can work on (:func:`synthq.status.retokenizable` says the same
+    of one sample's state and error class: keep the two alike)."""
     return and_(
         Sample.job_id == job_id, _HAS_RESPONSE,
         or_(Sample.state == SampleState.DONE,
             and_(Sample.state.in_([SampleState.FAILED, SampleState.SKIPPED]),
                  Sample.error_class.in_(errors.TOKENIZATION_CLASSES))))
-
-
-def eligible(state: str, error_class: str | None) -> bool:
-    """:func:`_eligible` for a sample in ``state`` with ``error_class`` whose response is
-    stored: what ``status`` counts from the counters."""
-    return state == SampleState.DONE or (
-        state in (SampleState.FAILED, SampleState.SKIPPED)
-        and error_class in errors.TOKENIZATION_CLASSES)
 
 
 def stale_query(job_id: int, version: int) -> Any:

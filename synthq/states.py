@@ -46,7 +46,7 @@ __all__ = [
     "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
     "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose",
-    "requeue", "expire", "retokenized", "set_job_state", "store_busy_fold",
+    "requeue", "expire", "retokenized", "set_job_state",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
 ]
 
@@ -556,17 +556,6 @@ def move_job(session: Session, job: Job, *, model: str | None, servers: list[str
     update_job(session, job, changes, now=now)
     session.flush()
     return move
-
-
-def store_busy_fold(session: Session, job_id: int, *, was: datetime | None, until: datetime,
-                    folded: dict[str, float]) -> bool:
-    """The cost report's fold (synthq.cost.fold_busy): busy seconds per server up to
-    ``until``, as a CAS on the fold it was computed from (``was``)."""
-    same = Job.busy_until.is_(None) if was is None else Job.busy_until == was
-    result = session.execute(update(Job).where(Job.id == job_id, same)
-                             .values(busy_until=until, busy_folded=folded)
-                             .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
 
 
 def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime,

@@ -1,23 +1,119 @@
-"""What a job is doing: counts per state, rate, ETA, failures, load per server."""
+"""What a job is doing: counts per state, rate, ETA, failures, load per server.
+
+Every figure is defined once, here (and in :mod:`synthq.cost` for the cost
+report): a few reads in plain SQL (:mod:`synthq.sqlread`), and Python that
+computes the figures from their rows. The CLI, the API and the job page pass
+a SQLAlchemy session (PostgreSQL or SQLite); the CLI's fast path
+(:mod:`synthq.cli.fast`) passes a ``sqlite3`` connection, so this module and
+what it imports must not load SQLAlchemy, pydantic or the models (a test
+checks it).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from synthq.clock import utcnow
+from synthq.cost import CostJob, job_cost
+from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
+from synthq.defaults import StatusSettings
+from synthq.enums import INFLIGHT, SampleState
+from synthq.errors import TOKENIZATION_CLASSES
+from synthq.health import unhealthy
+from synthq.limits import current_limits, start_limit
+from synthq.sqlread import Reader, read_json, read_optional_time, reader_of
+from synthq.workers import live
 
-from synthq.db import utcnow
-from synthq.models import CallCount, Job, Sample, SampleCount
-from synthq.states import INFLIGHT, SampleState
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from sqlalchemy.orm import Session
 
 __all__ = ["JobStatus", "job_status", "state_counts", "sample_counts", "call_counts", "counted",
-           "Counted"]
+           "Counted", "StatusJob", "JobRow", "find_job_row", "server_limits", "retokenizable"]
 
 #: Window for the done/s rate.
 RATE_WINDOW = timedelta(minutes=5)
+
+_INFLIGHT_SQL = "(" + ", ".join(f"'{s.value}'" for s in INFLIGHT) + ")"
+
+
+class StatusJob(CostJob, Protocol):
+    """What a status reads of a job: a :class:`synthq.models.Job`, or a :class:`JobRow`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def pause_reason(self) -> str | None: ...
+    @property
+    def inflight_auto(self) -> bool: ...
+    @property
+    def inflight_limit(self) -> int: ...
+    @property
+    def min_inflight(self) -> int: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+    @property
+    def tokenize_version(self) -> int: ...
+
+
+class JobRow(NamedTuple):
+    """The columns of ``jobs`` a status reads, for a caller without the ORM (the CLI's fast
+    path): the same attributes as :class:`synthq.models.Job`. (The rows here are
+    NamedTuples, not dataclasses: a tenth of the cost to define, at every CLI start.)"""
+
+    id: int
+    name: str
+    state: str
+    model: str
+    pause_reason: str | None
+    servers: list[str]
+    regenerate: str
+    inflight_auto: bool
+    inflight_limit: int
+    min_inflight: int
+    gpus: int
+    gpu_hour_price: float | None
+    busy_until: datetime | None
+    busy_folded: dict[str, Any] | None
+    tokenizer: str | None
+    tokenize_version: int
+
+    @classmethod
+    def of(cls, row: tuple[Any, ...]) -> JobRow:
+        """From a row of ``SELECT {_JOB_COLUMNS} FROM jobs``."""
+        (id_, name, state, model, pause_reason, servers, regenerate, auto, limit, floor, gpus,
+         price, busy_until, busy_folded, tokenizer, version) = row
+        return cls(id=id_, name=name, state=state, model=model, pause_reason=pause_reason,
+                   servers=list(read_json(servers)), regenerate=regenerate,
+                   inflight_auto=bool(auto), inflight_limit=limit, min_inflight=floor,
+                   gpus=gpus, gpu_hour_price=price, busy_until=read_optional_time(busy_until),
+                   busy_folded=read_json(busy_folded), tokenizer=tokenizer,
+                   tokenize_version=version)
+
+
+#: JobRow's columns, in its fields' order.
+_JOB_COLUMNS = ", ".join(JobRow._fields)
+
+
+def find_job_row(db: Session | Reader, ref: str) -> JobRow | None:
+    """The job ``ref`` names, looked up as :func:`synthq.enqueue.find_job` does (an id,
+    else a name); None when there is none (that function's error lists the jobs)."""
+    reader = reader_of(db)
+    found = []
+    if ref.isdigit():
+        found = reader.rows(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = :id",
+                            {"id": int(ref)})
+    if not found:
+        found = reader.rows(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE name = :name",
+                            {"name": ref})
+    return JobRow.of(found[0]) if found else None
 
 
 @dataclass
@@ -84,111 +180,59 @@ class JobStatus:
         return data
 
 
-def server_limits(session: Session, job: Job, *, history: bool = True
+def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
                   ) -> dict[str, dict[str, Any]]:
     """Each of the job's servers' limit now, and (auto) the reason of its last change."""
     if not job.inflight_auto:
         return {url: {"limit": job.inflight_limit, "auto": False, "reason": "fixed (--inflight)",
                       "floor": None, "cap": job.inflight_limit, "history": []}
                 for url in job.servers}
-    from synthq.adaptive import current_limits, start_limit
-
-    rows = current_limits(session, list(job.servers))
+    rows = current_limits(db, list(job.servers), history=history)
     result: dict[str, dict[str, Any]] = {}
     for url in job.servers:
         row = rows.get(url)
-        limit = row.limit_target if row is not None and row.limit_target is not None else \
+        limit = row.limit_target if row is not None else \
             start_limit(job.min_inflight, job.inflight_limit)
         result[url] = {"limit": min(limit, job.inflight_limit), "auto": True,
                        "bound": row.limit if row is not None else None,
                        "reason": row.limit_reason if row is not None else "not started yet",
                        "floor": job.min_inflight, "cap": job.inflight_limit,
-                       "history": list(row.limit_history or []) if row is not None and history
-                       else []}
+                       "history": list(row.limit_history) if row is not None else []}
     return result
 
 
-def _by_key(rows: Any) -> dict[str, int]:
-    return {str(key) if key is not None else "unknown": n for key, n in rows}
+def _by_key(rows: Iterable[tuple[Any, Any]]) -> dict[str, int]:
+    return {str(key) if key is not None else "unknown": int(n) for key, n in rows}
 
 
-@dataclass(frozen=True)
-class Counted:
-    """One key of the job's counters: samples in ``state`` with ``error_class`` at
-    ``tokenize_version``, and the sums over them."""
-
-    state: str
-    error_class: str | None
-    tokenize_version: int | None
-    #: The response is stored.
-    answered: bool
-    n: int
-    tokens: int
-    supervised: int
-    mismatches: int
+def retokenizable(state: str, error_class: str | None) -> bool:
+    """Whether ``synthq retokenize`` works on a sample in ``state`` with ``error_class``
+    whose response is stored (what ``synthq.retokenize._eligible`` selects in SQL): what
+    ``status`` counts from the counters."""
+    return state == SampleState.DONE or (
+        state in (SampleState.FAILED, SampleState.SKIPPED)
+        and error_class in TOKENIZATION_CLASSES)
 
 
-def counted(session: Session, job_id: int) -> list[Counted]:
-    """The job's counters (kept by the triggers of migration 0016): a few rows, however
-    many samples; the delta rows of a key not yet folded are summed here."""
-    key = (SampleCount.state, SampleCount.error_class, SampleCount.tokenize_version,
-           SampleCount.answered)
-    rows = session.execute(
-        select(*key, func.sum(SampleCount.n), func.sum(SampleCount.tokens),
-               func.sum(SampleCount.supervised), func.sum(SampleCount.mismatches))
-        .where(SampleCount.job_id == job_id).group_by(*key))
-    return [Counted(str(r[0]), r[1], r[2], bool(r[3]), *(int(x or 0) for x in r[4:]))
-            for r in rows]
-
-
-def sample_counts(session: Session, job_id: int,
-                  rows: list[Counted] | None = None) -> dict[tuple[str, str | None], int]:
-    """The job's samples per (state, error class)."""
-    counts: dict[tuple[str, str | None], int] = {}
-    for c in rows if rows is not None else counted(session, job_id):
-        if c.n:
-            counts[(c.state, c.error_class)] = counts.get((c.state, c.error_class), 0) + c.n
-    return counts
-
-
-def state_counts(session: Session, job_id: int,
-                 by_class: dict[tuple[str, str | None], int] | None = None) -> dict[str, int]:
-    """The job's samples per state (every state, 0 included)."""
-    counts = {s.value: 0 for s in SampleState}
-    for (state, _), n in (by_class if by_class is not None
-                          else sample_counts(session, job_id)).items():
-        counts[state] = counts.get(state, 0) + n
-    return counts
-
-
-def call_counts(session: Session, job_id: int) -> dict[str, int]:
-    """The job's calls per outcome (``ok`` or a failure class), from the counters."""
-    rows = session.execute(
-        select(CallCount.outcome, func.sum(CallCount.n))
-        .where(CallCount.job_id == job_id, CallCount.outcome.is_not(None))
-        .group_by(CallCount.outcome))
-    return {str(outcome): int(n) for outcome, n in rows if n}
-
-
-def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
+def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
+               now: datetime | None = None, settings: StatusSettings | None = None
+               ) -> JobStatus:
     """The job's status; ``cost=False`` leaves out the cost report and limit history (the
-    embedded loop's frequent ticks)."""
-    now = utcnow()
-    rows = counted(session, job.id)
-    by_class = sample_counts(session, job.id, rows)
-    counts = state_counts(session, job.id, by_class)
-    recent = session.scalar(
-        select(func.count()).select_from(Sample).where(
-            Sample.job_id == job.id, Sample.state == SampleState.DONE,
-            Sample.finished_at >= now - RATE_WINDOW)
-    ) or 0
+    embedded loop's frequent ticks). ``now`` and ``settings`` (None: the clock, and the
+    environment's settings) let the CLI's fast path and tests pass their own."""
+    reader = reader_of(db)
+    now = now or utcnow()
+    settings = settings or StatusSettings.configured()
+    rows = counted(reader, job.id)
+    by_class = sample_counts(reader, job.id, rows)
+    counts = state_counts(reader, job.id, by_class)
+    [(recent, first_at, last_at)] = reader.rows(
+        "SELECT count(*), min(finished_at), max(finished_at) FROM samples "
+        "WHERE job_id = :job_id AND state = 'done' AND finished_at >= :since",
+        {"job_id": job.id, "since": now - RATE_WINDOW})
+    first, last = read_optional_time(first_at), read_optional_time(last_at)
     # Rate over the window, or since the first sample in it finished; once
     # nothing is open, up to the last one (so a finished job keeps its rate).
-    first, last = session.execute(
-        select(func.min(Sample.finished_at), func.max(Sample.finished_at)).where(
-            Sample.job_id == job.id, Sample.state == SampleState.DONE,
-            Sample.finished_at >= now - RATE_WINDOW)
-    ).one()
     is_open = any(counts[s] for s in (SampleState.PENDING, *INFLIGHT))
     end = now if is_open or last is None else last
     span = (end - first).total_seconds() if first is not None else 0.0
@@ -201,48 +245,38 @@ def job_status(session: Session, job: Job, *, cost: bool = True) -> JobStatus:
                          if state == SampleState.FAILED),
         retrying=_by_key((c, n) for (state, c), n in by_class.items()
                          if state == SampleState.PENDING and c is not None),
-        inflight=_by_key(session.execute(
-            select(Sample.server, func.count())
-            .where(Sample.job_id == job.id, Sample.state.in_(INFLIGHT))
-            .group_by(Sample.server)).tuples().all()),
+        inflight=_by_key(reader.rows(
+            "SELECT server, count(*) FROM samples "
+            f"WHERE job_id = :job_id AND state IN {_INFLIGHT_SQL} GROUP BY server",
+            {"job_id": job.id})),
         servers=list(job.servers),
-        calls=call_counts(session, job.id),
+        calls=call_counts(reader, job.id),
     )
     if rate > 0:
         status.eta_s = status.open / rate
     status.regenerate = job.regenerate or "last"
     if status.regenerate == "all":
-        from sqlalchemy import case
-
-        kept = case((Sample.cut_at_turn.is_not(None), Sample.turn), else_=Sample.turn_count)
-        done_turns, total_turns, cut = session.execute(
-            select(func.coalesce(func.sum(Sample.turn), 0), func.coalesce(func.sum(kept), 0),
-                   func.count(Sample.cut_at_turn))
-            .where(Sample.job_id == job.id, Sample.turn_count.is_not(None))).one()
+        # A cut conversation counts only the turns it kept.
+        [(done_turns, total_turns, cut)] = reader.rows(
+            "SELECT coalesce(sum(turn), 0), coalesce(sum(CASE WHEN cut_at_turn IS NOT NULL "
+            "THEN turn ELSE turn_count END), 0), count(cut_at_turn) FROM samples "
+            "WHERE job_id = :job_id AND turn_count IS NOT NULL", {"job_id": job.id})
         status.turns_done, status.turns_total = int(done_turns), int(total_turns)
         status.cut = int(cut)
-    from synthq.health import unhealthy
-
-    status.unhealthy = unhealthy(session, job.servers)
-    from synthq.config import get_settings
-    from synthq.workers import live
-
+    status.unhealthy = unhealthy(reader, job.servers)
     status.workers = [
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
          "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
-        for w in live(session, now=now, timeout=get_settings().worker_timeout)]
-    status.limits = server_limits(session, job, history=cost)
+        for w in live(reader, now=now, timeout=settings.worker_timeout)]
+    status.limits = server_limits(reader, job, history=cost)
     if cost:
-        from synthq.cost import job_cost
-
-        status.cost = job_cost(session, job, remaining=status.open, now=now).to_dict()
+        status.cost = job_cost(reader, job, remaining=status.open, now=now,
+                               settings=settings).to_dict()
     if job.tokenizer:
-        from synthq.retokenize import eligible
-
         status.tokenizer, status.tokenize_version = job.tokenizer, job.tokenize_version
         # From the counters: what stale_query counts, and the done samples' token sums.
         status.stale_examples = sum(
-            c.n for c in rows if c.answered and eligible(c.state, c.error_class)
+            c.n for c in rows if c.answered and retokenizable(c.state, c.error_class)
             and (c.tokenize_version is None or c.tokenize_version < job.tokenize_version))
         done = [c for c in rows if c.state == SampleState.DONE]
         status.num_tokens = sum(c.tokens for c in done)

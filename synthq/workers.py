@@ -11,24 +11,26 @@ heart-beating to ``pending`` without waiting for their leases.
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
-from sqlalchemy import delete, func, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
+from synthq.sqlread import Reader, read_time, reader_of
 
-from synthq.enums import INFLIGHT
-from synthq.models import Sample, Worker
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+# SQLAlchemy, the models and socket are imported by the functions that write:
+# `synthq status` reads live() (plain SQL) on its fast path, which must not load them.
 
 __all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity"]
 
 
 def new_name() -> str:
     """``host:pid:random``: unique per process start, so a reused pid is not mistaken."""
+    import secrets
+    import socket
+
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
@@ -43,6 +45,11 @@ class WorkerInfo:
 
 def heartbeat(session: Session, name: str, *, capacity: int, inflight: int, now: datetime) -> None:
     """Insert or refresh this process's row."""
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    from synthq.models import Worker
+
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     host, _, rest = name.partition(":")
     pid = int(rest.split(":", 1)[0]) if rest.split(":", 1)[0].isdigit() else os.getpid()
@@ -53,21 +60,30 @@ def heartbeat(session: Session, name: str, *, capacity: int, inflight: int, now:
 
 
 def unregister(session: Session, name: str) -> None:
+    from sqlalchemy import delete
+
+    from synthq.models import Worker
+
     session.execute(delete(Worker).where(Worker.name == name))
 
 
-def live(session: Session, *, now: datetime, timeout: float) -> list[WorkerInfo]:
+def live(db: Session | Reader, *, now: datetime, timeout: float) -> list[WorkerInfo]:
     """Workers that heart-beat within ``timeout`` seconds."""
-    rows = session.execute(
-        select(Worker.name, Worker.capacity, Worker.inflight, Worker.heartbeat_at,
-               Worker.started_at)
-        .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))
-        .order_by(Worker.started_at))
-    return [WorkerInfo(*r) for r in rows]
+    rows = reader_of(db).rows(
+        "SELECT name, capacity, inflight, heartbeat_at, started_at FROM workers "
+        "WHERE heartbeat_at >= :since ORDER BY started_at",
+        {"since": now - timedelta(seconds=timeout)})
+    return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started))
+            for name, capacity, inflight, beat, started in rows]
 
 
 def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:
     """Live workers' capacity minus every sample queued or running (never below 0)."""
+    from sqlalchemy import func, select
+
+    from synthq.enums import INFLIGHT
+    from synthq.models import Sample, Worker
+
     capacity = session.scalar(
         select(func.coalesce(func.sum(Worker.capacity), 0))
         .where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))) or 0
@@ -78,6 +94,10 @@ def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:
 
 def prune(session: Session, *, now: datetime, older_than: float) -> int:
     """Forget workers silent for ``older_than`` seconds (kept a while for ``status``)."""
+    from sqlalchemy import delete
+
+    from synthq.models import Worker
+
     result = session.execute(delete(Worker).where(
         Worker.heartbeat_at < now - timedelta(seconds=older_than)))
     return int(result.rowcount)  # type: ignore[attr-defined]

@@ -16,7 +16,6 @@ from synthq.cli import (
     fail,
     with_job,
 )
-from synthq.cli.render import job_progress, print_status
 from synthq.errors import UserError
 
 
@@ -50,23 +49,15 @@ def jobs(as_json: JsonOpt = False) -> None:
 
 
 def _job_rows() -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
+    from synthq.counts import job_list
     from synthq.db import session_scope
-    from synthq.models import Job
-    from synthq.status import state_counts
 
     try:
         ensure_db()
     except UserError as exc:
         raise fail(str(exc)) from None
-    rows: list[dict[str, Any]] = []
     with session_scope() as s:
-        for job in s.scalars(select(Job).order_by(Job.id)):
-            rows.append({"id": job.id, "name": job.name, "state": str(job.state),
-                         "model": job.model, "created_at": job.created_at.isoformat(),
-                         **state_counts(s, job.id)})
-    return rows
+        return job_list(s)
 
 
 @app.command()
@@ -81,30 +72,21 @@ def status(
 
     Example: `synthq status my-job --watch`
     """
-    from sqlalchemy import select
-
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.cli.render import job_progress, print_status  # not for --json
     from synthq.status import job_status
 
-    ref = job
-    if ref is None:
-        try:
-            ensure_db()
-        except UserError as exc:
-            raise fail(str(exc)) from None
-        with session_scope() as s:
-            newest = s.scalar(select(Job.id).order_by(Job.id.desc()).limit(1))
-        if newest is None:
-            raise fail("no jobs yet: `synthq enqueue --help`")
-        ref = str(newest)
     if not watch:
-        result = with_job(ref, job_status)
+        from synthq.cli import fast
+
+        result = fast.job_status(job)  # the embedded default, read with sqlite3
+        if result is None:
+            result = with_job(_job_ref(job), job_status)
         if as_json:
             print(json.dumps(result.to_dict()))
         else:
             print_status(result)
         return
+    ref = _job_ref(job)
     if interval <= 0:
         raise fail("--interval must be positive")
     try:
@@ -118,6 +100,26 @@ def status(
     except KeyboardInterrupt:
         pass
     print_status(with_job(ref, job_status))
+
+
+def _job_ref(job: str | None) -> str:
+    """``job``, or (None) the newest job's id."""
+    if job is not None:
+        return job
+    from sqlalchemy import select
+
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    try:
+        ensure_db()
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    with session_scope() as s:
+        newest = s.scalar(select(Job.id).order_by(Job.id.desc()).limit(1))
+    if newest is None:
+        raise fail("no jobs yet: `synthq enqueue --help`")
+    return str(newest)
 
 
 @app.command("sample")

@@ -186,3 +186,30 @@ def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) 
                             capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
                             timeout=60)
     assert result.stdout.splitlines()[-1] == "False False False", result.stdout + result.stderr
+
+
+def test_status_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) -> None:
+    """`synthq status` on the embedded default takes the sqlite3 path (synthq.cli.fast):
+    the same output as the ordinary path, and the ordinary path's errors."""
+    data = write_rows(tmp_path / "d.jsonl", ["hi", "there"])
+    assert synthq(tmp_path, "enqueue", "-d", str(data), "-s",
+                  f"http://127.0.0.1:{free_port()}/v1", "-m", "m", "--gpu-hour-price", "2",
+                  "--inflight", "auto").returncode == 0
+    other = {"SYNTHQ_LEASE_MARGIN": "31"}  # any other setting: the ordinary path
+    for args in (["status", "d", "--json"], ["status", "--json"], ["status", "d"],
+                 ["status", "nope"], ["status", "nope", "--json"]):
+        fast, slow = synthq(tmp_path, *args), synthq(tmp_path, *args, env=other)
+        assert (fast.returncode, fast.stdout, fast.stderr) == \
+            (slow.returncode, slow.stdout, slow.stderr), args
+    assert fast.returncode == 2 and "no job 'nope'" in error_line(fast)
+    code = ("import sys; from synthq.cli import app\n"
+            "app(['status', 'd', '--json'], standalone_mode=False)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in\n"
+            "             ('sqlalchemy', 'pydantic_settings', 'rich', 'httpx')\n"
+            "             or m in ('synthq.models', 'synthq.db', 'synthq.config')))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
+                            capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
+                            timeout=60)
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
+    assert json.loads(result.stdout.splitlines()[0])["name"] == "d"
