@@ -138,6 +138,15 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
     return result
 
 
+def run_default_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE`` in ``cwd`` as a user with the embedded defaults runs it: no
+    ``SYNTHQ_`` variable at all (what the CLI's sqlite3 fast path needs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, text=True,
+                          capture_output=True, env={**env, "PYTHONPATH": str(REPO)},
+                          timeout=60)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for synthq subprocesses: the test's settings plus ``extra``."""
     env = dict(os.environ)

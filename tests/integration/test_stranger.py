@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Simulator, free_port
+from support import REPO, Simulator, free_port, run_default_python
 from test_first_use import QUICK, error_line, jobs, synthq, write_rows
 
 
@@ -144,10 +144,7 @@ def test_train_without_torch_is_one_line_and_leaves_no_run(tmp_path: Path) -> No
                   f"http://127.0.0.1:{free_port()}/v1", "-m", "m", "--job", "t").returncode == 0
     code = ("import sys; sys.modules['torch'] = None; from synthq.cli import app; "
             "app(['train', 't', '--target', '" + str(data.parent) + "'])")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                            capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
-                            timeout=60)
+    result = run_default_python(code, tmp_path)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 2 and "training needs torch" in error_line(result)
     runs = synthq(tmp_path, "runs", "--json")
@@ -181,10 +178,7 @@ def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) 
             "app(['jobs', '--json'], standalone_mode=False)\n"
             "print('sqlalchemy' in sys.modules, 'pydantic_settings' in sys.modules,\n"
             "      'rich.console' in sys.modules)")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                            capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
-                            timeout=60)
+    result = run_default_python(code, tmp_path)
     assert result.stdout.splitlines()[-1] == "False False False", result.stdout + result.stderr
 
 
@@ -207,9 +201,6 @@ def test_status_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path
             "print(sorted(m for m in sys.modules if m.split('.')[0] in\n"
             "             ('sqlalchemy', 'pydantic_settings', 'rich', 'httpx')\n"
             "             or m in ('synthq.models', 'synthq.db', 'synthq.config')))")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                            capture_output=True, env={**base, "PYTHONPATH": str(REPO)},
-                            timeout=60)
+    result = run_default_python(code, tmp_path)
     assert result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
     assert json.loads(result.stdout.splitlines()[0])["name"] == "d"

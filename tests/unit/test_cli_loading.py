@@ -3,12 +3,9 @@ table of which module defines which command must be exact."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from support import run_default_python
 
 
 def test_the_command_table_says_where_each_command_is_defined() -> None:
@@ -33,10 +30,7 @@ def test_one_command_loads_its_module_alone_and_help_lists_every_command(
             "from synthq.cli import COMMANDS, _command_name\n"
             "print([_command_name(c) for c in app.registered_commands])\n"
             "print([n for names in COMMANDS.values() for n in names])")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                            capture_output=True, env={**env, "PYTHONPATH": str(REPO)},
-                            timeout=60)
+    result = run_default_python(code, tmp_path)
     loaded, listed, expected = result.stdout.splitlines()[-3:]
     assert loaded == "['synthq.cli.watch']", result.stdout + result.stderr
     assert listed == expected  # a later read loads the others, in the order of --help
