@@ -160,6 +160,10 @@ class ChatTokenizer:
         # Markers that may end a turn: the tokenizer's special tokens, longest first.
         specials = {t.content for t in self.tok.added_tokens_decoder.values() if t.special}
         self.end_markers = sorted((s for s in specials if s), key=len, reverse=True)
+        # The same, by last character (order kept): only those can end a span there.
+        self._end_markers_by_last: dict[str, list[str]] = {}
+        for marker in self.end_markers:
+            self._end_markers_by_last.setdefault(marker[-1], []).append(marker)
         self._empty_think = re.compile(
             r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
             + re.escape(settings.think_close.strip()) + r"\s*")
@@ -277,9 +281,11 @@ class ChatTokenizer:
         start, end = len(prefix), len(through)
         # End at the turn's end-of-turn marker, not at what the template adds after it.
         # (Only whitespace may follow it; endswith per marker is cheap, where a
-        # search of the span for each of a tokenizer's ~800 specials was not.)
+        # search of the span for each of a tokenizer's ~800 specials was not; and
+        # only the markers ending in the span's last character are tried.)
         stripped = len(through[start:end].rstrip()) + start
-        for marker in self.end_markers:
+        last = through[stripped - 1] if stripped > start else ""
+        for marker in self._end_markers_by_last.get(last, ()):
             if through.endswith(marker, start, stripped):
                 end = stripped
                 break
