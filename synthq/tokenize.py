@@ -160,12 +160,19 @@ class ChatTokenizer:
         # Markers that may end a turn: the tokenizer's special tokens, longest first.
         specials = {t.content for t in self.tok.added_tokens_decoder.values() if t.special}
         self.end_markers = sorted((s for s in specials if s), key=len, reverse=True)
+        # The same, by last character (order kept): only those can end a span there.
+        self._end_markers_by_last: dict[str, list[str]] = {}
+        for marker in self.end_markers:
+            self._end_markers_by_last.setdefault(marker[-1], []).append(marker)
         self._empty_think = re.compile(
             r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
             + re.escape(settings.think_close.strip()) + r"\s*")
         self._check_round_trip()
         self.reasoning_field = self._probe_reasoning()
         self._decode_ids = self._span_decoder()
+        #: Set when the tokenizer is a plain byte-level BPE (see :meth:`_byte_level`):
+        #: the backend to encode with and each id's bytes; else ``None``.
+        self._fast: tuple[Any, list[bytes]] | None = self._byte_level()
 
     # -- rendering -----------------------------------------------------------------
 
@@ -274,9 +281,11 @@ class ChatTokenizer:
         start, end = len(prefix), len(through)
         # End at the turn's end-of-turn marker, not at what the template adds after it.
         # (Only whitespace may follow it; endswith per marker is cheap, where a
-        # search of the span for each of a tokenizer's ~800 specials was not.)
+        # search of the span for each of a tokenizer's ~800 specials was not; and
+        # only the markers ending in the span's last character are tried.)
         stripped = len(through[start:end].rstrip()) + start
-        for marker in self.end_markers:
+        last = through[stripped - 1] if stripped > start else ""
+        for marker in self._end_markers_by_last.get(last, ()):
             if through.endswith(marker, start, stripped):
                 end = stripped
                 break
@@ -302,6 +311,24 @@ class ChatTokenizer:
         full = self.render(messages, generation_prompt=False, tools=tools)
         spans = [self._span(messages, i, full, tools) for i in turns]
 
+        if self._fast is not None:
+            ids, mask, completion_ids, truncated = self._mask_byte_level(full, spans)
+        else:
+            ids, mask, completion_ids, truncated = self._mask_offsets(full, spans)
+        if self.has_generation_blocks and not tools:
+            self._cross_check(messages, ids, mask, turns)
+        limit = self.settings.max_seq_len
+        ids, mask = ids[:limit], mask[:limit]
+        if not mask.any():
+            raise errors.NoSupervisedTokens(
+                f"no supervised token within max_seq_len={limit} (the prompt is "
+                f"{spans[0][0]} characters long)")
+        return Tokenized(input_ids=ids, loss_mask=mask, truncated=truncated,
+                         completion_ids=completion_ids)
+
+    def _mask_offsets(self, full: str, spans: list[tuple[int, int]]
+                      ) -> tuple[np.ndarray, np.ndarray, list[int], bool]:
+        """The general path: every token's offsets, and the decode self-check."""
         # The chat template writes BOS and every marker itself: no special tokens added.
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int32)
@@ -316,28 +343,164 @@ class ChatTokenizer:
             inside = (starts >= a) & (ends <= b) & (ends > starts)
             mask |= inside.astype(np.uint8)
             in_span.append(inside)
-        if self.has_generation_blocks and not tools:
-            self._cross_check(messages, ids, mask, turns)
         completion_ids = ids[in_span[-1]].tolist()
 
         limit = self.settings.max_seq_len
         truncated = len(ids) > limit
-        ids, mask = ids[:limit], mask[:limit]
         # Self-check: each span's supervised tokens decode to exactly its text.
         for (a, b), inside in zip(spans, in_span, strict=True):
             kept = np.flatnonzero(inside[:limit])
             expected = full[a:b] if not truncated else full[a:min(b, int(ends[limit - 1]))]
-            got = self._decode_ids(ids[kept].tolist()) if len(kept) else ""
+            got = self._decode_ids(ids[:limit][kept].tolist()) if len(kept) else ""
             if got != expected:
-                raise errors.MaskMismatch(
-                    f"supervised tokens decode to {got[:80]!r}… but the assistant text is "
-                    f"{expected[:80]!r}… (a token crosses the turn boundary?)")
-        if not mask.any():
-            raise errors.NoSupervisedTokens(
-                f"no supervised token within max_seq_len={limit} (the prompt is "
-                f"{spans[0][0]} characters long)")
-        return Tokenized(input_ids=ids, loss_mask=mask, truncated=truncated,
-                         completion_ids=completion_ids)
+                raise self._mismatch(got, expected)
+        return ids, mask, completion_ids, truncated
+
+    @staticmethod
+    def _mismatch(got: str, expected: str) -> errors.MaskMismatch:
+        return errors.MaskMismatch(
+            f"supervised tokens decode to {got[:80]!r}… but the assistant text is "
+            f"{expected[:80]!r}… (a token crosses the turn boundary?)")
+
+    def _mask_byte_level(self, full: str, spans: list[tuple[int, int]]
+                         ) -> tuple[np.ndarray, np.ndarray, list[int], bool]:
+        """The same mask and the same self-check as :meth:`_mask_offsets`, for a
+        plain byte-level BPE (:meth:`_byte_level`), without converting every
+        token's offsets and without the library's decode.
+
+        *The mask.* The general path supervises the tokens ``t`` with
+        ``a <= start_t``, ``end_t <= b`` and ``start_t < end_t``. Here every
+        token's offsets are non-empty and non-decreasing (starts and ends): no
+        normaliser, so offsets are positions in the text itself; the byte-level
+        pre-tokenizer splits the text into consecutive pieces and BPE cuts each
+        piece into consecutive tokens of at least one byte; a token holding part
+        of a multi-byte character reports that whole character, so neighbours
+        may overlap (``ðŁ`` ``İ`` ``ī`` of one emoji: 19-20 each), but never go
+        back; and the post-processor does not trim offsets. So that set is one
+        run ``[ta, tb)``: ``ta`` the first token starting at or after ``a``,
+        ``tb`` the first ending after ``b``. ``char_to_token(a)`` is the first
+        token holding character ``a``: every token before it starts before
+        ``a``; from there, step over the tokens that still start before ``a``
+        (the one straddling ``a``, and the rest of a split character).
+        Likewise from ``char_to_token(b - 1)`` for ``tb``: no earlier token ends
+        after ``b``. A few ``token_to_chars`` calls instead of 2,000 pairs.
+
+        *The self-check* is the general path's, the same comparison: the
+        supervised tokens must decode to exactly the span's text. The library's
+        byte-level decode of ids is ``from_utf8_lossy`` of their bytes joined;
+        each id's bytes (``_byte_level``, checked there against the library's
+        decode of every id alone and of the probe conversation) are joined here
+        and compared with the span's UTF-8. Equal bytes are valid UTF-8, so the
+        library's decode would give exactly the span's text. When they differ,
+        the library decodes (its lossy text might still equal the span's), and
+        a difference fails the sample as before, with the same message. Offsets
+        prove nothing here: a token whose text is not the span's (a template
+        that rewrites text, an offset that points elsewhere, a token crossing
+        the boundary, a pre-tokenizer that drops characters) shows in the bytes.
+        The run itself is checked against the offsets at its ends.
+        """
+        backend, table = self._fast  # type: ignore[misc]
+        enc = backend.encode(full, add_special_tokens=False)
+        id_list = enc.ids
+        n = len(id_list)
+        ids = np.fromiter(id_list, dtype=np.int32, count=n)
+        mask = np.zeros(n, dtype=np.uint8)
+        chars = enc.token_to_chars
+        limit = self.settings.max_seq_len
+        truncated = n > limit
+        cut = 0  # where the kept text ends, when truncated: the last kept token's end
+        if truncated:
+            last = chars(limit - 1)
+            if last is None:
+                return self._mask_offsets(full, spans)
+            cut = last[1]
+        completion_ids: list[int] = []
+        for a, b in spans:
+            ta = tb = 0
+            if b > a:
+                ta = enc.char_to_token(a)
+                tb = enc.char_to_token(b - 1)
+                if ta is None or tb is None:  # a character no token holds: decide as before
+                    return self._mask_offsets(full, spans)
+                while ta < n and chars(ta)[0] < a:
+                    ta += 1
+                while tb < n and chars(tb)[1] <= b:
+                    tb += 1
+                if tb < ta:
+                    tb = ta
+            mask[ta:tb] = 1
+            completion_ids = id_list[ta:tb]
+            kept = id_list[ta:min(tb, limit)]
+            expected = full[a:b] if not truncated else full[a:min(b, cut)]
+            got_bytes = b"".join([table[i] for i in kept])
+            if got_bytes != expected.encode("utf-8"):
+                got = self._decode_ids(kept) if kept else ""
+                if got != expected:
+                    raise self._mismatch(got, expected)
+        return ids, mask, list(completion_ids), truncated
+
+    def _byte_level(self) -> tuple[Any, list[bytes]] | None:
+        """The backend and each id's bytes, when :meth:`_mask_byte_level` may be used.
+
+        That is: transformers' own fast class (its call is the backend's
+        ``encode_batch`` with the settings checked here, its decode the
+        backend's); no truncation, padding or splitting of special tokens set on
+        the backend; no normaliser; a BPE model without byte fallback; the
+        byte-level pre-tokenizer, decoder and (if any) post-processor, the last
+        not trimming offsets. And the bytes must reproduce the library's decode
+        of every id alone and of the probe conversation, whose ids must equal
+        the transformers call's. Anything else takes the general path.
+        """
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        backend = getattr(self.tok, "_tokenizer", None)
+        cls = type(self.tok)
+        if backend is None or any(getattr(cls, m) is not getattr(TokenizersBackend, m)
+                                  for m in ("_encode_plus", "_decode", "__call__")):
+            return None
+        if (backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens or getattr(self.tok, "split_special_tokens", False)):
+            return None
+        try:
+            spec = json.loads(backend.to_str())
+        except Exception:  # noqa: BLE001 - a backend that cannot serialise: general path
+            return None
+        normalizer = spec.get("normalizer")
+        post = spec.get("post_processor")
+        model = spec.get("model") or {}
+        if normalizer is not None and normalizer != {"type": "Sequence", "normalizers": []}:
+            return None
+        if model.get("type") != "BPE" or model.get("byte_fallback"):
+            return None
+        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        if '"ByteLevel"' not in json.dumps(spec.get("pre_tokenizer")):
+            return None
+        if post is not None and (post.get("type") != "ByteLevel" or post.get("trim_offsets")):
+            return None
+        byte_of = _byte_level_chars()
+        size = backend.get_vocab_size(with_added_tokens=True)
+        table: list[bytes] = []
+        for i in range(size):
+            token = backend.id_to_token(i)
+            if token is None:
+                table.append(b"")
+                continue
+            try:
+                table.append(bytes([byte_of[c] for c in token]))
+            except KeyError:  # the byte-level decoder passes such a token through as is
+                table.append(token.encode("utf-8"))
+        alone = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        if any(text != raw.decode("utf-8", "replace") for text, raw in zip(alone, table,
+                                                                          strict=True)):
+            return None
+        probe = self.render(PROBE_CONVERSATION, generation_prompt=False)
+        ids = backend.encode(probe, add_special_tokens=False).ids
+        if ids != list(self.tok(probe, add_special_tokens=False)["input_ids"]):
+            return None
+        if b"".join(table[i] for i in ids) != self._decode_ids(ids).encode("utf-8"):
+            return None
+        return backend, table
 
     def _span_decoder(self) -> Any:
         """``ids -> text`` as ``tok.decode(ids, skip_special_tokens=False,
@@ -395,6 +558,18 @@ def _round_trip_loss(text: str, back: str) -> str:
     start = max(0, at - 12)
     return (f"{what}: a probe conversation decodes to {back[start:at + 28]!r} "
             f"where the text is {text[start:at + 28]!r}")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet: the character that stands for each byte (GPT-2's map)."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out = {chr(b): b for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in out.values():
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
 
 
 _cache: dict[TokenizeSettings, ChatTokenizer] = {}

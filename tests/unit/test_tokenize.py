@@ -268,3 +268,93 @@ def test_template_that_refuses_a_conversation_is_invalid_input(root: Path) -> No
         tok.tokenize(tok.conversation(PROMPTS["system and multi-turn"], "4", None))
     # Without a system prompt the same template works.
     assert tok.tokenize(tok.conversation(PROMPTS["single turn"], "4", None)).num_supervised
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "llama3", "qwen3", "generation"])
+def test_byte_level_path_gives_the_general_paths_results(tokenizers: dict[str, ChatTokenizer],
+                                                         name: str) -> None:
+    """The byte-level path (:meth:`ChatTokenizer._mask_byte_level`) is taken for these
+    tokenizers and gives the general path's ids, mask, completion ids and refusals,
+    at every max_seq_len (including refusals with the same message)."""
+    base = tokenizers[name]
+    assert base._fast is not None
+    tok = ChatTokenizer(base.settings)
+    answers = ["Eleven, then 13.", " 🎉👩‍💻 日本語\n\n```py\nx = 1\n```  ", "", "\r0\r", "a<|im_end|>b"]
+    for answer in answers:
+        messages = tok.conversation(PROMPTS["system and multi-turn"], answer, None)
+        full = tok.render(messages, generation_prompt=False)
+        try:
+            spans = [tok._span(messages, len(messages) - 1, full)]
+        except errors.BoundaryUnstable:
+            continue
+        n = len(tok.tok(full, add_special_tokens=False)["input_ids"])
+        for limit in range(2, n + 2):
+            tok.settings = replace(base.settings, max_seq_len=limit)
+            outs = []
+            for path in (tok._mask_byte_level, tok._mask_offsets):
+                try:
+                    ids, mask, completion, truncated = path(full, spans)
+                    outs.append((ids.tolist(), mask.tolist(), list(completion), truncated))
+                except errors.MaskMismatch as exc:
+                    outs.append(("refused", str(exc)))
+            assert outs[0] == outs[1], (answer, limit)
+
+
+class _ShiftedEncoding:
+    """An encoding whose char_to_token is off by ``by`` tokens: an offset bug."""
+
+    def __init__(self, enc, by: int) -> None:  # type: ignore[no-untyped-def]
+        self._enc, self._by = enc, by
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._enc, name)
+
+    def char_to_token(self, pos: int) -> int:
+        return self._enc.char_to_token(pos) + self._by
+
+
+class _ShiftedBackend:
+    def __init__(self, backend, by: int) -> None:  # type: ignore[no-untyped-def]
+        self._backend, self._by = backend, by
+
+    def encode(self, text: str, **kwargs):  # type: ignore[no-untyped-def]
+        return _ShiftedEncoding(self._backend.encode(text, **kwargs), self._by)
+
+
+@pytest.mark.parametrize("by", [-1, 1])
+def test_byte_level_self_check_fails_on_a_wrong_mask(tokenizers: dict[str, ChatTokenizer],
+                                                     by: int) -> None:
+    """Break on purpose: the supervised run one token early or late, or the span one
+    character off, must fail the self-check (MaskMismatch), never pass silently."""
+    base = tokenizers["qwen3-drop"]
+    messages = base.conversation(PROMPTS["single turn"], "Four, 🎉 日本.", None)
+    assert base.tokenize(messages).num_supervised
+    tok = ChatTokenizer(base.settings)
+    backend, table = tok._fast  # type: ignore[misc]
+    # One token late (one early is walked forward to the right token: no harm done).
+    tok._fast = (_ShiftedBackend(backend, 1), table)
+    with pytest.raises(errors.MaskMismatch, match="supervised tokens decode to"):
+        tok.tokenize(messages)
+
+    tok = ChatTokenizer(base.settings)
+    span = tok._span
+    tok._span = lambda *a, **k: (lambda s: (s[0] + (by > 0), s[1] - (by < 0)))(span(*a, **k))  # type: ignore[method-assign]
+    with pytest.raises(errors.MaskMismatch, match="supervised tokens decode to"):
+        tok.tokenize(messages)
+
+
+def test_byte_level_self_check_does_not_trust_a_wrong_byte_table(
+        tokenizers: dict[str, ChatTokenizer]) -> None:
+    """A token whose bytes in the table are wrong cannot make a wrong mask pass: a
+    byte difference goes to the library's decode, which decides as before."""
+    base = tokenizers["llama3"]
+    messages = base.conversation(PROMPTS["single turn"], "Four.", None)
+    good = base.tokenize(messages)
+    tok = ChatTokenizer(base.settings)
+    backend, table = tok._fast  # type: ignore[misc]
+    table = list(table)
+    for i in good.completion_ids:
+        table[i] = b"?"
+    tok._fast = (backend, table)
+    again = tok.tokenize(messages)
+    assert np.array_equal(again.loss_mask, good.loss_mask)
