@@ -459,7 +459,8 @@ class ChatTokenizer:
                                   for m in ("_encode_plus", "_decode", "__call__")):
             return None
         if (backend.truncation is not None or backend.padding is not None
-                or backend.encode_special_tokens or getattr(self.tok, "split_special_tokens", False)):
+                or backend.encode_special_tokens
+                or getattr(self.tok, "split_special_tokens", False)):
             return None
         try:
             spec = json.loads(backend.to_str())

@@ -279,7 +279,8 @@ def test_byte_level_path_gives_the_general_paths_results(tokenizers: dict[str, C
     base = tokenizers[name]
     assert base._fast is not None
     tok = ChatTokenizer(base.settings)
-    answers = ["Eleven, then 13.", " 🎉👩‍💻 日本語\n\n```py\nx = 1\n```  ", "", "\r0\r", "a<|im_end|>b"]
+    answers = ["Eleven, then 13.", " 🎉👩‍💻 日本語\n\n```py\nx = 1\n```  ", "", "\r0\r",
+               "a<|im_end|>b"]
     for answer in answers:
         messages = tok.conversation(PROMPTS["system and multi-turn"], answer, None)
         full = tok.render(messages, generation_prompt=False)
