@@ -33,7 +33,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, event, exists, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    and_,
+    bindparam,
+    case,
+    event,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -602,7 +614,10 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     where = [Sample.state.in_(INFLIGHT), gone,
              *([Sample.job_id.in_(job_ids)] if job_ids is not None else [])]
     rows = session.execute(
-        select(Sample.id, Sample.state, Sample.attempts, Job.max_attempts, Sample.server,
+        select(Sample.id, Sample.state, Sample.attempts,
+               # ``requeue --max-attempts`` stores a sample's own bound in its overrides
+               func.coalesce(Sample.overrides["max_attempts"].as_integer(), Job.max_attempts),
+               Sample.server,
                Sample.worker, Sample.started_at, Sample.response_content.is_(None),
                case((Job.regenerate == "all", Sample.turn), else_=None))
         .join(Job, Job.id == Sample.job_id).where(*where)

@@ -124,12 +124,18 @@ def test_sweep_returns_expired_leases_and_fails_exhausted(
                                lease_expires_at=past)
     alive = sample_factory("running", job_id=job_id, claim="d", attempts=1,
                            lease_expires_at=future)
-    assert sweep() == 3
+    # `requeue --max-attempts` bounds a sample by its own setting, not the job's.
+    raised = sample_factory("running", job_id=job_id, claim="e", attempts=3,
+                            lease_expires_at=past, overrides={"max_attempts": 5})
+    lowered = sample_factory("running", job_id=job_id, claim="f", attempts=2,
+                             lease_expires_at=past, overrides={"max_attempts": 2})
+    assert sweep() == 5
     with session_scope() as s:
         got = {i: (s.get_one(Sample, i).state, s.get_one(Sample, i).claim)
-               for i in (lost_queued, lost_running, exhausted, alive)}
+               for i in (lost_queued, lost_running, exhausted, alive, raised, lowered)}
     assert got == {lost_queued: ("pending", None), lost_running: ("pending", None),
-                   exhausted: ("failed", None), alive: ("running", "d")}
+                   exhausted: ("failed", None), alive: ("running", "d"),
+                   raised: ("pending", None), lowered: ("failed", None)}
 
 
 def test_requeue_failed_by_class(sample_factory: Callable[..., int],
