@@ -26,29 +26,17 @@ from support import (  # noqa: F401 - the settings, shared with tests that need 
     Simulator,
     _reset_process_state,
     child_env,
+    fresh_pg_database,
 )
 
 
 @pytest.fixture(scope="session")
 def pg_session_url() -> Iterator[str]:
-    from sqlalchemy import create_engine, text
-
     from synthq.migrate import upgrade
 
-    name = f"synthq_test_{os.getpid()}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(url)
-    yield url
-    from synthq.db import dispose_engines
-
-    dispose_engines()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with fresh_pg_database(f"synthq_test_{os.getpid()}") as url:
+        upgrade(url)
+        yield url
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,27 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
     if check:
         assert result.returncode == 0, result.stderr + result.stdout
     return result
+
+
+@contextmanager
+def fresh_pg_database(name: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database ``name`` (dropped first if a killed run left it);
+    yields its URL and drops it after."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        from synthq.db import dispose_engines
+
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def run_default_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:

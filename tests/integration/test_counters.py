@@ -6,6 +6,7 @@ by hand, and the fold of the delta rows."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Iterator
 from datetime import timedelta
@@ -250,36 +251,26 @@ def at_0015(request: pytest.FixtureRequest, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A database at the head; the settings point at it. (The test takes it back to 0015
     with its rows: rows written by today's models need today's columns.)"""
-    from sqlalchemy import create_engine
-    from support import PG_ADMIN_URL, TEST_ENV, _reset_process_state
+    from support import TEST_ENV, _reset_process_state, fresh_pg_database
 
     from synthq.migrate import upgrade
 
-    admin = None
-    if request.param == "postgresql":
-        import os
+    with contextlib.ExitStack() as stack:
+        if request.param == "postgresql":
+            import os
 
-        name = f"synthq_test_backfill_{os.getpid()}"
-        admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-        url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    else:
-        url = f"sqlite:///{tmp_path / 'backfill.db'}"
-    upgrade(url)
-    monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
-    monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("SYNTHQ_BROKER_URL", "")
-    for key, value in TEST_ENV.items():
-        monkeypatch.setenv(key, value)
-    _reset_process_state()
-    yield url
-    _reset_process_state()
-    if admin is not None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+            url = stack.enter_context(fresh_pg_database(f"synthq_test_backfill_{os.getpid()}"))
+        else:
+            url = f"sqlite:///{tmp_path / 'backfill.db'}"
+        upgrade(url)
+        monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
+        monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
+        monkeypatch.setenv("SYNTHQ_BROKER_URL", "")
+        for key, value in TEST_ENV.items():
+            monkeypatch.setenv(key, value)
+        _reset_process_state()
+        yield url
+        _reset_process_state()
 
 
 def test_the_migration_backfills_the_counters(at_0015: str) -> None:
