@@ -135,13 +135,13 @@ class JobStatus:
     servers: list[str] = field(default_factory=list)
     #: Calls made to servers, by outcome (``ok`` or a failure class).
     calls: dict[str, int] = field(default_factory=dict)
-    #: Tokenization: the job's tokenizer and version, examples still at an older
-    #: version (retokenize running), token totals, and samples whose tokens
-    #: differ from the ones the server reported (return_token_ids).
     #: Servers failing their health probe, with the error.
     unhealthy: dict[str, str | None] = field(default_factory=dict)
     #: Live generation workers (every job's): name, capacity, calls in flight.
     workers: list[dict[str, Any]] = field(default_factory=list)
+    #: Tokenization: the job's tokenizer and version, examples still at an older
+    #: version (retokenize running), token totals, and samples whose tokens
+    #: differ from the ones the server reported (return_token_ids).
     tokenizer: str | None = None
     tokenize_version: int = 1
     stale_examples: int = 0
