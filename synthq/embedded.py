@@ -129,7 +129,10 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             if status.finished or (stop.is_set() and not _inflight(status)) or \
                     (status.state != JobState.ACTIVE and not _inflight(status)):
                 with session_scope() as s:  # the full report, cost included
-                    return replace(job_status(s, s.get_one(Job, job_id)), state=status.state)
+                    final = job_status(s, s.get_one(Job, job_id))
+                # This process is leaving: its worker row's load is its last heartbeat's.
+                return replace(final, state=status.state, workers=[
+                    w for w in final.workers if w["name"] != engine.name])
             wake.wait(timeout=_pause(settings.dispatch_interval))
             wake.clear()
     except (DiskFull, DBAPIError) as exc:

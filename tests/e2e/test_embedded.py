@@ -126,6 +126,8 @@ def test_ctrl_c_stops_cleanly_and_resumes(simulator: Callable[..., Any], tmp_pat
     rows = sqlite_rows(db, "select state, count(*) from samples group by state")
     states = dict(rows)
     assert states.get("running", 0) == 0 and states.get("queued", 0) == 0, states
+    # The summary shows no load of the run's own (gone) worker: it holds no call.
+    assert "workers:" not in proc.log(), proc.log()[-2000:]
     proc.stop()
     again = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=120)
