@@ -72,6 +72,14 @@ class Settings(BaseSettings):
     train_resend_after: float = 900.0
     #: Dollars per GPU-hour for the cost report of jobs enqueued without --gpu-hour-price.
     gpu_hour_price: float | None = defaults.GPU_HOUR_PRICE
+    #: Hidden-state capture (synthq.capture): where the store lives (empty:
+    #: ``<data_dir>/hidden-states``), seconds one capture request may take, seconds
+    #: the engine's file may take to appear whole after the answer, and the bytes
+    #: a stage leaves free on the store's disk.
+    capture_store: Path | None = None
+    capture_timeout: float = 120.0
+    capture_file_timeout: float = 60.0
+    capture_reserve_bytes: int = 1 << 30
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

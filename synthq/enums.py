@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["SampleState", "JobState", "RunState", "INFLIGHT", "FINISHED"]
+__all__ = ["SampleState", "JobState", "RunState", "CaptureState", "INFLIGHT", "FINISHED"]
 
 
 class SampleState(enum.StrEnum):
@@ -45,6 +45,20 @@ class RunState(enum.StrEnum):
     FAILED = "failed"
     #: Stopped by a person. Final.
     CANCELLED = "cancelled"
+
+
+class CaptureState(enum.StrEnum):
+    """One sample's hidden-state capture (synthq.capture): a stage after generation."""
+
+    #: Waiting to be sent to a capture server, possibly until ``next_attempt_at``.
+    PENDING = "pending"
+    #: A capture process holds the lease and is calling the server.
+    RUNNING = "running"
+    #: The file is in synthq's store, checked (token ids, shape, checksum). Final
+    #: while the sample's tokenization stays the one it was captured at.
+    DONE = "done"
+    #: Gave up: a permanent error (``capture_mismatch``...), or attempts exhausted.
+    FAILED = "failed"
 
 
 #: States that hold a slot of a server's in-flight limit.

@@ -21,8 +21,12 @@
             ├── Truncated             finish_reason=length, not kept   (truncated)
             ├── BoundaryUnstable      chat template renders unstably   (boundary_unstable)
             ├── MaskMismatch          mask fails its self-check        (mask_mismatch)
-            └── NoSupervisedTokens    nothing left after truncation    (no_supervised_tokens;
-                                      the sample ends skipped, not failed)
+            ├── NoSupervisedTokens    nothing left after truncation    (no_supervised_tokens;
+            │                         the sample ends skipped, not failed)
+            └── CaptureMismatch       a captured file is not the       (capture_mismatch)
+                                      sample's (token ids, shape)
+        RetryableError also has CaptureIncomplete: the engine's file is missing,
+        cut or fails its checksum (capture_incomplete).
 
 ``openai``/``httpx`` exceptions are converted at the boundary
 (:mod:`synthq.inference`) with ``raise ... from exc``.
@@ -50,6 +54,8 @@ __all__ = [
     "BoundaryUnstable",
     "MaskMismatch",
     "NoSupervisedTokens",
+    "CaptureMismatch",
+    "CaptureIncomplete",
     "OVERLOAD_CALLS_PER_ATTEMPT",
     "TOKENIZATION_CLASSES",
     "RETRYABLE_CLASSES",
@@ -196,6 +202,18 @@ class NoSupervisedTokens(PermanentError):
     """Truncation to max_seq_len left no supervised token."""
 
     error_class = "no_supervised_tokens"
+
+
+class CaptureMismatch(PermanentError):
+    """The captured hidden states are not the sample's: other token ids, or another shape."""
+
+    error_class = "capture_mismatch"
+
+
+class CaptureIncomplete(RetryableError):
+    """The engine's hidden-states file did not appear in time, is cut, or fails its checksum."""
+
+    error_class = "capture_incomplete"
 
 
 #: An overload answer (Retry-After) is not charged to max_attempts, up to this many

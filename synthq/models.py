@@ -31,10 +31,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from synthq.enums import JobState, RunState, SampleState
+from synthq.enums import CaptureState, JobState, RunState, SampleState
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
-           "TrainingRun", "UTCDateTime", "ApiSession"]
+           "TrainingRun", "UTCDateTime", "ApiSession", "Capture"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -170,6 +170,19 @@ class Job(Base):
     #: ``synthq requeue --model`` moved the job to another model (None before):
     #: the same dataset enqueued again still matches its samples.
     key_settings: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    # Hidden-state capture (synthq.capture): a stage after generation, through a
+    # vLLM started with ``extract_hidden_states`` and synthq's connector.
+    #: Base URLs of the capture servers (empty: the job captures nothing).
+    capture_servers: Mapped[list[str]] = mapped_column(JsonType, default=list,
+                                                       server_default="[]")
+    #: ``output_hidden_states`` indices captured (None: the drafter's three plus the
+    #: last layer's, from the target's config).
+    capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
+    #: The stored dtype: ``float32``, ``bfloat16`` or ``float16``.
+    capture_dtype: Mapped[str] = mapped_column(String(16), default="float32",
+                                               server_default="float32")
+    #: Most capture requests in flight on each capture server.
+    capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
     moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
@@ -446,6 +459,55 @@ class TrainingRun(Base):
     worker: Mapped[str | None] = mapped_column(String(200))
     #: Renewed while the run trains; a stale one is handed to another worker.
     heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class Capture(Base):
+    """One sample's captured hidden states: a file in synthq's store, and how it got there.
+
+    The same claims, leases, attempts and failure classes as generation, in a
+    table of its own: a capture never changes its sample's row.
+    """
+
+    __tablename__ = "captures"
+    __table_args__ = (
+        # The stage's claim: due pending captures of a job, oldest first.
+        Index("ix_captures_due", "job_id", "state", "next_attempt_at", "id"),
+        # In flight per capture server (the exact limit), and the lease sweep.
+        Index("ix_captures_server_state", "server", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    sample_id: Mapped[int] = mapped_column(ForeignKey("samples.id", ondelete="CASCADE"),
+                                           unique=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    state: Mapped[CaptureState] = mapped_column(_enum(CaptureState))
+    #: The sample's tokenize_version whose input_ids were captured.
+    tokenize_version: Mapped[int | None] = mapped_column(Integer)
+    #: Calls made to a capture server for this sample.
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None]
+    #: Running: the capture process's lease.
+    lease_expires_at: Mapped[datetime | None]
+    #: Random token; every transition out of running must present it.
+    claim: Mapped[str | None] = mapped_column(String(32))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    server: Mapped[str | None] = mapped_column(String(500))
+    error_class: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    #: The file, relative to the store (``ab/abcd...safetensors``: its own sha256).
+    path: Mapped[str | None] = mapped_column(String(200))
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    num_tokens: Mapped[int | None] = mapped_column(Integer)
+    layer_ids: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
+    dtype: Mapped[str | None] = mapped_column(String(16))
+    #: The engine and its version (``vllm 0.32.0``) and the model it served.
+    engine: Mapped[str | None] = mapped_column(String(64))
+    engine_model: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     started_at: Mapped[datetime | None]

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "watch": ("jobs", "status", "sample"),
     "manage": ("requeue", "pause", "resume", "cancel"),
     "data": ("export", "retokenize"),
+    "capture": ("capture",),
     "train": ("train", "runs"),
     "services": ("worker", "beat", "simulate"),  # and `db upgrade`
     "api": ("api", "flower"),

@@ -1,0 +1,101 @@
+"""What a capture stage will write, before it writes it.
+
+Bytes per token = captured layers × hidden size × the stored dtype's size; times
+the tokens of the job's samples to capture. The hidden size and layer count
+come from the target's ``config.json`` (the job's ``--train-target`` or its
+tokenizer folder); without one, from the first captured file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from synthq.errors import UserError
+
+__all__ = ["DTYPES", "Plan", "drafter_layers", "target_config", "layers_for", "check_space"]
+
+#: Stored dtypes and their sizes in bytes.
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def drafter_layers(num_layers: int) -> list[int]:
+    """The drafter's three features (``[2, N//2, N-3]``, as synthq.training.model) and
+    the last layer's output (index N, before the final norm), from which training
+    recomputes the target's own distribution with its norm and ``lm_head``."""
+    return [2, num_layers // 2, num_layers - 3, num_layers]
+
+
+def target_config(*candidates: str | None) -> dict[str, Any] | None:
+    """The first local ``config.json`` among the candidate folders (no hub lookups)."""
+    for where in candidates:
+        if not where:
+            continue
+        path = Path(where) / "config.json"
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            text = config.get("text_config", config)  # multimodal wrappers nest it
+            if isinstance(text, dict) and "num_hidden_layers" in text:
+                return text
+    return None
+
+
+def layers_for(job: Any) -> list[int]:
+    """The job's capture layers: as set, else the drafter's (from the target's config)."""
+    if job.capture_layers:
+        return [int(i) for i in job.capture_layers]
+    config = target_config(job.train_target, job.tokenizer)
+    if config is None:
+        raise UserError(
+            "capture needs the target's layer count: pass --layers (output_hidden_states "
+            "indices, e.g. 2,30,58,61) or a --train-target folder with a config.json")
+    return drafter_layers(int(config["num_hidden_layers"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    samples: int
+    tokens: int
+    layers: list[int]
+    dtype: str
+    hidden_size: int | None
+    free: int
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        if self.hidden_size is None:
+            return None
+        return len(self.layers) * self.hidden_size * DTYPES[self.dtype]
+
+    @property
+    def projected(self) -> int | None:
+        per = self.bytes_per_token
+        return None if per is None else per * self.tokens
+
+    def line(self) -> str:
+        if self.projected is None:
+            return (f"capture: {self.samples:,} samples, {self.tokens:,} tokens, layers "
+                    f"{self.layers} as {self.dtype}; size unknown until the first file "
+                    f"({_gb(self.free)} free)")
+        return (f"capture: {self.samples:,} samples, {self.tokens:,} tokens × "
+                f"{self.bytes_per_token:,} B/token ({len(self.layers)} layers × "
+                f"{self.hidden_size} × {DTYPES[self.dtype]} B) = about {_gb(self.projected)}"
+                f" ({_gb(self.free)} free)")
+
+
+def check_space(plan: Plan, *, reserve: int) -> None:
+    """Refuse a stage that would not fit, keeping ``reserve`` bytes free."""
+    if plan.projected is not None and plan.projected + reserve > plan.free:
+        raise UserError(
+            f"capture needs about {_gb(plan.projected)} but the store has {_gb(plan.free)} "
+            f"free (keeping {_gb(reserve)} spare): free space, point SYNTHQ_CAPTURE_STORE "
+            "elsewhere, or store --dtype bfloat16")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n < 10**11 else f"{n / 1e12:.2f} TB"

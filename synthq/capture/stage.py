@@ -1,0 +1,387 @@
+"""The capture stage: claim due captures, ask the engine, check and store the files.
+
+One :class:`Stage` runs in one process (``synthq capture JOB``, the embedded
+``synthq run`` once generation ends, or a Celery ``capture`` task). Several may
+run at once against the same job and servers: each claim is taken under the
+server's lock (synthq.capture.states), so the running captures on a server
+never exceed the job's ``capture_limit``. The process heart-beats as a worker
+with no generation capacity; when it dies its running captures go back to
+pending at the next sweep (or at once, for the embedded SQLite file, whose
+lock the next run holds).
+
+Each capture sends the sample's own ``input_ids`` as the prompt (token ids,
+``max_tokens: 1``) so the captured rows align one to one with its loss mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from sqlalchemy import func, select
+
+from synthq import workers
+from synthq.capture import ingest, states
+from synthq.capture.plan import DTYPES, Plan, check_space, layers_for, target_config
+from synthq.capture.store import Store
+from synthq.config import get_settings
+from synthq.db import session_scope, utcnow
+from synthq.enums import CaptureState
+from synthq.errors import (
+    BadRequest,
+    CaptureIncomplete,
+    ConnectionFailed,
+    ContextLength,
+    PermanentError,
+    RateLimited,
+    RetryableError,
+    SampleError,
+    ServerError,
+    TimeoutError_,
+    UserError,
+)
+from synthq.models import Capture, Job, Sample
+from synthq.retry import backoff_delay
+
+__all__ = ["Engine", "Stage", "Summary", "describe", "plan", "store", "summary"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes of a capture response read at most (the answer is one token and a path).
+MAX_BODY = 1 << 20
+#: The ``kv_transfer_params`` key with which synthq names a request's file (the
+#: connector's ``NAME_KEY``; synthq_connector is not imported: it needs vLLM).
+NAME_KEY = "synthq_name"
+
+
+def store() -> Store:
+    settings = get_settings()
+    return Store(settings.capture_store or settings.data_dir / "hidden-states")
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """A capture server as it describes itself."""
+
+    url: str
+    model: str
+    #: ``vllm 0.32.0`` (``/version``), or ``unknown``.
+    version: str
+
+
+def _bounded_json(response: httpx.Response) -> Any:
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise ServerError(f"the server's answer is over {MAX_BODY} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise ServerError(f"the server's answer is not JSON: {bytes(body[:200])!r}") from exc
+
+
+def _get(client: httpx.Client, url: str) -> Any:
+    with client.stream("GET", url) as response:
+        if response.status_code >= 400:
+            raise ServerError(f"GET {url}: HTTP {response.status_code}")
+        return _bounded_json(response)
+
+
+def describe(client: httpx.Client, url: str) -> Engine:
+    """The served model (``/v1/models``) and the engine's version (``/version``)."""
+    try:
+        models = _get(client, f"{url.rstrip('/')}/models")
+        model = str(models["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"capture server {url} does not list a model at /models: {exc}") \
+            from exc
+    root = url.rstrip("/").removesuffix("/v1")
+    try:
+        version = f"vllm {_get(client, f'{root}/version')['version']}"
+    except (httpx.HTTPError, SampleError, KeyError, TypeError):
+        version = "unknown"
+    return Engine(url, model, version)
+
+
+def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str) -> Path:
+    """One capture request; the path of the engine's file. Errors carry their class."""
+    body = {"model": engine.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {NAME_KEY: name}}
+    try:
+        with client.stream("POST", f"{engine.url.rstrip('/')}/completions",
+                           json=body) as response:
+            if response.status_code >= 400:
+                text = b"".join(_take(response.iter_bytes(), 4096)).decode("utf-8", "replace")
+                raise _status_error(response.status_code, text, response.headers)
+            answer = _bounded_json(response)
+    except httpx.TimeoutException as exc:
+        raise TimeoutError_(f"the capture request timed out: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
+    try:
+        return Path(answer["kv_transfer_params"]["hidden_states_path"])
+    except (KeyError, TypeError) as exc:
+        raise BadRequest("the server's answer has no kv_transfer_params.hidden_states_path: "
+                         "start it with extract_hidden_states and a hidden-states connector") \
+            from exc
+
+
+def _take(chunks: Any, limit: int) -> list[bytes]:
+    out, n = [], 0
+    for chunk in chunks:
+        out.append(chunk[: limit - n])
+        n += len(out[-1])
+        if n >= limit:
+            break
+    return out
+
+
+def _status_error(status: int, text: str, headers: Any) -> SampleError:
+    message = f"HTTP {status}: {text[:500]}"
+    if status == 429:
+        err: SampleError = RateLimited(message)
+    elif status >= 500 or status in (408, 409):
+        err = ServerError(message)
+    elif "maximum context length" in text or "context_length" in text:
+        err = ContextLength(message)
+    else:
+        err = BadRequest(message)
+    return err
+
+
+@dataclass(slots=True)
+class Summary:
+    total: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    tokens: int = 0
+    calls: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.by_state.get(CaptureState.DONE, 0)
+
+    @property
+    def open(self) -> int:
+        return self.by_state.get(CaptureState.PENDING, 0) + \
+            self.by_state.get(CaptureState.RUNNING, 0)
+
+
+def summary(session: Any, job_id: int) -> Summary:
+    out = Summary()
+    for state, error_class, n, nbytes, tokens, calls in session.execute(
+            select(Capture.state, Capture.error_class, func.count(),
+                   func.coalesce(func.sum(Capture.bytes), 0),
+                   func.coalesce(func.sum(Capture.num_tokens), 0),
+                   func.coalesce(func.sum(Capture.attempts), 0))
+            .where(Capture.job_id == job_id)
+            .group_by(Capture.state, Capture.error_class)):
+        state = str(state)
+        out.total += n
+        out.by_state[state] = out.by_state.get(state, 0) + n
+        out.calls += int(calls)
+        if state == CaptureState.FAILED:
+            out.failures[error_class or "error"] = out.failures.get(error_class or "error", 0) + n
+        if state == CaptureState.DONE:
+            out.bytes += int(nbytes)
+            out.tokens += int(tokens)
+    return out
+
+
+def plan(session: Any, job: Job, *, at: Store | None = None) -> Plan:
+    """What the job's captures not yet done will take on disk."""
+    layers = layers_for(job)
+    where_done = select(Capture.sample_id).where(Capture.job_id == job.id,
+                                                 Capture.state == CaptureState.DONE)
+    samples, tokens = session.execute(
+        select(func.count(), func.coalesce(func.sum(Sample.num_tokens), 0)).where(
+            Sample.job_id == job.id, Sample.input_ids.is_not(None),
+            Sample.id.not_in(where_done))).one()
+    config = target_config(job.train_target, job.tokenizer)
+    hidden = int(config["hidden_size"]) if config and "hidden_size" in config else None
+    if hidden is None:  # from a file already captured: bytes / (tokens × layers × width)
+        row = session.execute(select(Capture.bytes, Capture.num_tokens, Capture.dtype).where(
+            Capture.job_id == job.id, Capture.state == CaptureState.DONE).limit(1)).first()
+        if row and row[1]:
+            hidden = int(row[0] / row[1] / len(layers) / DTYPES.get(row[2], 4))
+    return Plan(int(samples), int(tokens), layers, job.capture_dtype, hidden,
+                (at or store()).free_bytes())
+
+
+class Stage:
+    """Runs a job's capture stage in this process until nothing is left to capture."""
+
+    def __init__(self, job_id: int, *, stop: threading.Event | None = None,
+                 say: Callable[[str], None] | None = None, reclaim_all: bool = False) -> None:
+        self.job_id = job_id
+        self.stop = stop or threading.Event()
+        self.say = say or log.info
+        self.reclaim_all = reclaim_all
+        self.name = workers.new_name()
+        self.store = store()
+        settings = get_settings()
+        self.timeout = settings.capture_timeout
+        self.client = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0),
+                                   headers={"Authorization": f"Bearer {settings.api_key}"})
+        #: Captures this process is running, and on which server.
+        self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
+        self.pool: ThreadPoolExecutor | None = None
+
+    # -- setup -------------------------------------------------------------
+    def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
+        with session_scope() as s:
+            job = s.get(Job, self.job_id)
+            if job is None:
+                raise UserError(f"no job {self.job_id}")
+            if not job.capture_servers:
+                raise UserError(f"job {job.name} has no capture server: pass --server URL")
+            s.expunge(job)
+        layers = layers_for(job)
+        engines = {url: describe(self.client, url) for url in job.capture_servers}
+        with session_scope() as s:
+            states.add_missing(s, self.job_id, now=utcnow())
+            p = plan(s, job, at=self.store)
+        self.say(p.line())
+        check_space(p, reserve=get_settings().capture_reserve_bytes)
+        return job, layers, engines
+
+    # -- the loop ----------------------------------------------------------
+    def run(self) -> Summary:
+        job, _, engines = self.prepare()
+        settings = get_settings()
+        lease = self.timeout + settings.capture_file_timeout + settings.lease_margin
+        slots = job.capture_limit * len(engines)
+        self.pool = pool = ThreadPoolExecutor(max_workers=slots,
+                                              thread_name_prefix="synthq-capture")
+        last_beat = 0.0
+        try:
+            with session_scope() as s:
+                workers.heartbeat(s, self.name, capacity=0, inflight=0, now=utcnow())
+                if self.reclaim_all:
+                    states.expire(s, now=utcnow(), job_ids=[self.job_id], everything=True)
+            while True:
+                now_m = time.monotonic()
+                if now_m - last_beat >= settings.heartbeat_interval:
+                    last_beat = now_m
+                    self._beat(len(self.inflight))
+                if not self.stop.is_set():
+                    self._fill(job, engines, lease)
+                if not self.inflight:
+                    with session_scope() as s:
+                        left = summary(s, self.job_id)
+                        due_later = s.scalar(select(func.min(Capture.next_attempt_at)).where(
+                            Capture.job_id == self.job_id,
+                            Capture.state == CaptureState.PENDING))
+                    if self.stop.is_set() or not left.open:
+                        return left
+                    # Pending but not due (backing off), or running in another process.
+                    pause = 0.5
+                    if due_later is not None:
+                        pause = min(2.0, max(0.05, (due_later - utcnow()).total_seconds()))
+                    self.stop.wait(pause)
+                    continue
+                finished, _ = wait(list(self.inflight), timeout=1.0,
+                                   return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    self.inflight.pop(fut)
+                    fut.result()  # _one records every outcome itself; this surfaces bugs
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            with session_scope() as s:
+                workers.unregister(s, self.name)
+            self.client.close()
+
+    def _beat(self, inflight: int) -> None:
+        settings = get_settings()
+        with session_scope() as s:
+            now = utcnow()
+            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=now)
+            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout)]
+            expired = states.expire(s, now=now, live_workers=live, job_ids=[self.job_id])
+            states.add_missing(s, self.job_id, now=now)
+        if expired:
+            self.say(f"capture: {expired} captures of stopped processes are due again")
+
+    def _fill(self, job: Job, engines: dict[str, Engine], lease: float) -> None:
+        for url, engine in engines.items():
+            mine = sum(1 for _, on in self.inflight.values() if on == url)
+            room = job.capture_limit - mine
+            if room <= 0:
+                continue
+            token = secrets.token_hex(8)
+            with session_scope() as s:
+                claimed = states.claim(s, self.job_id, server=url, limit=job.capture_limit,
+                                       most=room, worker=self.name, token=token, lease=lease,
+                                       now=utcnow())
+                ids = {sid: bytes(b) for sid, b in s.execute(
+                    select(Sample.id, Sample.input_ids).where(
+                        Sample.id.in_([c.sample_id for c in claimed])))} if claimed else {}
+            assert self.pool is not None
+            for c in claimed:
+                fut = self.pool.submit(self._one, job, engine, c, ids.get(c.sample_id))
+                self.inflight[fut] = (c, url)
+
+    def _one(self, job: Job, engine: Engine, claimed: states.Claimed,
+             raw_ids: bytes | None) -> None:
+        """One capture, start to recorded outcome. Never raises for a capture's own fault."""
+        layers = layers_for(job)
+        engine_file: Path | None = None
+        try:
+            if raw_ids is None:
+                raise CaptureIncomplete("the sample has no input_ids (retokenized?)")
+            input_ids = np.frombuffer(raw_ids, dtype="<i4")
+            name = f"synthq-{job.id}-{claimed.sample_id}-{claimed.token}"
+            engine_file = _call(self.client, engine, input_ids.tolist(), name)
+            ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
+            got = ingest.ingest(engine_file, input_ids=input_ids, layers=layers,
+                                dtype=job.capture_dtype, store=self.store,
+                                metadata={"engine": engine.version, "model": engine.model,
+                                          "job": job.name, "sample_id": str(claimed.sample_id)})
+        except SampleError as exc:
+            self._record_failure(job, claimed, exc)
+            return
+        except Exception as exc:  # a bug of ours: counted, classed, backed off, never a loop
+            log.exception("capture of sample %d failed", claimed.sample_id)
+            self._record_failure(job, claimed, ServerError(f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            if engine_file is not None:
+                ingest.discard(engine_file)
+        with session_scope() as s:
+            won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
+                              sha256=got.stored.sha256, nbytes=got.stored.bytes,
+                              num_tokens=got.num_tokens, layer_ids=layers,
+                              dtype=job.capture_dtype, engine=engine.version,
+                              engine_model=engine.model)
+        if not won:
+            log.warning("capture of sample %d: its claim was lost (lease expired) before "
+                        "it was recorded", claimed.sample_id)
+
+    def _record_failure(self, job: Job, claimed: states.Claimed, exc: SampleError) -> None:
+        now = utcnow()
+        message = str(exc)[:2000]
+        with session_scope() as s:
+            if isinstance(exc, RetryableError) and not isinstance(exc, PermanentError) \
+                    and claimed.attempts < job.max_attempts:
+                delay = backoff_delay(claimed.attempts, base=job.backoff_base,
+                                      cap=job.backoff_cap, retry_after=exc.retry_after)
+                states.retry(s, claimed, now=now, error_class=exc.error_class,
+                             error_message=message,
+                             next_attempt_at=now + timedelta(seconds=delay))
+            else:
+                states.fail(s, claimed, now=now, error_class=exc.error_class,
+                            error_message=message)
+        log.warning("capture of sample %d: %s: %s", claimed.sample_id, exc.error_class, message)

@@ -1,0 +1,142 @@
+"""`synthq capture`: run or resume a job's hidden-state capture stage."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from synthq.cli import JobArg, JsonOpt, app, console, ensure_db, fail, warn
+from synthq.errors import UserError
+
+
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--layers {text!r}: give comma-separated layer indices, e.g. 2,4,5,8") \
+            from None
+    if not layers or any(i < 0 or i > 4096 for i in layers) or len(set(layers)) != len(layers):
+        raise UserError(f"--layers {text!r}: distinct indices between 0 and 4096")
+    return layers
+
+
+def _server(url: str) -> str:
+    """An http(s) base URL; a bare ``http://host:port`` gets vLLM's ``/v1`` (said once)."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UserError(f"--server {url!r} is not an http(s) URL such as "
+                        "http://localhost:8000/v1")
+    url = url.rstrip("/")
+    if parsed.path in ("", "/"):
+        warn(f"--server {url}: no path, using {url}/v1 (vLLM's OpenAI routes)")
+        url += "/v1"
+    return url
+
+
+@app.command()
+def capture(
+    job: JobArg,
+    server: Annotated[list[str] | None, typer.Option(
+        "--server", "-s", help="A capture server's base URL (…/v1): a vLLM started with "
+        "extract_hidden_states and synthq's connector (see `scripts/vllm-cpu.sh --capture`). "
+        "Repeat for several. Stored on the job [default: the job's].")] = None,
+    layers: Annotated[str | None, typer.Option(
+        help="output_hidden_states indices to capture, comma-separated; must be the server's "
+        "eagle_aux_hidden_state_layer_ids [default: the drafter's three and the last "
+        "layer's, [2, N//2, N-3, N], from the target's config.json].")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="Stored dtype: float32, bfloat16 (half the disk) or float16 [default: the "
+        "job's, float32].")] = None,
+    limit: Annotated[int | None, typer.Option(
+        min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
+        "8].")] = None,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", help="Send failed captures again (their attempts reset).")] = False,
+    plan_only: Annotated[bool, typer.Option(
+        "--plan", help="Print the disk plan and the stage's counts; capture nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Capture the hidden states of a job's done samples through the serving engine.
+
+    Each sample's own input_ids are sent as the prompt (max_tokens 1); the
+    engine's file is checked (token ids, shape, checksum) and moved into
+    synthq's store (SYNTHQ_CAPTURE_STORE, default DATA_DIR/hidden-states).
+    Rerun to resume: what is done stays done. The disk plan is printed first,
+    and the stage refuses to start when the store's free space is short.
+    """
+    from synthq.capture import plan as planning
+    from synthq.capture import stage as capture_stage
+    from synthq.capture import states as capture_states
+    from synthq.config import get_settings
+    from synthq.db import session_scope, utcnow
+    from synthq.enqueue import find_job
+    from synthq.models import Job
+
+    try:
+        ensure_db()
+        changes: dict[str, Any] = {}
+        if server:
+            changes["capture_servers"] = [_server(u) for u in server]
+        if (parsed := _layers(layers)) is not None:
+            changes["capture_layers"] = parsed
+        if dtype is not None:
+            if dtype not in planning.DTYPES:
+                raise UserError(f"--dtype {dtype!r}: one of {', '.join(planning.DTYPES)}")
+            changes["capture_dtype"] = dtype
+        if limit is not None:
+            changes["capture_limit"] = limit
+        with session_scope() as s:
+            row = find_job(s, job)
+            job_id = row.id
+            if changes:
+                from synthq import states
+
+                states.update_job(s, row, changes, now=utcnow())
+            if retry_failed:
+                capture_states.requeue_failed(s, job_id, now=utcnow())
+        if plan_only:
+            with session_scope() as s:
+                capture_states.add_missing(s, job_id, now=utcnow())
+                p = capture_stage.plan(s, s.get_one(Job, job_id))
+                left = capture_stage.summary(s, job_id)
+            _print(p.line(), left, as_json)
+            return
+        settings = get_settings()
+        run = capture_stage.Stage(job_id, say=lambda line: console.print(line, highlight=False),
+                                  reclaim_all=settings.is_sqlite)
+        if settings.is_sqlite:
+            from synthq.embedded import exclusive
+
+            with exclusive(settings.data_dir):
+                left = run.run()
+        else:
+            left = run.run()
+    except KeyboardInterrupt:
+        warn("capture stopped: rerun the same command to resume (what is done stays done)")
+        raise typer.Exit(130) from None
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    _print(None, left, as_json)
+    if left.failures:
+        raise typer.Exit(1)
+
+
+def _print(plan_line: str | None, left: Any, as_json: bool) -> None:
+    if as_json:
+        console.print_json(json.dumps({
+            "plan": plan_line, "total": left.total, "done": left.done,
+            "states": left.by_state, "failures": left.failures, "bytes": left.bytes,
+            "tokens": left.tokens, "calls": left.calls}))
+        return
+    if plan_line:
+        console.print(plan_line, highlight=False)
+    failures = ", ".join(f"{k} {v}" for k, v in sorted(left.failures.items())) or "none"
+    console.print(f"capture: {left.done}/{left.total} done, {left.bytes / 1e6:.1f} MB, "
+                  f"{left.tokens:,} tokens, {left.calls} calls; failed: {failures}",
+                  highlight=False)
