@@ -89,7 +89,11 @@ class Plan:
 
 
 def check_space(plan: Plan, *, reserve: int) -> None:
-    """Refuse a stage that would not fit, keeping ``reserve`` bytes free."""
+    """Refuse a stage that would not fit, keeping ``reserve`` bytes free (before its
+    size is known: refuse when not even ``reserve`` is free)."""
+    if plan.projected is None and reserve > plan.free:
+        raise UserError(f"the store has {_gb(plan.free)} free, under the {_gb(reserve)} a "
+                        "capture keeps spare: free space or set SYNTHQ_CAPTURE_STORE")
     if plan.projected is not None and plan.projected + reserve > plan.free:
         raise UserError(
             f"capture needs about {_gb(plan.projected)} but the store has {_gb(plan.free)} "

@@ -50,6 +50,10 @@ def capture(
         help="output_hidden_states indices to capture, comma-separated; must be the server's "
         "eagle_aux_hidden_state_layer_ids [default: the drafter's three and the last "
         "layer's, [2, N//2, N-3, N], from the target's config.json].")] = None,
+    target: Annotated[str | None, typer.Option(
+        "--target", "-t", help="The target model's folder (its config.json gives the layer "
+        "count and width for the default layers and the disk plan). Stored on the job as "
+        "its training target [default: the job's].")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="Stored dtype: float32, bfloat16 (half the disk) or float16 [default: the "
         "job's, float32].")] = None,
@@ -91,6 +95,8 @@ def capture(
             changes["capture_dtype"] = dtype
         if limit is not None:
             changes["capture_limit"] = limit
+        if target is not None:
+            changes["train_target"] = target
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id

