@@ -59,8 +59,11 @@ def train(
     ttt_steps: Annotated[int, typer.Option(help="Training-time test steps.")] = 7,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
     log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.")] = 10,
-    hidden_states: Annotated[str, typer.Option(help="`online` (target runs in each step) "
-                             "or `offline` (cached per sample as safetensors).")] = "online",
+    hidden_states: Annotated[str, typer.Option(
+        "--hidden-states", "--features", help="`online` (target runs in each step), "
+        "`offline` (cached per sample as safetensors) or `captured` (the files of `synthq "
+        "capture`: the engine's hidden states; only the target's embeddings, norm and "
+        "lm_head are loaded).")] = "online",
     seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
     eval_fraction: Annotated[float, typer.Option(help="Share of the examples held out, never "
                              "trained on, to measure the served acceptance length (at least "

@@ -84,8 +84,8 @@ class TrainConfig:
             raise UserError(f"eval-fraction must be in [0, 0.5), got {self.eval_fraction}")
         if self.eval_every < 0:
             raise UserError("eval-every must be 0 (only at the end) or more")
-        if self.hidden_states not in ("online", "offline"):
-            raise UserError(f"hidden-states must be online or offline, got "
+        if self.hidden_states not in ("online", "offline", "captured"):
+            raise UserError(f"hidden-states must be online, offline or captured, got "
                             f"{self.hidden_states!r}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -312,7 +312,14 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
                f"(never trained on)")
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    target = load_target(run["target"], device if ctx.world > 1 else None)
+    if cfg.hidden_states == "captured":
+        # The engine computed the features: of the target, only its embeddings, final
+        # norm and lm_head are loaded (synthq.training.captured).
+        from synthq.training.captured import load_target_head
+
+        target: Any = load_target_head(run["target"])
+    else:
+        target = load_target(run["target"], device if ctx.world > 1 else None)
     vocab_size = target.config.vocab_size
     draft_ids, d2t, t2d = draft_vocab(examples, cfg.draft_vocab_size, vocab_size)
     head = draft_head(target, draft_ids).to(device)  # [V, H] frozen target lm_head rows
@@ -347,8 +354,17 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
     ctx.write(total_steps=total, resumed_from=step, step=step, metrics=metrics,
               **({"checkpoint": str(last)} if last else {}))
 
-    cache = None
-    if cfg.hidden_states == "offline":
+    cache: FeatureCache | None = None
+    if cfg.hidden_states == "captured":
+        from synthq.capture.plan import drafter_layers
+        from synthq.training.captured import CapturedFeatures, captured_paths
+
+        layers = drafter_layers(target.config.num_hidden_layers)
+        cache = CapturedFeatures(captured_paths(run["job_id"], layers), target)
+        mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
+        cache.fill(None, mine)
+        notice(f"features: {len(mine)} examples' captured hidden states (layers {layers})")
+    elif cfg.hidden_states == "offline":
         cache = FeatureCache(out / "cache")
         mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
         cache.fill(target, mine, heartbeat=ctx.check, say=notice)
@@ -368,7 +384,13 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
 
         t0 = time.perf_counter()
         drafter.eval()
-        result = acceptance_length(target, drafter, held_out, cfg.eval_draft_tokens,
+        judge = target
+        if cfg.hidden_states == "captured":
+            # The features came from the engine; judging needs the whole target, loaded
+            # for the evaluation only (use --eval-fraction 0 for one no process can load,
+            # and measure the served acceptance with the engine instead).
+            judge = load_target(run["target"])
+        result = acceptance_length(judge, drafter, held_out, cfg.eval_draft_tokens,
                                    max_new=cfg.eval_max_new, heartbeat=ctx.check)
         drafter.train()
         notice(f"step {at}: eval acceptance length {result.mean:.3f} "

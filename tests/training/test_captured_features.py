@@ -1,0 +1,93 @@
+"""``--hidden-states captured``: features read from capture files equal the offline
+path's, and the loss on them is the same, with only the target's embeddings, norm and
+lm_head loaded.
+
+The capture files here are written from transformers' own hidden states in the
+layout the engine writes (tests/engine/test_capture.py shows the engine's equal
+transformers' to 1e-4): ``hidden_states`` [T, 4, H] at ``[2, N//2, N-3, N]``, the
+last one before the final norm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from synthq.capture.plan import drafter_layers
+from synthq.training.captured import CapturedFeatures, load_target_head
+from synthq.training.data import Example, FeatureCache, draft_head
+from synthq.training.loop import ttt_loss
+from synthq.training.model import DraftConfig, Eagle3Drafter
+
+
+def _capture_file(target: Any, ids: np.ndarray, path: Path) -> None:
+    kept: dict[str, torch.Tensor] = {}
+    hook = target.model.layers[-1].register_forward_hook(
+        lambda m, i, o: kept.__setitem__("pre", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            out = target(input_ids=torch.from_numpy(ids)[None], output_hidden_states=True)
+    finally:
+        hook.remove()
+    n = target.config.num_hidden_layers
+    parts = [kept["pre"][0] if i == n else out.hidden_states[i][0] for i in drafter_layers(n)]
+    save_file({"hidden_states": torch.stack(parts, 1).contiguous(),
+               "token_ids": torch.from_numpy(ids)}, str(path))
+
+
+def test_captured_features_and_loss_equal_the_offline_path(
+        tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
+    examples = [Example(str(i), np.concatenate([[1, 3], 5 + (np.arange(20) + i) % 91])
+                        .astype(np.int64), (np.arange(22) >= 4).astype(np.uint8))
+                for i in range(4)]
+    offline = FeatureCache(tmp_path / "cache")
+    offline.fill(tiny_target, examples)
+    paths = {}
+    for ex in examples:
+        paths[ex.id] = tmp_path / f"cap-{ex.id}.safetensors"
+        _capture_file(tiny_target, ex.input_ids, paths[ex.id])
+    head = load_target_head(str(tiny_target_dir))
+    # Nothing but the embeddings, the final norm and the head came from the target.
+    assert torch.equal(head.embed, tiny_target.get_input_embeddings().weight)
+    assert torch.equal(head.head, tiny_target.get_output_embeddings().weight)
+    captured = CapturedFeatures(paths, head)
+    idx = [0, 1, 2, 3]
+    a = offline.load(examples, idx, 22)
+    b = captured.load(examples, idx, 22)
+    assert torch.equal(a.aux, b.aux)  # the same layers, the same values
+    torch.testing.assert_close(b.last, a.last, atol=1e-5, rtol=0)  # the norm, recomputed
+    assert torch.equal(a.top, b.top)
+
+    draft_ids = torch.arange(40)
+    drafter = Eagle3Drafter(DraftConfig.from_target(tiny_target.config, len(draft_ids)))
+    drafter.init_from_target(head, draft_ids)
+    ids = torch.stack([torch.from_numpy(examples[i].input_ids) for i in idx])
+    mask = torch.stack([torch.from_numpy(examples[i].loss_mask.astype(bool)) for i in idx])
+    dhead = draft_head(head, draft_ids)
+    d2t = drafter.draft_to_target
+    t2d = torch.zeros(tiny_target.config.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    with torch.no_grad():
+        la, _ = ttt_loss(drafter(ids, a.aux, 3), a, mask, d2t, 0.8, dhead, t2d)
+        lb, _ = ttt_loss(drafter(ids, b.aux, 3), b, mask, d2t, 0.8, dhead, t2d)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_captured_features_refuse_other_token_ids(tiny_target: Any, tiny_target_dir: Path,
+                                                  tmp_path: Path) -> None:
+    ex = Example("7", np.array([1, 3, 5, 6, 7, 8], dtype=np.int64), np.ones(6, np.uint8))
+    _capture_file(tiny_target, np.array([1, 3, 5, 6, 7, 9], dtype=np.int64),
+                  tmp_path / "c.safetensors")
+    captured = CapturedFeatures({"7": tmp_path / "c.safetensors"},
+                                load_target_head(str(tiny_target_dir)))
+    from synthq.errors import UserError
+
+    with pytest.raises(UserError, match="differ from its input_ids"):
+        captured.read(ex)
+    with pytest.raises(UserError, match="no captured features"):
+        captured.fill(None, [Example("8", ex.input_ids, ex.loss_mask)])
