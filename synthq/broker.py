@@ -16,12 +16,14 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "send"]
+__all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "CAPTURE_ROUTE",
+           "send"]
 
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
 TOKENIZE_ROUTE = {"queue": "tokenize", "exchange": "", "routing_key": "tokenize"}
 TRAIN_ROUTE = {"queue": "train", "exchange": "", "routing_key": "train"}
+CAPTURE_ROUTE = {"queue": "capture", "exchange": "", "routing_key": "capture"}
 
 
 @lru_cache(maxsize=1)

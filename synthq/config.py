@@ -80,6 +80,8 @@ class Settings(BaseSettings):
     capture_timeout: float = 120.0
     capture_file_timeout: float = 60.0
     capture_reserve_bytes: int = 1 << 30
+    #: Seconds one Celery ``capture`` task runs a job's stage before it returns.
+    capture_task_seconds: float = 60.0
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
 

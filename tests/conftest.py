@@ -94,10 +94,11 @@ def workers(pg: str, redis_url: str, tmp_path: Path) -> Iterator[Any]:
         def __init__(self) -> None:
             self.procs: list[Proc] = []
 
-        def worker(self, concurrency: int = 8, name: str | None = None) -> Proc:
+        def worker(self, concurrency: int = 8, name: str | None = None,
+                   queues: str = "generate,control,tokenize") -> Proc:
             name = name or f"w{len(self.procs)}"
             cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "worker",
-                   "-Q", "generate,control,tokenize", "-P", "threads", "-c", str(concurrency),
+                   "-Q", queues, "-P", "threads", "-c", str(concurrency),
                    "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "-l", "INFO"]
             proc = Proc(cmd, child_env(), tmp_path / f"{name}.log")
             self.procs.append(proc)

@@ -18,7 +18,7 @@ from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
+from synthq.broker import CAPTURE_ROUTE, CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
 from synthq.config import get_settings
 
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
@@ -181,7 +181,8 @@ app.conf.update(
     worker_send_task_events=True,
     task_send_sent_event=True,
     task_routes={"synthq.generate": GENERATE_ROUTE, "synthq.dispatch": CONTROL_ROUTE,
-                 "synthq.retokenize": TOKENIZE_ROUTE, "synthq.train": TRAIN_ROUTE},
+                 "synthq.retokenize": TOKENIZE_ROUTE, "synthq.train": TRAIN_ROUTE,
+                 "synthq.capture": CAPTURE_ROUTE},
     task_default_queue="control",
     beat_schedule={
         "dispatch": {

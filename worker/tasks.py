@@ -19,7 +19,7 @@ from synthq.dispatch import Dispatched, active_servers, database_trouble, dispat
 from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.retokenize import retokenize_batch
-from worker.app import GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE, app
+from worker.app import CAPTURE_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE, app
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ def _tick() -> int:
     if swept:
         log.info("sweep returned %d samples to pending", swept)
     _train_tick()
+    _capture_tick()
     queued = dispatch(publish)
     _adapt_tick()  # after the dispatch: the limit's use is measured filled
     with session_scope() as s:
@@ -240,6 +241,45 @@ def retokenize(job_id: int, sample_ids: list[int]) -> dict[str, int]:
     """Recompute a batch of examples from stored responses (no server call)."""
     result = retokenize_batch(job_id, sample_ids)
     return {"done": result.done, "failed": result.failed, "skipped": result.skipped}
+
+
+# --- hidden-state capture (synthq.capture) ---------------------------------------------
+
+#: When beat last sent each job a ``capture`` message (a hint: the stage claims its
+#: work in SQL, within each capture server's exact limit; a lost one is sent again).
+_capture_sent: dict[int, float] = {}
+
+
+def _capture_tick() -> None:
+    """Beat: a ``capture`` message for each job whose captures are due (once per
+    ``capture_task_seconds / 6`` at most: a message runs the stage for up to
+    ``capture_task_seconds``)."""
+    from synthq.capture.due import due_jobs
+
+    try:
+        with session_scope() as s:
+            jobs = due_jobs(s, now=utcnow())
+    except DBAPIError:
+        raise
+    except Exception:  # capture must never stop the dispatcher
+        log.exception("capture tick failed")
+        return
+    every = get_settings().capture_task_seconds / 6
+    now = time.monotonic()
+    for job_id in jobs:
+        if now - _capture_sent.get(job_id, float("-inf")) >= every:
+            _capture_sent[job_id] = now
+            capture.apply_async((job_id,), **CAPTURE_ROUTE)
+
+
+@app.task(name="synthq.capture")
+def capture(job_id: int) -> dict[str, Any]:
+    """Run a job's capture stage for up to ``capture_task_seconds``; what is left is
+    sent again by beat."""
+    from synthq.capture.stage import Stage
+
+    left = Stage(job_id, seconds=get_settings().capture_task_seconds).run()
+    return {"job": job_id, "done": left.done, "total": left.total, "failures": left.failures}
 
 
 # --- drafter training (synthq.training) ------------------------------------------------

@@ -225,11 +225,15 @@ class Stage:
     """Runs a job's capture stage in this process until nothing is left to capture."""
 
     def __init__(self, job_id: int, *, stop: threading.Event | None = None,
-                 say: Callable[[str], None] | None = None, reclaim_all: bool = False) -> None:
+                 say: Callable[[str], None] | None = None, reclaim_all: bool = False,
+                 seconds: float | None = None) -> None:
         self.job_id = job_id
         self.stop = stop or threading.Event()
         self.say = say or log.info
         self.reclaim_all = reclaim_all
+        #: Claim nothing new after this many seconds (a Celery task's share of the
+        #: stage); None: run until nothing is left to capture.
+        self.deadline = None if seconds is None else time.monotonic() + seconds
         self.name = workers.new_name()
         self.store = store()
         settings = get_settings()
@@ -277,6 +281,8 @@ class Stage:
                 if now_m - last_beat >= settings.heartbeat_interval:
                     last_beat = now_m
                     self._beat(len(self.inflight))
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self.stop.set()
                 if not self.stop.is_set():
                     self._fill(job, engines, lease)
                 if not self.inflight:

@@ -1,0 +1,36 @@
+"""Which jobs' capture stages have work now (the scheduler tick's capture step)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from synthq.capture import states
+from synthq.enums import CaptureState, JobState
+from synthq.models import Capture, Job
+
+__all__ = ["due_jobs"]
+
+
+def due_jobs(session: Session, *, now: datetime) -> list[int]:
+    """Jobs with capture servers that have captures due now and room on those servers.
+
+    Newly done samples get their pending capture here, so a capture stage follows
+    generation by one tick.
+    """
+    due: list[int] = []
+    for job_id, servers, limit in session.execute(
+            select(Job.id, Job.capture_servers, Job.capture_limit)
+            .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]))):
+        if not servers:
+            continue
+        states.add_missing(session, job_id, now=now)
+        pending = session.scalar(select(func.count()).select_from(Capture).where(
+            Capture.job_id == job_id, Capture.state == CaptureState.PENDING,
+            or_(Capture.next_attempt_at.is_(None), Capture.next_attempt_at <= now))) or 0
+        if pending and sum(states.running_on(session, url) for url in servers) \
+                < limit * len(servers):
+            due.append(job_id)
+    return due

@@ -1,0 +1,174 @@
+"""The capture stage on the queue: Celery ``capture`` workers and beat over real
+PostgreSQL and Redis, against a capture server of our own that writes files in the
+connector's layout and counts the requests it holds at once.
+
+What a real engine can't be made to do here (hold each request 0.3 s, count its
+concurrency exactly) is what this server is for; tests/engine/test_capture.py runs
+the stage against the real vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select, update
+from support import wait_for
+
+from synthq.capture import files
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+LAYERS = [2, 4, 5, 8]
+HIDDEN = 16
+
+
+def hidden_of(ids: list[int]) -> np.ndarray:
+    """What the fake engine "computes": a function of the token and its position."""
+    t = np.arange(len(ids), dtype=np.float32)[:, None, None]
+    tok = np.asarray(ids, dtype=np.float32)[:, None, None]
+    layer = np.arange(len(LAYERS), dtype=np.float32)[None, :, None]
+    h = np.arange(HIDDEN, dtype=np.float32)[None, None, :]
+    return (tok * 0.001 + t * 0.01 + layer + h * 0.1).astype(np.float32)
+
+
+class FakeCaptureServer:
+    def __init__(self, engine_dir: Path, hold: float = 0.3) -> None:
+        self.engine_dir, self.hold = engine_dir, hold
+        self.active = self.most = self.requests = 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _json(self, obj: Any) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._json({"data": [{"id": "fake"}]} if self.path.endswith("/models")
+                           else {"version": "fake"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                with server.lock:
+                    server.active += 1
+                    server.requests += 1
+                    server.most = max(server.most, server.active)
+                try:
+                    time.sleep(server.hold)
+                    ids = body["prompt"]
+                    name = body["kv_transfer_params"]["synthq_name"]
+                    path = server.engine_dir / f"{name}.safetensors"
+                    hidden = hidden_of(ids)
+                    tensors = {"hidden_states": files.Tensor("F32", hidden.shape,
+                                                             hidden.tobytes()),
+                               "token_ids": files.Tensor("I64", (len(ids),), np.asarray(
+                                   ids, dtype="<i8").tobytes())}
+                    path.write_bytes(files.dumps(tensors, {"sha256_hidden_states":
+                                                           hashlib.sha256(hidden.tobytes())
+                                                           .hexdigest()}))
+                finally:
+                    with server.lock:
+                        server.active -= 1
+                self._json({"choices": [{"text": ""}],
+                            "kv_transfer_params": {"hidden_states_path": str(path)}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> Iterator[FakeCaptureServer]:
+    (tmp_path / "engine").mkdir()
+    server = FakeCaptureServer(tmp_path / "engine")
+    yield server
+    server.close()
+
+
+def _done_samples(job_factory: Any, n: int, engine_url: str, limit: int) -> int:
+    from synthq.db import session_scope
+    from synthq.models import Job, Sample
+
+    report = job_factory([f"prompt {i}" for i in range(n)], servers=["http://127.0.0.1:9/v1"])
+    with session_scope() as s:
+        ids = list(s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)))
+        for sid in ids:
+            tokens = np.arange(5 + sid % 7, dtype="<i4") + sid
+            s.execute(update(Sample).where(Sample.id == sid).values(
+                state="done", input_ids=tokens.tobytes(), num_tokens=len(tokens),
+                tokenize_version=1))
+        s.execute(update(Job).where(Job.id == report.job_id).values(
+            capture_servers=[engine_url], capture_layers=LAYERS, capture_limit=limit,
+            state="finished"))
+    return int(report.job_id)
+
+
+def _states(job_id: int) -> dict[str, int]:
+    from synthq.db import session_scope
+    from synthq.models import Capture
+
+    with session_scope() as s:
+        return {str(k): v for k, v in s.execute(
+            select(Capture.state, func.count()).where(Capture.job_id == job_id)
+            .group_by(Capture.state))}
+
+
+def _check_store(job_id: int, store: Path) -> int:
+    from synthq.db import session_scope
+    from synthq.models import Capture, Sample
+
+    with session_scope() as s:
+        rows = s.execute(select(Capture.path, Capture.sha256, Sample.input_ids)
+                         .join(Sample, Sample.id == Capture.sample_id)
+                         .where(Capture.job_id == job_id, Capture.state == "done")).all()
+    for path, sha, raw in rows:
+        blob = (store / path).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == sha
+        tensors, _ = files.read(store / path)
+        ids = np.frombuffer(raw, dtype="<i4").tolist()
+        np.testing.assert_array_equal(tensors["hidden_states"].array(), hidden_of(ids))
+    return len(rows)
+
+
+def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
+        workers: Any, job_factory: Any, fake_engine: FakeCaptureServer,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n, limit = 40, 3
+    monkeypatch.setenv("SYNTHQ_CAPTURE_TASK_SECONDS", "6")
+    job_id = _done_samples(job_factory, n, fake_engine.url, limit)
+    victim = workers.worker(concurrency=2, name="cap1", queues="capture,control")
+    workers.worker(concurrency=2, name="cap2", queues="capture,control")
+    workers.beat()
+    wait_for(lambda: _states(job_id).get("done", 0) >= 8, 90,
+             f"no capture progress: {_states(job_id)}\n{workers.logs()}")
+    victim.kill9()
+    wait_for(lambda: _states(job_id).get("done", 0) == n, 120,
+             f"the stage did not finish after the kill: {_states(job_id)}\n{workers.logs()}")
+    # The exact limit held across both processes, kill and reclaim included.
+    assert fake_engine.most <= limit, fake_engine.most
+    # Every capture counted as done has its whole, checked file.
+    from synthq.config import get_settings
+
+    assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
+    # Sent twice: only what the victim held at the kill (at most the limit).
+    assert n <= fake_engine.requests <= n + limit
