@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VllmServer", "VllmStartError", "venv_path", "venv_python", "metrics",
+           "start_capture_server",
            "free_port", "VLLM_VERSION"]
 
 VLLM_VERSION = os.environ.get("SYNTHQ_VLLM_VERSION", "0.32.0")
@@ -115,7 +116,7 @@ class VllmServer:
     def start(cls, model_dir: Path | str, name: str, *, log_path: Path,
               max_model_len: int = 512, port: int | None = None,
               speculative: dict[str, Any] | None = None, extra: list[str] | None = None,
-              kv_cache_gib: int = 1) -> VllmServer:
+              kv_cache_gib: int = 1, env: dict[str, str] | None = None) -> VllmServer:
         """Start the server in the background (see :meth:`wait_ready`).
 
         fp32 (the CPU's exact path), ``-O0`` (no torch.compile: minutes saved on
@@ -129,8 +130,10 @@ class VllmServer:
         if speculative is not None:
             argv += ["--speculative-config", json.dumps(speculative)]
         argv += extra or []
+        given = env or {}
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(given)  # e.g. PYTHONPATH=the repo, for synthq_connector
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["VLLM_NO_USAGE_STATS"] = "1"
@@ -205,3 +208,22 @@ def chat(base_url: str, model: str, content: str, **body: Any) -> dict[str, Any]
             return dict(json.loads(r.read()))
     except urllib.error.HTTPError as exc:
         return {"status": exc.code, "error": exc.read().decode(errors="replace")}
+
+
+def start_capture_server(model_dir: Path | str, name: str, *, layers: list[int],
+                         engine_dir: Path, log_path: Path, max_model_len: int = 512,
+                         extra: list[str] | None = None) -> VllmServer:
+    """A vLLM that captures hidden states: ``extract_hidden_states`` at ``layers`` and
+    synthq's connector (``synthq_connector``, imported from this repository), writing
+    its files into ``engine_dir``. Start it, then :meth:`VllmServer.wait_ready`."""
+    repo = Path(__file__).resolve().parents[2]
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
+    kv = {"kv_connector": "SynthqHiddenStatesConnector",
+          "kv_connector_module_path": "synthq_connector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(engine_dir)}}
+    return VllmServer.start(model_dir, name, log_path=log_path, max_model_len=max_model_len,
+                            speculative=spec,
+                            extra=["--kv-transfer-config", json.dumps(kv), *(extra or [])],
+                            env={"PYTHONPATH": str(repo)})
