@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     gpu_hour_price: float | None = defaults.GPU_HOUR_PRICE
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
+    #: Hosts the API's users may name as servers, and the only ones the workers send
+    #: ``api_key`` to: ``host[:port]`` patterns, comma-separated (``vllm-*.internal:8000,
+    #: 10.0.0.*``; see synthq.secrets.parse_server_patterns). Empty: the API accepts no
+    #: server URL, and the workers send the key to every server (only the CLI names them).
+    allowed_servers: str = ""
 
     @field_validator("database_url")
     @classmethod
@@ -92,6 +97,28 @@ class Settings(BaseSettings):
         if url and not url.startswith(("redis://", "rediss://")):
             raise ValueError(f"SYNTHQ_BROKER_URL must be a redis:// URL, got {url!r}")
         return url
+
+    @field_validator("allowed_servers")
+    @classmethod
+    def _check_allowed_servers(cls, text: str) -> str:
+        from synthq.secrets import parse_server_patterns
+
+        parse_server_patterns(text)  # a malformed entry stops the service at start
+        return text
+
+    @property
+    def allowed_server_patterns(self) -> tuple[tuple[str, str | None], ...]:
+        from synthq.secrets import parse_server_patterns
+
+        return parse_server_patterns(self.allowed_servers)
+
+    def sends_key_to(self, url: str) -> bool:
+        """Whether a worker sends ``api_key`` to the server ``url``: a host of
+        ``allowed_servers``, or any when that is empty."""
+        from synthq.secrets import server_allowed
+
+        patterns = self.allowed_server_patterns
+        return not patterns or server_allowed(url, patterns)
 
     @model_validator(mode="after")
     def _default_db(self) -> Settings:

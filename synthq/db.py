@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 import sqlite3
 import threading
 import time
@@ -24,6 +23,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from synthq.clock import utcnow
+from synthq.secrets import safe_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,13 +34,6 @@ __all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
-
-def safe_url(text: str) -> str:
-    """``text`` with any password in a database or broker URL replaced by ``***``."""
-    return _PASSWORD.sub(r"\1***@", text)
-
-
-_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.I)
 
 
 def _make_engine(url: str) -> Engine:

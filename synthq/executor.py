@@ -248,8 +248,12 @@ class Executor:
             # gets connections at once instead of waiting on a full pool.
             if client is not None:
                 self._retired.append(client)
+            # The key goes only to the hosts SYNTHQ_ALLOWED_SERVERS lists (when set):
+            # a server named by a user of the API must not receive it.
+            settings = get_settings()
+            key = settings.api_key if settings.sends_key_to(url) else "EMPTY"
             client = self._clients[url] = InferenceClient(
-                url, api_key=get_settings().api_key, max_connections=limit)
+                url, api_key=key, max_connections=limit)
         return client
 
     async def _run(self, claimed: list[states.Claimed], jobs: dict[int, Any], *,

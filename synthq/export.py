@@ -50,6 +50,7 @@ from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids, unpack_mask
+from synthq.secrets import safe_keys
 from synthq.states import SampleState
 
 __all__ = ["FORMATS", "Manifest", "export_job", "check_options", "tokenizer_fingerprint",
@@ -484,6 +485,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
 
             open_ = sum(counts.get(x, 0) for x in ("pending", "queued", "running"))
             cost = job_cost(s, job, remaining=open_, store=False).to_dict()  # read-only
+            cost["servers"] = safe_keys(cost["servers"])  # a server URL may hold a password
             done = [Sample.job_id == job.id, Sample.state == SampleState.DONE]
             truncated = 0 if include_truncated else s.scalar(
                 select(func.count()).where(*done, Sample.finish_reason == "length")) or 0

@@ -28,7 +28,7 @@ from synthq.enums import INFLIGHT, SampleState
 from synthq.models import Attempt, CallCount, Job, Sample, SampleCount, Server, Worker
 from synthq.packing import unpack_ids, unpack_mask
 
-__all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail",
+__all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail", "AttemptDetail",
            "sample_detail", "mask_segments", "done_per_minute", "MetricsSnapshot",
            "metrics_snapshot", "LATENCY_BUCKETS", "TTFT_BUCKETS"]
 
@@ -115,7 +115,27 @@ class MaskSegment:
 
 
 @dataclass
+class AttemptDetail:
+    """One call of a sample to a server (a row of ``attempts``), as it is shown."""
+
+    id: int
+    server: str
+    worker: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+    error_message: str | None
+    latency_s: float | None
+    ttft_s: float | None
+    completion_tokens: int | None
+    turn: int | None = None
+
+
+@dataclass
 class SampleDetail:
+    """One sample in full: what ``GET /api/samples/{id}`` answers (its response model is
+    this class) and what `synthq sample --json` prints. Server URLs are masked."""
+
     id: int
     job_id: int
     job_name: str
@@ -137,7 +157,7 @@ class SampleDetail:
     tokenize_version: int | None
     created_at: datetime
     finished_at: datetime | None
-    attempt_log: list[dict[str, Any]] = field(default_factory=list)
+    attempt_log: list[AttemptDetail] = field(default_factory=list)
     #: The example's tokens in runs of supervised / not supervised.
     mask: list[MaskSegment] = field(default_factory=list)
     #: The row's tools and the answer's tool calls (None: none).
@@ -175,12 +195,11 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
         num_tokens=smp.num_tokens, num_supervised=smp.num_supervised,
         tokenize_version=smp.tokenize_version, created_at=smp.created_at,
         finished_at=smp.finished_at,
-        attempt_log=[{"id": a.id, "server": _url(a.server), "worker": a.worker,
-                      "started_at": a.started_at, "ended_at": a.ended_at, "outcome": a.outcome,
-                      "error_message": a.error_message, "latency_s": a.latency_s,
-                      "ttft_s": a.ttft_s, "completion_tokens": a.completion_tokens,
-                      "turn": a.turn}
-                     for a in attempts],
+        attempt_log=[AttemptDetail(
+            id=a.id, server=safe_url(a.server), worker=a.worker, started_at=a.started_at,
+            ended_at=a.ended_at, outcome=a.outcome, error_message=a.error_message,
+            latency_s=a.latency_s, ttft_s=a.ttft_s, completion_tokens=a.completion_tokens,
+            turn=a.turn) for a in attempts],
         tools=smp.tools, tool_calls=smp.tool_calls, turn=smp.turn or 0,
         turn_count=smp.turn_count, turns=smp.turns, cut_at_turn=smp.cut_at_turn,
         cut_reason=smp.cut_reason, overrides=smp.overrides or None)

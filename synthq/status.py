@@ -23,6 +23,7 @@ from synthq.enums import INFLIGHT, SampleState
 from synthq.errors import TOKENIZATION_CLASSES
 from synthq.health import unhealthy
 from synthq.limits import current_limits, start_limit
+from synthq.secrets import safe_keys, safe_url
 from synthq.sqlread import Reader, read_json, read_optional_time, reader_of
 from synthq.workers import live
 
@@ -161,23 +162,20 @@ class JobStatus:
     cut: int = 0
     #: Why synthq paused the job itself (None: not paused, or paused by a user).
     pause_reason: str | None = None
+    #: Samples not yet in a final state (pending, queued, running); and whether none is.
+    open: int = 0
+    finished: bool = True
 
-    @property
-    def open(self) -> int:
-        """Samples not yet in a final state."""
+    def __post_init__(self) -> None:
         c = self.counts
-        return sum(c.get(s, 0) for s in (SampleState.PENDING, SampleState.QUEUED,
-                                          SampleState.RUNNING))
-
-    @property
-    def finished(self) -> bool:
-        return self.open == 0
+        self.open = sum(c.get(s, 0) for s in (SampleState.PENDING, SampleState.QUEUED,
+                                               SampleState.RUNNING))
+        self.finished = self.open == 0
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["open"] = self.open
-        data["finished"] = self.finished
-        return data
+        """The record as JSON-ready data: what `synthq status --json` prints and what
+        ``GET /api/jobs/{job}`` answers (its response model is this class)."""
+        return asdict(self)
 
 
 def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
@@ -266,6 +264,7 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.unhealthy = unhealthy(reader, job.servers)
     status.workers = [
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
+         "heartbeat_at": w.heartbeat_at.isoformat(), "started_at": w.started_at.isoformat(),
          "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
         for w in live(reader, now=now, timeout=settings.worker_timeout)]
     status.limits = server_limits(reader, job, history=cost)
@@ -282,4 +281,16 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         status.num_tokens = sum(c.tokens for c in done)
         status.num_supervised = sum(c.supervised for c in done)
         status.token_mismatches = sum(c.mismatches for c in done)
+    return _masked(status)
+
+
+def _masked(status: JobStatus) -> JobStatus:
+    """``status`` with every server URL's password masked: a status is only ever shown
+    (CLI, ``--json``, the API, the job page), and a URL may carry a password."""
+    status.servers = [safe_url(u) for u in status.servers]
+    status.inflight = safe_keys(status.inflight)
+    status.unhealthy = {safe_url(k): v and safe_url(v) for k, v in status.unhealthy.items()}
+    status.limits = safe_keys(status.limits)
+    if status.cost:
+        status.cost["servers"] = safe_keys(status.cost.get("servers") or {})
     return status

@@ -82,6 +82,15 @@ class TokenizerSetupError(errors.UserError):
     """The tokenizer or template cannot be used; raised at enqueue, not per sample."""
 
 
+def _cannot_render(exc: Exception) -> TokenizerSetupError:
+    """The probe render failed: the budget's own line (synthq.sandbox), else why."""
+    from synthq.sandbox import TemplateLimitError
+
+    if isinstance(exc.__cause__, TemplateLimitError):
+        return TokenizerSetupError(str(exc.__cause__))
+    return TokenizerSetupError(f"the chat template cannot render a conversation: {exc}")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenizeSettings:
     """How a job turns conversations into examples (columns of ``jobs``)."""
@@ -168,8 +177,15 @@ class ChatTokenizer:
         self._empty_think = re.compile(
             r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
             + re.escape(settings.think_close.strip()) + r"\s*")
-        self._check_round_trip()
-        self.reasoning_field = self._probe_reasoning()
+        # Every render under synthq's size and time budget (synthq.sandbox): a template
+        # is code from a user or a Hub repository. The probes get a short clock, so a
+        # hostile template is refused at enqueue within seconds.
+        from synthq.sandbox import PROBE_SECONDS, install, limits
+
+        install()
+        with limits(seconds=PROBE_SECONDS):
+            self._check_round_trip()
+            self.reasoning_field = self._probe_reasoning()
         self._decode_ids = self._span_decoder()
         #: Set when the tokenizer is a plain byte-level BPE (see :meth:`_byte_level`):
         #: the backend to encode with and each id's bytes; else ``None``.
@@ -181,11 +197,15 @@ class ChatTokenizer:
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
+        from synthq.sandbox import TemplateLimitError
+
         extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             text = self.tok.apply_chat_template(
                 [dict(m) for m in messages], chat_template=self.template, tokenize=False,
                 add_generation_prompt=generation_prompt, **extra, **self.kwargs)
+        except TemplateLimitError as exc:  # over synthq's budget (synthq.sandbox)
+            raise errors.InvalidInput(str(exc)) from exc
         except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
             raise errors.InvalidInput(f"the chat template refused this conversation: "
                                       f"{exc}") from exc
@@ -199,8 +219,7 @@ class ChatTokenizer:
                                              "reasoning_content": _PROBE}],
                                      generation_prompt=False)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
-            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
-                                      f"{exc}") from exc
+            raise _cannot_render(exc) from exc
         if _PROBE in with_field:
             return True
         if self.settings.reasoning == "keep":
@@ -220,8 +239,7 @@ class ChatTokenizer:
         try:
             text = self.render(PROBE_CONVERSATION, generation_prompt=False)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
-            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
-                                      f"{exc}") from exc
+            raise _cannot_render(exc) from exc
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         back = str(self.tok.decode(ids, skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False))
