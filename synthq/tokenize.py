@@ -158,7 +158,7 @@ class ChatTokenizer:
         except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
             raise TokenizerSetupError(
                 f"cannot load tokenizer {settings.tokenizer!r}: {type(exc).__name__}: "
-                f"{str(exc)[:500]}") from exc
+                f"{' '.join(str(exc).split())[:500]}") from exc
         if not getattr(self.tok, "is_fast", False):
             raise TokenizerSetupError(f"tokenizer {settings.tokenizer!r} is not a fast "
                                       "tokenizer; character offsets need one (tokenizer.json)")

@@ -97,8 +97,9 @@ def _tokenizer_source(data_dir: Path, tokenizer: str | None) -> str | None:
     which transformers would open and parse. Confined as ``hf_dataset`` and ``path`` are."""
     if tokenizer is None:
         return None
+    root = data_dir.expanduser()
     if HF_MODEL_ID.match(tokenizer) and ".." not in tokenizer and \
-            not os.path.lexists(tokenizer):
+            not os.path.lexists(tokenizer) and not os.path.lexists(root / tokenizer):
         return tokenizer
     try:
         path = service.data_path(data_dir, tokenizer)
