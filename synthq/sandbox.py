@@ -16,7 +16,8 @@ a budget per render, checked *before* anything large is built:
   ``big_list | tojson``) is refused before it runs;
 * **time**: :data:`RENDER_SECONDS` per render (:func:`limits` narrows it: the
   probe renders at enqueue get :data:`PROBE_SECONDS`), checked at each
-  attribute access, call, operator, output piece and ``range`` item;
+  item of every ``{% for %}`` loop, attribute access, call, operator and
+  output piece;
 * ``range`` holds at most :data:`MAX_RANGE` items, ``**`` at most 64 Kibit.
 
 A template over a limit raises :class:`TemplateLimitError` (a jinja2
@@ -26,10 +27,11 @@ build its template environment from this class (its ``_compile_jinja_template``
 looks the sandbox class up by name when it compiles), so ``apply_chat_template``
 renders under these limits everywhere.
 
-What the budget does not see: a loop whose body does nothing at all (no
-output, attribute, call or operator) over a non-``range`` iterable (a string
-of the row) is not timed; its cost is bounded by the row's size squared, not
-by the template alone.
+What the budget does not see: time spent inside one C call it allowed (a
+``sort`` of a list within the budget, a regex-free string method), each
+bounded by the size budget; and renders through transformers'
+``return_assistant_tokens_mask`` path (``Template.generate``), which synthq
+does not use.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from jinja2 import nodes
+from jinja2 import nodes, pass_context
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.environment import Template
 from jinja2.exceptions import SecurityError
@@ -248,9 +250,29 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     return bounded
 
 
+#: The filter every ``{% for %}`` iterates through: the clock checked at each item.
+_ITERATE = "synthq_clock"
+
+
+@pass_context
+def _iterate(context: Any, iterable: Iterable[Any]) -> Iterator[Any]:
+    # pass_context: jinja2 never folds it at compile time (it would print the generator).
+    del context
+    for item in iterable:
+        _tick()
+        yield item
+
+
 class _BoundedCodeGenerator(CodeGenerator):
-    """``a ~ b`` through the environment's :meth:`BoundedSandbox.str_join` (jinja2 writes
+    """Every ``{% for %}`` over :func:`_iterate` (a loop that does nothing else is on
+    the clock too), and ``a ~ b`` through :meth:`BoundedSandbox.str_join` (jinja2 writes
     a call of its own ``str_join``, which no sandbox hook sees)."""
+
+    def visit_Template(self, node: nodes.Template, frame: Frame | None = None) -> None:
+        for loop in node.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, _ITERATE, [], [], None, None,
+                                     lineno=loop.iter.lineno)
+        super().visit_Template(node, frame)
 
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
         if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
@@ -286,6 +308,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(*args, **kwargs)
         self.globals["range"] = _range
         self.filters = _BoundedFilters(self.filters)
+        dict.__setitem__(self.filters, _ITERATE, _iterate)
 
     @staticmethod
     def _finalize(value: Any) -> Any:

@@ -23,6 +23,8 @@ HOSTILE = {
     "range": "{{ range(10 ** 9) | length }}",
     "output": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
     "power": "{{ 2 ** 100000000 }}",
+    "idle": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}"
+            "{% endfor %}",
 }
 
 
@@ -47,7 +49,12 @@ def test_real_templates_render_as_before() -> None:
                 {"role": "user", "content": "q " * 2000},
                 {"role": "assistant", "content": "a", "reasoning_content": "think"},
                 {"role": "user", "content": "again"}]
-    for source in (ct.LLAMA3_TEMPLATE, ct.QWEN3_TEMPLATE):
+    loops = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ m.role }}"
+             "{% if loop.last %}.{% endif %}{% else %}none{% endfor %}"
+             "{% for k, v in {'a': 1}.items() %}{{ k }}{{ v }}{% endfor %}"
+             "{% for x in [1, 2, 3] if x > 1 %}{{ x }}{% endfor %}"
+             "{% for x in range(3)|reverse %}{{ x }}{% endfor %}")
+    for source in (ct.LLAMA3_TEMPLATE, ct.QWEN3_TEMPLATE, loops):
         want = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
             source).render(messages=messages, add_generation_prompt=True, bos_token="<s>")
         got = BoundedSandbox(trim_blocks=True, lstrip_blocks=True).from_string(source).render(
