@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from synthq.enqueue import JobSpec, inflight_settings
+from synthq.query import SampleRow
 
 
 class JobSettings(BaseModel):
@@ -173,24 +174,9 @@ class RequeueResult(BaseModel):
     requeued: int
 
 
-class SamplePublic(BaseModel):
-    id: int
-    dataset_index: int
-    source_id: str | None
-    state: str
-    attempts: int
-    server: str | None
-    error_class: str | None
-    error_message: str | None
-    finish_reason: str | None
-    completion_tokens: int | None
-    num_tokens: int | None
-    num_supervised: int | None
-    updated_at: datetime
-
-
 class SamplePage(BaseModel):
-    items: list[SamplePublic]
+    #: Each sample as synthq.query.SampleRow (one record, no copy to keep in step).
+    items: list[SampleRow]
     #: Pass as ``after`` for the next page; null on the last one.
     next_after: int | None
 

@@ -95,13 +95,14 @@ def list_samples(session: Session, job_id: int, *, state: str | None = None,
                Sample.completion_tokens, Sample.num_tokens, Sample.num_supervised,
                Sample.updated_at)
         .where(*conds).order_by(Sample.id).limit(limit + 1)).all()
-    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], r[7], r[8], r[9],
-                      r[10], r[11], r[12]) for r in rows[:limit]]
+    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], _url(r[7]), r[8],
+                      r[9], r[10], r[11], r[12]) for r in rows[:limit]]
     return page, (page[-1].id if len(rows) > limit else None)
 
 
-def _url(url: str | None) -> str | None:
-    return safe_url(url) if url else url
+def _url(text: str | None) -> str | None:
+    """A URL (or a message that may hold one) with its password masked."""
+    return safe_url(text) if text else text
 
 
 @dataclass
@@ -188,7 +189,8 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
     detail = SampleDetail(
         id=smp.id, job_id=smp.job_id, job_name=job.name, dataset_index=smp.dataset_index,
         source_id=smp.source_id, state=str(smp.state), attempts=smp.attempts,
-        server=_url(smp.server), error_class=smp.error_class, error_message=smp.error_message,
+        server=_url(smp.server), error_class=smp.error_class,
+        error_message=_url(smp.error_message),
         prompt=smp.prompt, response_content=smp.response_content,
         reasoning_content=smp.reasoning_content, finish_reason=smp.finish_reason,
         prompt_tokens=smp.prompt_tokens, completion_tokens=smp.completion_tokens,
@@ -197,7 +199,7 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
         finished_at=smp.finished_at,
         attempt_log=[AttemptDetail(
             id=a.id, server=safe_url(a.server), worker=a.worker, started_at=a.started_at,
-            ended_at=a.ended_at, outcome=a.outcome, error_message=a.error_message,
+            ended_at=a.ended_at, outcome=a.outcome, error_message=_url(a.error_message),
             latency_s=a.latency_s, ttft_s=a.ttft_s, completion_tokens=a.completion_tokens,
             turn=a.turn) for a in attempts],
         tools=smp.tools, tool_calls=smp.tool_calls, turn=smp.turn or 0,

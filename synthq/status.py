@@ -291,6 +291,7 @@ def _masked(status: JobStatus) -> JobStatus:
     status.inflight = safe_keys(status.inflight)
     status.unhealthy = {safe_url(k): v and safe_url(v) for k, v in status.unhealthy.items()}
     status.limits = safe_keys(status.limits)
+    status.pause_reason = status.pause_reason and safe_url(status.pause_reason)
     if status.cost:
         status.cost["servers"] = safe_keys(status.cost.get("servers") or {})
     return status

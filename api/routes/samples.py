@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from api.deps import JobDep, SessionDep
 from api.routes.jobs import ERRORS
-from api.schemas import SamplePage, SamplePublic
+from api.schemas import SamplePage
 from synthq import query
 from synthq.enums import SampleState
 
@@ -30,7 +29,7 @@ def list_samples(
     items, next_after = query.list_samples(session, job.id, state=state,
                                            error_class=error_class, server=server,
                                            after=after, limit=limit)
-    return SamplePage(items=[SamplePublic(**asdict(i)) for i in items], next_after=next_after)
+    return SamplePage(items=items, next_after=next_after)
 
 
 @router.get("/api/samples/{sample_id}", response_model=query.SampleDetail,
