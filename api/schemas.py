@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -122,13 +121,7 @@ class EnqueueResult(BaseModel):
     bad_rows: list[RowError] = Field(default_factory=list)
 
 
-class JobSummary(BaseModel):
-    id: int
-    name: str
-    state: str
-    model: str
-    created_at: datetime
-    counts: dict[str, int]
+# The job list's items are synthq.query.JobSummary itself.
 
 
 # A job's status is synthq.status.JobStatus itself (the record `synthq status --json`

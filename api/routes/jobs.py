@@ -23,7 +23,6 @@ from api.schemas import (
     JobCreate,
     JobSettings,
     JobStateChange,
-    JobSummary,
     RequeueRequest,
     RequeueResult,
     RowError,
@@ -55,7 +54,7 @@ def _result(r: EnqueueReport, bad: list[tuple[int, str]]) -> EnqueueResult:
         bad_rows=[RowError(row=i, reason=reason) for i, reason in bad])
 
 
-_JOB_LIST = TypeAdapter(list[JobSummary])
+_JOB_LIST = TypeAdapter(list[query.JobSummary])
 
 
 def _job_list_json() -> bytes:
@@ -64,7 +63,7 @@ def _job_list_json() -> bytes:
     return _JOB_LIST.dump_json(_JOB_LIST.validate_python(jobs, from_attributes=True))
 
 
-@router.get("", response_model=list[JobSummary], summary="List jobs")
+@router.get("", response_model=list[query.JobSummary], summary="List jobs")
 async def list_jobs(request: Request) -> Response:
     # Identical lists at once share one query (api.coalesce); a change through the API
     # shows on the next read, one made elsewhere within 1 s.
