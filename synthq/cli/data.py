@@ -99,6 +99,8 @@ def retokenize(
     max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
     reasoning: Annotated[str | None, typer.Option(help="keep or drop.")] = None,
     mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
+    examples: Annotated[str | None, typer.Option(help="conversation or per-turn (jobs with "
+                        "--regenerate all).")] = None,
     batch_size: Annotated[int, typer.Option(help="Samples per task.")] = 200,
     wait: Annotated[bool, typer.Option(help="Wait and show progress until every example is "
                     "recomputed (with workers).")] = True,
@@ -134,6 +136,8 @@ def retokenize(
             changes["reasoning"] = reasoning
         if mask is not None:
             changes["mask"] = mask
+        if examples is not None:
+            changes["examples"] = examples
         job_id, version = with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
     except UserError as exc:
         raise fail(str(exc)) from None
