@@ -38,11 +38,14 @@ REPO = Path(__file__).resolve().parent.parent
 #: Qwen3's way with reasoning, written small: reasoning_content is rendered only for
 #: assistant turns after the last user question; earlier turns lose it.
 THINKING_TEMPLATE = """{%- set ns = namespace(last=-1) %}
-{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}
+{%- endfor %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}
 {%- if loop.index0 > ns.last and m.reasoning_content %}
-{{- '<|im_start|>assistant\\n<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}
+{{- '<|im_start|>assistant\\n<think>\\n' + m.reasoning_content }}
+{{- '\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}
 {%- else %}
 {{- '<|im_start|>assistant\\n' + m.content + '<|im_end|>\\n' }}
 {%- endif %}
@@ -194,7 +197,7 @@ def check_tools(check: Checks, root: Path, server: str, sim: str) -> None:
     lines = [json.loads(x) for s in manifest["shards"] for x in (out / s["file"]).open()]
     check(len(lines) == 5 and all(x.get("tools") == WEATHER for x in lines),
           f"a tool job's JSONL has tools as a list on every row ({len(lines)} rows)")
-    called = sum(bool((x["conversations"][-1].get("tool_calls"))) for x in lines)
+    called = sum(bool(x["conversations"][-1].get("tool_calls")) for x in lines)
     check(called == 5, f"the simulator's answers call the tool ({called}/5)")
     with urllib.request.urlopen(f"{sim}/sim/requests", timeout=10) as r:
         sent = [q for q in json.loads(r.read()) if q.get("tools")]
@@ -246,7 +249,8 @@ def main() -> int:
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(f"the simulator did not start; see {root}/simulator.log")
+                    raise SystemExit(f"the simulator did not start; see {root}/simulator.log"
+                                     ) from None
                 time.sleep(0.3)
         check_thinking(check, root, f"{sim}/v1")
         check_tools(check, root, f"{sim}/v1", sim)
