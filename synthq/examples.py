@@ -77,6 +77,11 @@ class Example:
         return tuple(i for i, reason in self.generated.items() if reason == "length")
 
     @property
+    def finish_reasons(self) -> list[str | None]:
+        """Each generated answer's finish_reason, in conversation order."""
+        return [self.generated[i] for i in sorted(self.generated)]
+
+    @property
     def finish_reason(self) -> str | None:
         """The last generated answer's finish_reason (the supervised turn's, per turn)."""
         return self.generated[max(self.generated)] if self.generated else None
@@ -152,10 +157,11 @@ def build(prompt: Sequence[Mapping[str, Any]], *, content: str | None = None,
     return out
 
 
-def exported(example: Example, *, reasoning: bool) -> list[dict[str, Any]]:
+def exported(example: Example, *, reasoning: bool,
+             finish: bool = True) -> list[dict[str, Any]]:
     """The example's ``conversations`` as the export writes them: ``role``, ``content``,
     ``reasoning_content`` of generated answers when the job keeps reasoning, the tool
-    fields, and each generated answer's ``finish_reason``."""
+    fields, and (``finish``) each generated answer's ``finish_reason``."""
     out = []
     for i, m in enumerate(example.messages):
         message: dict[str, Any] = {"role": m.get("role"), "content": m.get("content")}
@@ -165,7 +171,7 @@ def exported(example: Example, *, reasoning: bool) -> list[dict[str, Any]]:
             message["tool_calls"] = m["tool_calls"]
         if m.get("tool_call_id"):
             message["tool_call_id"] = m["tool_call_id"]
-        if i in example.generated:
+        if finish and i in example.generated:
             message["finish_reason"] = example.generated[i]
         out.append(message)
     return out
@@ -227,9 +233,11 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
     for example in built:
         messages = [tok.place_reasoning(m) if i in example.placed else dict(m)
                     for i, m in enumerate(example.messages)]
+        # Only the arguments that differ from tokenize's defaults are passed.
+        options: dict[str, Any] = {k: v for k, v in (
+            ("tools", definitions), ("turns", example.supervised), ("cut", example.cut)) if v}
         try:
-            done.append((example, tok.tokenize(messages, tools=definitions,
-                                               turns=example.supervised, cut=example.cut)))
+            done.append((example, tok.tokenize(messages, **options)))
         except errors.NoSupervisedTokens as exc:
             if not per_turn:
                 raise

@@ -22,7 +22,8 @@ supervised turn's), ``turn`` (per-turn examples: which turn, else null).
 JSONL is SpecForge's and speculators' layout: ``{"id", "source_id",
 "conversations": [{"role", "content"}, ...], "finish_reason"}``, plus ``"tools":
 [...]`` (a list, as both read it) and ``"tool_choice"`` when the row has tools,
-and ``"turn"`` for a per-turn example; the answers' reasoning under
+``"turn"`` for a per-turn example, and ``"finish_reasons"`` (one per generated
+turn) for a whole conversation of several; the answers' reasoning under
 ``reasoning_content`` when the job keeps reasoning. SpecForge reads
 ``conversations`` (and ``tools``) and ignores the rest.
 
@@ -335,9 +336,15 @@ def _tool_fields(tools: dict[str, Any] | None) -> tuple[list[Any] | None, Any]:
 
 def _record(row: Any, example: Example, plan: _Plan) -> dict[str, Any]:
     """One JSONL line."""
+    # Messages keep the keys they had (a JSON reader infers one struct for them); the
+    # finish reasons are row fields: the supervised turn's, and with several generated
+    # turns in one example, each one's.
     out: dict[str, Any] = {"id": _example_id(row, example), "source_id": row.source_id,
-                           "conversations": exported(example, reasoning=plan.reasoning),
+                           "conversations": exported(example, reasoning=plan.reasoning,
+                                                     finish=False),
                            "finish_reason": example.finish_reason}
+    if example.turn is None and len(example.generated) > 1:
+        out["finish_reasons"] = example.finish_reasons
     definitions, choice = _tool_fields(row.tools)
     if definitions:
         out["tools"] = definitions

@@ -151,8 +151,8 @@ def test_jsonl_round_trip_and_reasoning_setting(
         assert set(obj) == {"id", "source_id", "conversations", "finish_reason"}
         columns = done[int(obj["id"])]
         assert obj["conversations"][:-1] == columns["prompt"]
-        answer = {"role": "assistant", "content": columns["response_content"],
-                  "finish_reason": "stop"}
+        answer = {"role": "assistant", "content": columns["response_content"]}
+        assert obj["finish_reason"] == "stop"
         if "reasoning_content" in columns:
             answer["reasoning_content"] = columns["reasoning_content"]
         assert obj["conversations"][-1] == answer

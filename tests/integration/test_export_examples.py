@@ -14,7 +14,7 @@ from sqlalchemy import update
 
 from synthq.db import session_scope
 from synthq.export import export_job
-from synthq.models import Job
+from synthq.models import Job, Sample
 from synthq.packing import pack_ids, pack_mask
 
 pytestmark = pytest.mark.integration
@@ -83,7 +83,18 @@ def test_per_turn_examples_are_one_row_each(job_factory: Callable[..., Any],
     assert [(x["id"], x["turn"], x["finish_reason"]) for x in lines] == [
         (f"{sid}:{k}", k, ANSWERS[k]["finish_reason"]) for k in range(3)]
     assert lines[2]["conversations"][-1] == {"role": "assistant", "content": "a2",
-                                             "reasoning_content": "r2", "finish_reason": "stop"}
+                                             "reasoning_content": "r2"}
+    # One example of the whole conversation: each generated turn's finish_reason.
+    with session_scope() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(examples="conversation"))
+        s.execute(update(Sample).where(Sample.id == sid).values(
+            examples=None, input_ids=pack_ids(list(range(6))), loss_mask=pack_mask([1] * 6),
+            num_tokens=6))
+    whole = export_job(job_id, tmp_path / "w", fmt="jsonl")
+    [line] = [json.loads(x) for x in (tmp_path / "w" / whole.shards[0]["file"]).open()]
+    assert line["finish_reasons"] == ["stop", "length", "stop"]
+    assert line["finish_reason"] == "stop" and "turn" not in line
+
 
 
 def specforge_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
