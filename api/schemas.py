@@ -58,6 +58,10 @@ class JobSettings(BaseModel):
                                                "each on the regenerated history.")
     history_reasoning: Literal["drop", "keep"] = Field(
         "drop", description="regenerate=all: send earlier turns' reasoning_content too (keep).")
+    examples: Literal["conversation", "per-turn"] | None = Field(
+        None, description="regenerate=all: one training example per conversation, or one per "
+        "regenerated turn [default: per-turn where the template cannot mask several turns "
+        "at once, else conversation].")
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options."""
@@ -84,7 +88,7 @@ class JobSettings(BaseModel):
             chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
             reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
             think_close=self.think_close, regenerate=self.regenerate,
-            history_reasoning=self.history_reasoning)
+            history_reasoning=self.history_reasoning, examples=self.examples)
 
 
 class JobCreate(JobSettings):

@@ -20,7 +20,7 @@ from synthq.cost import CostJob, job_cost
 from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
 from synthq.enums import INFLIGHT, SampleState
-from synthq.errors import TOKENIZATION_CLASSES
+from synthq.errors import retokenizable
 from synthq.health import unhealthy
 from synthq.limits import current_limits, start_limit
 from synthq.secrets import safe_keys, safe_url
@@ -201,15 +201,6 @@ def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
 
 def _by_key(rows: Iterable[tuple[Any, Any]]) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": int(n) for key, n in rows}
-
-
-def retokenizable(state: str, error_class: str | None) -> bool:
-    """Whether ``synthq retokenize`` works on a sample in ``state`` with ``error_class``
-    whose response is stored (what ``synthq.retokenize._eligible`` selects in SQL): what
-    ``status`` counts from the counters."""
-    return state == SampleState.DONE or (
-        state in (SampleState.FAILED, SampleState.SKIPPED)
-        and error_class in TOKENIZATION_CLASSES)
 
 
 def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,

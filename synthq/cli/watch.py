@@ -179,7 +179,15 @@ def show_sample(
     if data["response_content"] is not None:
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
-    if data["num_tokens"] is not None:
+    if data["num_tokens"] is not None and data["examples"]:
+        # Per-turn examples (synthq.examples): their ids lie one after another.
+        console.print(f"examples: {len(data['examples'])}, one per regenerated turn, "
+                      f"{data['num_tokens']} tokens and {data['num_supervised']} supervised "
+                      f"in all (tokenize_version {data['tokenize_version']})")
+        for e in data["examples"]:
+            console.print(f"  turn {e['turn'] + 1}: {e['tokens']} tokens, {e['supervised']} "
+                          "supervised")
+    elif data["num_tokens"] is not None:
         console.print(f"example: {data['num_tokens']} tokens, {data['num_supervised']} "
                       f"supervised (tokenize_version {data['tokenize_version']})")
     table = Table("#", "turn", "server", "started", "outcome", "latency s", "ttft s", "tokens",
