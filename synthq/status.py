@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from synthq.clock import utcnow
+from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
@@ -161,6 +161,8 @@ class JobStatus:
     cut: int = 0
     #: Why synthq paused the job itself (None: not paused, or paused by a user).
     pause_reason: str | None = None
+    #: Things an operator should fix that stop nothing (a worker's clock is off).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def open(self) -> int:
@@ -266,8 +268,15 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.unhealthy = unhealthy(reader, job.servers)
     status.workers = [
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
-         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
+         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1),
+         "clock_skew_s": None if w.clock_skew is None else round(w.clock_skew, 1)}
         for w in live(reader, now=now, timeout=settings.worker_timeout)]
+    status.warnings += [
+        f"worker {w['name']}: its clock is {abs(w['clock_skew_s']):.0f} s "
+        f"{'ahead of' if w['clock_skew_s'] > 0 else 'behind'} the database's (synthq uses "
+        "the database's time; fix the machine's clock: its logs are off)"
+        for w in status.workers
+        if w["clock_skew_s"] is not None and abs(w["clock_skew_s"]) >= SKEW_WARNING_S]
     status.limits = server_limits(reader, job, history=cost)
     if cost:
         status.cost = job_cost(reader, job, remaining=status.open, now=now,

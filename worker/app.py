@@ -206,5 +206,22 @@ def _setup_logs(logger: Any = None, **_: Any) -> None:
 @signals.beat_init.connect
 def _quiet_beat(**_: Any) -> None:
     """Beat sends only the dispatch tick: no task-sent event for it (Flower's list is
-    for generation and tokenization)."""
+    for generation and tokenization). Beat is a service process (the dispatch lock)."""
+    from synthq.db import service_process
+
     app.conf.task_send_sent_event = False
+    service_process()
+
+
+@signals.celeryd_init.connect
+def _service_worker(options: dict[str, Any] | None = None, **_: Any) -> None:
+    """A generation worker's sessions get the statement, lock and idle-transaction limits
+    and the answer deadline (``db_statement_timeout``); a training worker's do not (its
+    export and checkpoints may hold long statements)."""
+    from synthq.db import service_process
+
+    queues = (options or {}).get("queues") or []
+    if isinstance(queues, str):
+        queues = queues.split(",")
+    if set(queues) != {"train"}:
+        service_process()
