@@ -87,6 +87,14 @@ class Settings(BaseSettings):
     db_lock_timeout: float = 10.0
     db_idle_in_transaction_timeout: float = 20.0
     db_answer_margin: float = 5.0
+    #: Redis (broker), every connection: a command waits ``broker_socket_timeout`` s for
+    #: its answer (a publish on a dead connection fails instead of hanging the beat tick
+    #: or the refill), a connect ``broker_connect_timeout`` s; TCP keepalives on; and a
+    #: worker's BRPOP connection silent for its timeout plus ``broker_health_check_interval``
+    #: s is dropped and made again (kombu): a half-open broker costs seconds.
+    broker_socket_timeout: float = 10.0
+    broker_connect_timeout: float = 5.0
+    broker_health_check_interval: int = 10
     #: Training runs: seconds without a heartbeat before a running run counts as
     #: orphaned (its worker died) and is handed to another worker, which resumes
     #: it from its last checkpoint; and seconds a pending run waits before its

@@ -43,10 +43,16 @@ class _Refill:
     The samples for this process's own free slots are claimed in the dispatch's
     transaction and started here (no broker round trip, no second transaction);
     the rest go to the broker for the other workers.
+
+    With no poke for ``idle`` seconds while this process has free slots, it
+    dispatches all the same: nothing arriving while slots are free may mean the
+    broker stopped delivering (a half-open Redis connection, lost messages),
+    and SQL is the truth: what is due is claimed from it directly.
     """
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, interval: float = 0.005, idle: float | None = None) -> None:
         self.interval = interval
+        self.idle = idle
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -78,13 +84,29 @@ class _Refill:
         if thread is not None and thread is not threading.current_thread() and timeout > 0:
             thread.join(timeout)
 
+    def _idle_seconds(self) -> float:
+        if self.idle is not None:
+            return self.idle
+        return max(1.0, 2 * get_settings().heartbeat_interval)
+
+    @staticmethod
+    def _slots_free() -> bool:
+        """This process could take work itself now (a local refill would claim some)."""
+        if not get_settings().local_refill:
+            return False  # its dispatch would only publish, through the same broker
+        with _executor_lock:
+            mine = _executor
+        return mine is not None and mine.local_claim() is not None
+
     def _run(self) -> None:
         failures = 0
         while True:
-            self._wake.wait()
+            poked = self._wake.wait(self._idle_seconds())
             self._wake.clear()
             if self._stopped:
                 return
+            if not poked and not self._slots_free():
+                continue
             try:
                 with _executor_lock:
                     mine = _executor if get_settings().local_refill else None
@@ -129,6 +151,7 @@ def executor() -> Executor:
             capacity = get_settings().worker_capacity or _capacity or 1
             _executor = Executor(capacity, on_finished=refill.poke)
             log.info("synthq worker %s: capacity %d", _executor.name, capacity)
+            refill.poke()  # its slots are free: its refill watches them from now on
         return _executor
 
 
