@@ -62,7 +62,7 @@ class StrandingProxy:
         conn.writers = [writer, up_writer]
         self._conns.append(conn)
         await asyncio.gather(self._pump(reader, up_writer, conn),
-                             self._pump(up_reader, writer, conn))
+                             self._pump(up_reader, writer, conn), return_exceptions=True)
 
     @staticmethod
     async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, conn: _Conn) -> None:
@@ -108,9 +108,10 @@ class StrandingProxy:
                 for w in c.writers:
                     with contextlib.suppress(Exception):
                         w.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
