@@ -136,6 +136,8 @@ class WorkerPublic(BaseModel):
     inflight: int
     heartbeat_at: datetime
     started_at: datetime
+    #: Seconds its wall clock runs ahead of the database's (negative: behind).
+    clock_skew: float | None = None
 
 
 class JobDetail(BaseModel):
@@ -173,6 +175,8 @@ class JobDetail(BaseModel):
     cut: int = 0
     #: Why synthq paused the job itself (a server URL without /v1); None otherwise.
     pause_reason: str | None = None
+    #: What an operator should fix that stops nothing (a worker's clock is off).
+    warnings: list[str] = Field(default_factory=list)
 
 
 class JobStateChange(BaseModel):
