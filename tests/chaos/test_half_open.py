@@ -11,6 +11,8 @@ The limits are the settings' (``SYNTHQ_DB_*``), small here so the test is quick.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from halfopen import StrandingProxy
@@ -111,3 +113,30 @@ def test_redis_half_open(cluster: chaos.Cluster) -> None:
     assert chaos.counts(job_id)["done"] == n
     assert moved - at < 60
     assert doubled == 0 and requests == n
+
+
+def test_undelivered_messages_are_claimed_from_sql(workers: Any, simulator: Callable[..., Any],
+                                                   job_factory: Callable[..., Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples queued in SQL whose messages never reach the broker (lost with a stranded
+    publisher connection), beside a worker with free slots and no beat: the worker's
+    idle refill claims them from SQL (``adopt_stale``) long before the queued deadline
+    (300 s here), each answered once."""
+    from support import counts, wait_for, wait_worker_live
+
+    from synthq.dispatch import Dispatched, dispatch
+
+    monkeypatch.setenv("SYNTHQ_QUEUED_TIMEOUT", "300")
+    sim = simulator("--latency", "0.1")
+    report = job_factory([f"undelivered {i}" for i in range(6)], servers=[sim.url])
+    workers.worker(concurrency=8)
+    wait_worker_live()
+    lost: list[Dispatched] = []
+    dispatch(lost.extend, job_ids=[report.job_id])  # queued in SQL, never published
+    assert len(lost) == 6
+    started = time.monotonic()
+    wait_for(lambda: counts(report.job_id)["done"] == 6, 30, workers.logs())
+    took = time.monotonic() - started
+    print(f"\nundelivered messages: 6 samples claimed from SQL and done in {took:.1f} s")
+    assert sim.stats()["requests"] == 6
+    assert "no message came" in workers.logs()
