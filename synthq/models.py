@@ -416,6 +416,10 @@ class Worker(Base):
     inflight: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime]
     heartbeat_at: Mapped[datetime]
+    #: Seconds this process's wall clock ran ahead of the database's at its last
+    #: heartbeat (negative: behind). synthq's times are the database's either way
+    #: (synthq.clock); ``status`` names a machine whose clock is off.
+    clock_skew: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class TrainingRun(Base):

@@ -263,13 +263,18 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         call.calling = False
         return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
     call.calling = False
+    # From here the answer is paid for: its wait for the commit is measured from now.
+    answered = time.monotonic()
     if not multi:
-        return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
-    return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
+        return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
+                             since=answered)
+    return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
+                            since=answered)
 
 
 async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
-                     writer: Writer, tokenize_pool: ThreadPool) -> Outcome:
+                     writer: Writer, tokenize_pool: ThreadPool, *,
+                     since: float | None = None) -> Outcome:
     """A turn of a conversation regenerated turn by turn has its answer: store it and
     send the sample back for its next turn, or finish it after its last (or a cut)."""
     answer = _answer(result)
@@ -282,27 +287,28 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
         if reason is None:
             won = await _write(writer, c, lambda s, now: states.advance_turn(
                 s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
-                attempt=attempt))
+                attempt=attempt), since=since)
             return Outcome.TURN if won else Outcome.LOST
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
-                         extra=extra)
+                         extra=extra, since=since)
 
 
 async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
                   writer: Writer, tokenize_pool: ThreadPool, *,
                   answers: list[dict[str, Any]] | None = None,
-                  extra: dict[str, Any] | None = None) -> Outcome:
-    """Store the response, tokenize it if the job says so, and mark the sample."""
+                  extra: dict[str, Any] | None = None, since: float | None = None) -> Outcome:
+    """Store the response, tokenize it if the job says so, and mark the sample. ``since``:
+    when a new answer arrived (its first write makes it durable)."""
     columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns))
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since)
         return Outcome.DONE if won else Outcome.LOST
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns)):
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since):
         return Outcome.LOST
     loop = asyncio.get_running_loop()
     try:
@@ -319,11 +325,14 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
     return Outcome.DONE if won else Outcome.LOST
 
 
-async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool]) -> bool:
+async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
+                 since: float | None = None) -> bool:
     """A write of this sample's; one the database refuses (not a transient error, e.g.
-    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead."""
+    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead.
+    ``since``: the write makes an answer that arrived then durable (measured)."""
     try:
-        return bool(await writer.write(fn))
+        return bool(await writer.write(fn, since=since) if since is not None
+                    else await writer.write(fn))
     except errors.DiskFull:
         raise  # nothing can be written: the sample is not at fault
     except Exception as exc:  # noqa: BLE001 - recorded on the sample

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from synthq.clock import utcnow
+from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
@@ -165,6 +165,8 @@ class JobStatus:
     #: Samples not yet in a final state (pending, queued, running); and whether none is.
     open: int = 0
     finished: bool = True
+    #: Things an operator should fix that stop nothing (a worker's clock is off).
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.counts
@@ -257,7 +259,15 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
          "heartbeat_at": w.heartbeat_at.isoformat(), "started_at": w.started_at.isoformat(),
          "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
+         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1),
+         "clock_skew_s": None if w.clock_skew is None else round(w.clock_skew, 1)}
         for w in live(reader, now=now, timeout=settings.worker_timeout)]
+    status.warnings += [
+        f"worker {w['name']}: its clock is {abs(w['clock_skew_s']):.0f} s "
+        f"{'ahead of' if w['clock_skew_s'] > 0 else 'behind'} the database's (synthq uses "
+        "the database's time; fix the machine's clock: its logs are off)"
+        for w in status.workers
+        if w["clock_skew_s"] is not None and abs(w["clock_skew_s"]) >= SKEW_WARNING_S]
     status.limits = server_limits(reader, job, history=cost)
     if cost:
         status.cost = job_cost(reader, job, remaining=status.open, now=now,
