@@ -258,7 +258,6 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.workers = [
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
          "heartbeat_at": w.heartbeat_at.isoformat(), "started_at": w.started_at.isoformat(),
-         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
          "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1),
          "clock_skew_s": None if w.clock_skew is None else round(w.clock_skew, 1)}
         for w in live(reader, now=now, timeout=settings.worker_timeout)]
