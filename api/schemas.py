@@ -130,6 +130,27 @@ class JobSummary(BaseModel):
     counts: dict[str, int]
 
 
+class TrainingRunSummary(BaseModel):
+    """A drafter training run: synthq's own estimate and what a real engine served."""
+
+    id: int
+    job_id: int
+    state: str
+    step: int
+    total_steps: int | None = None
+    loss: float | None = None
+    #: Teacher-forced estimate from training accuracies (optimistic).
+    accept: float | None = None
+    #: synthq's greedy draft-and-verify on the held-out split.
+    eval_acceptance_length: float | None = None
+    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
+    served_acceptance_length: float | None = None
+    served_engine: str | None = None
+    served_engine_version: str | None = None
+    checkpoint: str | None = None
+    error: str | None = None
+
+
 class WorkerPublic(BaseModel):
     name: str
     capacity: int

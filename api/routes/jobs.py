@@ -29,6 +29,7 @@ from api.schemas import (
     RequeueRequest,
     RequeueResult,
     RowError,
+    TrainingRunSummary,
 )
 from synthq import query, service
 from synthq.config import get_settings
@@ -215,6 +216,16 @@ def get_job(job: JobDep, session: SessionDep) -> JobDetail:
     return JobDetail(**{k: v for k, v in data.items() if k in JobDetail.model_fields
                         and k != "workers"},
                      workers=[asdict(w) for w in workers])
+
+
+@router.get("/{job}/training-runs", response_model=list[TrainingRunSummary], responses=ERRORS,
+            summary="The job's drafter training runs: eval and served acceptance length")
+def get_training_runs(job: JobDep, session: SessionDep) -> list[TrainingRunSummary]:
+    from synthq.training.runs import list_runs  # no torch
+
+    return [TrainingRunSummary(**{k: v for k, v in r.items()
+                                  if k in TrainingRunSummary.model_fields})
+            for r in list_runs(session, job.id)]
 
 
 def _set_state(ref: str, target: JobState) -> JobStateChange:

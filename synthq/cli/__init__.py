@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "manage": ("requeue", "pause", "resume", "cancel"),
     "data": ("export", "retokenize"),
     "train": ("train", "runs"),
+    "engine": ("serve-check",),
     "services": ("worker", "beat", "simulate"),  # and `db upgrade`
     "api": ("api", "flower"),
 }

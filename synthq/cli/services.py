@@ -187,7 +187,7 @@ def tiny_target(
     layers: Annotated[int, typer.Option(help="Decoder layers (EAGLE-3 reads 3 of them: "
                                         "7 or more keeps them distinct).")] = 8,
     steps: Annotated[int, typer.Option(help="Training steps on the counting "
-                                       "language.")] = 200,
+                                       "language.")] = 300,
     seed: Annotated[int, typer.Option(help="Random seed (another seed, another "
                                       "target).")] = 0,
     force: Annotated[bool, typer.Option(help="Overwrite a directory that has a "
