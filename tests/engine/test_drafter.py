@@ -16,7 +16,9 @@ from support import REPO, child_env
 from synthq.testing.tiny import count_prompt, prompts
 from synthq.testing.vllm import VllmServer, VllmStartError
 
-pytestmark = pytest.mark.engine
+# The first test also waits for the session's target and server (minutes on a busy
+# machine): the suite's 300 s would cut it.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 
 
 def _synthq(env: dict[str, str], *args: str) -> Any:
