@@ -7,12 +7,12 @@ run's ``eval_acceptance_length`` drafted from), greedily, for as many tokens as 
 evaluation generates. The figure is vLLM's own: its spec-decode counters before and
 after, ``1 + Δaccepted / Δdrafts``.
 
-No torch here: the held-out split is read from the run's exported data with numpy.
+The held-out split is read with ``synthq.training.data`` (so torch is imported), the
+same code that made it during training.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +23,8 @@ import httpx
 
 from synthq.errors import UserError
 
-__all__ = ["Served", "held_out_prompts", "measure", "spec_counters", "engine_version"]
+__all__ = ["Served", "held_out_prompts", "measure", "spec_counters", "engine_version",
+           "describe"]
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -107,8 +108,7 @@ def measure(base_url: str, model: str, prompts: Sequence[tuple[list[int], int]],
         def one(item: tuple[list[int], int]) -> int:
             ids, n = item
             r = client.post(f"{base}/completions", json={
-                "model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
-                "skip_special_tokens": False})
+                "model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0})
             if r.status_code != 200:
                 raise UserError(f"{base}/completions answered {r.status_code}: "
                                 f"{r.text[:300]}")
@@ -127,7 +127,3 @@ def describe(s: Served) -> dict[str, Any]:
     return {"served_acceptance_length": s.mean, "drafts": s.drafts, "accepted": s.accepted,
             "prompts": s.prompts, "tokens": s.tokens, "engine": s.engine,
             "version": s.version}
-
-
-def dumps(s: Served) -> str:
-    return json.dumps(describe(s))
