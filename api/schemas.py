@@ -132,6 +132,27 @@ class EnqueueResult(BaseModel):
 # prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 
+class TrainingRunSummary(BaseModel):
+    """A drafter training run: synthq's own estimate and what a real engine served."""
+
+    id: int
+    job_id: int
+    state: str
+    step: int
+    total_steps: int | None = None
+    loss: float | None = None
+    #: Teacher-forced estimate from training accuracies (optimistic).
+    accept: float | None = None
+    #: synthq's greedy draft-and-verify on the held-out split.
+    eval_acceptance_length: float | None = None
+    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
+    served_acceptance_length: float | None = None
+    served_engine: str | None = None
+    served_engine_version: str | None = None
+    checkpoint: str | None = None
+    error: str | None = None
+
+
 class JobStateChange(BaseModel):
     id: int
     name: str

@@ -248,7 +248,12 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
     results = [r for _, r in done]
     mismatch = None
     if server_ids is not None:  # the stored ids are the last call's: the last turn's
-        mismatch = list(server_ids) != results[-1].completion_ids
+        ours, theirs = results[-1].completion_ids, list(server_ids)
+        # An answer cut at max_tokens has no end-of-turn token from the server; where the
+        # template still closes the turn with one, that token is the template's, not a
+        # tokenization difference (seen against vLLM 0.32 on every finish_reason=length).
+        mismatch = theirs != ours and not (len(ours) == len(theirs) + 1
+                                           and ours[:-1] == theirs)
     ids = np.concatenate([r.input_ids for r in results])
     mask = np.concatenate([r.loss_mask for r in results])
     listed = [{"turn": e.turn, "tokens": len(r.input_ids), "supervised": r.num_supervised}

@@ -452,6 +452,12 @@ class TrainingRun(Base):
     #: split (the latest evaluation; the final one once done). Trust this, not the
     #: training estimate in ``metrics``.
     eval_acceptance_length: Mapped[float | None] = mapped_column(Float)
+    #: The acceptance length a real engine served with this drafter (``synthq
+    #: serve-check``: its spec-decode counters, 1 + accepted / drafts, on the same
+    #: held-out prompts), and which engine and version measured it.
+    served_acceptance_length: Mapped[float | None] = mapped_column(Float)
+    served_engine: Mapped[str | None] = mapped_column(String(64))
+    served_engine_version: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     #: Random token of the process that holds the run; every write presents it.
     claim: Mapped[str | None] = mapped_column(String(32))

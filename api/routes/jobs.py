@@ -26,6 +26,7 @@ from api.schemas import (
     RequeueRequest,
     RequeueResult,
     RowError,
+    TrainingRunSummary,
 )
 from synthq import query, service
 from synthq.db import safe_url, session_scope, utcnow
@@ -243,6 +244,16 @@ def _upload_suffix(filename: str) -> str:
 def get_job(job: JobDep, session: SessionDep) -> JobStatus:
     # The record `synthq status --json` prints, as it is (its URLs masked there).
     return job_status(session, job)
+
+
+@router.get("/{job}/training-runs", response_model=list[TrainingRunSummary], responses=ERRORS,
+            summary="The job's drafter training runs: eval and served acceptance length")
+def get_training_runs(job: JobDep, session: SessionDep) -> list[TrainingRunSummary]:
+    from synthq.training.runs import list_runs  # no torch
+
+    return [TrainingRunSummary(**{k: v for k, v in r.items()
+                                  if k in TrainingRunSummary.model_fields})
+            for r in list_runs(session, job.id)]
 
 
 def _set_state(ref: str, target: JobState) -> JobStateChange:
