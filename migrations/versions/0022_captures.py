@@ -9,7 +9,7 @@ Plain ``ADD COLUMN`` and ``CREATE TABLE``: on SQLite no table is rebuilt, so the
 counters' triggers of 0016 stay.
 
 Revision ID: 0022
-Revises: 0018
+Revises: 0021
 Create Date: 2026-12-01 23:40:00
 """
 
@@ -22,7 +22,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = '0022'
-down_revision: str | None = '0018'
+down_revision: str | None = '0021'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -43,6 +43,7 @@ from synthq.errors import (
     CaptureIncomplete,
     ConnectionFailed,
     ContextLength,
+    InvalidInput,
     PermanentError,
     RateLimited,
     RetryableError,
@@ -332,11 +333,19 @@ class Stage:
                 claimed = states.claim(s, self.job_id, server=url, limit=job.capture_limit,
                                        most=room, worker=self.name, token=token, lease=lease,
                                        now=utcnow())
-                ids = {sid: bytes(b) for sid, b in s.execute(
-                    select(Sample.id, Sample.input_ids).where(
-                        Sample.id.in_([c.sample_id for c in claimed])))} if claimed else {}
+                rows = s.execute(select(Sample.id, Sample.input_ids, Sample.examples).where(
+                    Sample.id.in_([c.sample_id for c in claimed]))).all() if claimed else []
+                # A per-turn sample (--examples per-turn) holds several whole prompts
+                # end to end: one request for all of them would give wrong states.
+                ids = {sid: (None if examples else bytes(b)) for sid, b, examples in rows}
+                per_turn = {sid for sid, _, examples in rows if examples}
             assert self.pool is not None
             for c in claimed:
+                if c.sample_id in per_turn:
+                    self._record_failure(job, c, InvalidInput(
+                        "per-turn examples (--examples per-turn) are not captured yet: "
+                        "capture a job of whole conversations"))
+                    continue
                 fut = self.pool.submit(self._one, job, engine, c, ids.get(c.sample_id))
                 self.inflight[fut] = (c, url)
 

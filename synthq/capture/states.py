@@ -50,9 +50,9 @@ def add_missing(session: Session, job_id: int, *, now: datetime) -> int:
         literal(now, UTCDateTime()), literal(now, UTCDateTime()),
     ).where(Sample.job_id == job_id, Sample.state == SampleState.DONE,
             Sample.input_ids.is_not(None), ~has_row)
-    added = session.execute(insert(Capture).from_select(
+    added = _count(session, insert(Capture).from_select(
         ["sample_id", "job_id", "tokenize_version", "state", "attempts", "created_at",
-         "updated_at"], rows)).rowcount or 0
+         "updated_at"], rows))
     current = select(Sample.tokenize_version).where(Sample.id == Capture.sample_id) \
         .scalar_subquery()
     restale = session.execute(update(Capture).where(
@@ -61,8 +61,14 @@ def add_missing(session: Session, job_id: int, *, now: datetime) -> int:
         Capture.tokenize_version.is_distinct_from(current)).values(
         state=CaptureState.PENDING, tokenize_version=current, attempts=0, path=None,
         sha256=None, bytes=None, error_class=None, error_message=None, next_attempt_at=None,
-        updated_at=now).execution_options(synchronize_session=False)).rowcount or 0
+        updated_at=now).execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]
     return added + restale
+
+
+def _count(session: Session, statement: Any) -> int:
+    """Rows an INSERT/UPDATE changed (on the session's connection: a CursorResult)."""
+    result: Any = session.connection().execute(statement)
+    return int(result.rowcount or 0)
 
 
 def _lock(session: Session, server: str) -> None:
@@ -109,7 +115,7 @@ def _cas(session: Session, claimed: Claimed, values: dict[str, Any], *, now: dat
         Capture.id == claimed.capture_id, Capture.state == CaptureState.RUNNING,
         Capture.claim == claimed.token).values(updated_at=now, **values)
         .execution_options(synchronize_session=False))
-    return bool(result.rowcount)
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def done(session: Session, claimed: Claimed, *, now: datetime, path: str, sha256: str,
@@ -156,10 +162,10 @@ def expire(session: Session, *, now: datetime, live_workers: Sequence[str] | Non
                   error_message="the capture process stopped before it recorded the call")
     failed = session.execute(update(Capture).where(and_(*where), Capture.attempts >= limit)
                              .values(state=CaptureState.FAILED, finished_at=now, **common)
-                             .execution_options(synchronize_session=False)).rowcount or 0
+                             .execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]
     back = session.execute(update(Capture).where(and_(*where))
                            .values(state=CaptureState.PENDING, next_attempt_at=now, **common)
-                           .execution_options(synchronize_session=False)).rowcount or 0
+                           .execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]
     return failed + back
 
 
@@ -168,4 +174,4 @@ def requeue_failed(session: Session, job_id: int, *, now: datetime) -> int:
         Capture.job_id == job_id, Capture.state == CaptureState.FAILED).values(
         state=CaptureState.PENDING, attempts=0, next_attempt_at=None, error_class=None,
         error_message=None, finished_at=None, updated_at=now)
-        .execution_options(synchronize_session=False)).rowcount or 0
+        .execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "data": ("export", "retokenize"),
     "capture": ("capture",),
     "train": ("train", "runs"),
+    "engine": ("serve-check",),
     "services": ("worker", "beat", "simulate"),  # and `db upgrade`
     "api": ("api", "flower"),
 }

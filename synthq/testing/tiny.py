@@ -54,7 +54,7 @@ class TinySpec:
     intermediate: int = 192
     max_positions: int = 512
     vocab: int = 400
-    steps: int = 200
+    steps: int = 300
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0

@@ -126,7 +126,8 @@ def captured_paths(job_id: int, layers: list[int]) -> dict[str, Path]:
             if list(layer_ids or []) != layers:
                 other.add(tuple(layer_ids or []))
                 continue
-            out[str(sample_id)] = root.path(path)
+            if path:
+                out[str(sample_id)] = root.path(path)
     if not out:
         hint = f" (captured layers {sorted(other)})" if other else ""
         raise UserError(f"no captured features with layers {layers} for this job{hint}: run "

@@ -17,7 +17,9 @@ from support import REPO, child_env, wait_for
 
 from synthq.testing.tiny import count_prompt, prompts
 
-pytestmark = pytest.mark.engine
+# The first test also waits for the session's target and server (minutes on a busy
+# machine): the suite's 300 s would cut it.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
 #: max_tokens of the jobs: answers of 14+ numbers are cut (finish_reason=length).
 MAX_TOKENS = 16
