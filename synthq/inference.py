@@ -220,9 +220,16 @@ def _text(value: Any, what: str) -> str:
 
 def _ids(value: Any, what: str) -> list[int]:
     """Token ids as int32 can store them (the packed columns are int32)."""
-    if type(value) is not list or not all(type(i) is int and 0 <= i < 1 << 31 for i in value):
-        raise _Malformed(f"{what} is not a list of token ids")
-    return value
+    if type(value) is list:
+        for i in value:  # a loop, not all(...): a generator per chunk costs a microsecond
+            if type(i) is not int or not 0 <= i < _INT32:
+                break
+        else:
+            return value
+    raise _Malformed(f"{what} is not a list of token ids")
+
+
+_INT32 = 1 << 31
 
 
 def _finish(value: Any) -> str:
@@ -245,7 +252,7 @@ class _Accumulator:
     ``"index": [1]`` is a broken server, never a crash of the worker."""
 
     __slots__ = ("content", "reasoning", "finish_reason", "usage", "token_ids", "prompt_token_ids",
-                 "calls", "pieces")
+                 "calls")
 
     def __init__(self) -> None:
         self.content: list[str] = []
@@ -257,8 +264,6 @@ class _Accumulator:
         self.prompt_token_ids: list[int] | None = None
         #: Streamed tool calls by index: id, name and the argument pieces.
         self.calls: dict[int, dict[str, Any]] | None = None
-        #: Chunks that carried generated text: the token count when usage cannot be trusted.
-        self.pieces = 0
 
     def add(self, chunk: dict[str, Any]) -> None:
         if chunk.get("usage"):
@@ -271,23 +276,39 @@ class _Accumulator:
         for choice in choices:
             if type(choice) is not dict:
                 raise _Malformed(f"a choice is a {type(choice).__name__}, not an object")
-            delta = _object(choice.get("delta"), "delta")
+            # Type checks inline, the helpers only on the way to the error: this runs
+            # once per streamed token.
+            delta = choice.get("delta")
+            if type(delta) is not dict:
+                delta = _object(delta, "delta")
             if piece := delta.get("content"):
-                self.content.append(_text(piece, "delta.content"))
-                self.pieces += 1
+                self.content.append(piece if type(piece) is str else
+                                    _text(piece, "delta.content"))
             # vLLM: reasoning_content; some versions and SGLang: reasoning.
             if piece := delta.get("reasoning_content") or delta.get("reasoning"):
-                self.reasoning.append(_text(piece, "delta.reasoning_content"))
-                self.pieces += 1
+                self.reasoning.append(piece if type(piece) is str else
+                                      _text(piece, "delta.reasoning_content"))
             if calls := delta.get("tool_calls"):
                 self._add_calls(calls)
-                self.pieces += 1
             if ids := choice.get("token_ids"):
+                if type(ids) is not list:
+                    raise _Malformed(f"token_ids is a {type(ids).__name__}, not a list")
                 if self.token_ids is None:
                     self.token_ids = []
-                self.token_ids.extend(_ids(ids, "token_ids"))
+                self.token_ids.extend(ids)  # each id checked once, at the end (ids())
             if choice.get("finish_reason"):
                 self.finish_reason = _finish(choice["finish_reason"])
+
+    def pieces(self) -> int:
+        """Chunks that carried generated text: the token count when usage cannot be trusted
+        (a server's chunk carries at least one token)."""
+        calls = sum(len(c["arguments"]) or 1 for c in (self.calls or {}).values())
+        return len(self.content) + len(self.reasoning) + calls
+
+    def ids(self) -> list[int] | None:
+        """The streamed token ids, checked (one pass over them all is cheaper than a
+        check per chunk)."""
+        return None if self.token_ids is None else _ids(self.token_ids, "token_ids")
 
     def _add_calls(self, calls: Any) -> None:
         if type(calls) is not list:
@@ -678,8 +699,12 @@ class InferenceClient:
             # not unreachable. Retried, and it does not mark the server down.
             raise errors.ServerError("the stream ended without [DONE] or a finish reason "
                                      "(not a complete OpenAI stream)")
-        usage = _checked_usage(acc.usage, ceiling=_ceiling(request), ids=acc.token_ids,
-                               prompt_ids=acc.prompt_token_ids, streamed=acc.pieces,
+        try:
+            ids = acc.ids()
+        except _Malformed as exc:
+            raise errors.ServerError(f"malformed stream chunk: {exc}") from exc
+        usage = _checked_usage(acc.usage, ceiling=_ceiling(request), ids=ids,
+                               prompt_ids=acc.prompt_token_ids, streamed=acc.pieces(),
                                text=bool(acc.content or acc.reasoning))
         content = storable("".join(acc.content), repairs) or ""
         result = ChatResult(
@@ -689,7 +714,7 @@ class InferenceClient:
             prompt_tokens=usage.prompt,
             completion_tokens=usage.completion,
             prompt_token_ids=acc.prompt_token_ids,
-            completion_token_ids=acc.token_ids,
+            completion_token_ids=ids,
             latency_s=time.monotonic() - start,
             ttft_s=ttft,
             tool_calls=acc.tool_calls(repairs),
