@@ -383,3 +383,37 @@ def test_a_database_refusal_never_puts_sql_in_the_message(
     assert len(message) < 400
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "UPDATE samples" in logged, logged
+
+
+def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sample whose response is stored is claimed without charging an attempt (no call
+    is made): a bug on that path would loop for ever. It fails as worker_error at once,
+    its answer kept for `requeue` or `retokenize`."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    import synthq.process
+    from synthq import states
+    from synthq.db import utcnow
+    from synthq.process import Outcome, process_sample
+
+    report = job_factory(["stored"])
+    with session_scope() as s:
+        smp_id = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
+        s.execute(update(Sample).where(Sample.id == smp_id)
+                  .values(response_content="kept", finish_reason="stop"))
+        now = utcnow()
+        states.queue(s, [smp_id], server="http://127.0.0.1:9/v1", token="t1", now=now,
+                     deadline=now + timedelta(seconds=30))
+
+    def broken(c: Any) -> Any:
+        raise RuntimeError("a bug on the stored path")
+
+    monkeypatch.setattr(synthq.process, "_stored", broken)
+    assert process_sample(smp_id, "t1", job_id=report.job_id) is Outcome.FAILED
+    [smp] = samples(report.job_id)
+    assert (smp.state, smp.error_class, smp.response_content) == \
+        ("failed", "worker_error", "kept")
+    assert "a bug on the stored path" in (smp.error_message or "")
