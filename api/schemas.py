@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from synthq.enqueue import JobSpec, inflight_settings
+from synthq.query import SampleRow
 
 
 class JobSettings(BaseModel):
@@ -58,6 +58,10 @@ class JobSettings(BaseModel):
                                                "each on the regenerated history.")
     history_reasoning: Literal["drop", "keep"] = Field(
         "drop", description="regenerate=all: send earlier turns' reasoning_content too (keep).")
+    examples: Literal["conversation", "per-turn"] | None = Field(
+        None, description="regenerate=all: one training example per conversation, or one per "
+        "regenerated turn [default: per-turn where the template cannot mask several turns "
+        "at once, else conversation].")
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options."""
@@ -84,7 +88,7 @@ class JobSettings(BaseModel):
             chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
             reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
             think_close=self.think_close, regenerate=self.regenerate,
-            history_reasoning=self.history_reasoning)
+            history_reasoning=self.history_reasoning, examples=self.examples)
 
 
 class JobCreate(JobSettings):
@@ -121,58 +125,32 @@ class EnqueueResult(BaseModel):
     bad_rows: list[RowError] = Field(default_factory=list)
 
 
-class JobSummary(BaseModel):
+# The job list's items are synthq.query.JobSummary itself.
+
+
+# A job's status is synthq.status.JobStatus itself (the record `synthq status --json`
+# prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
+
+
+class TrainingRunSummary(BaseModel):
+    """A drafter training run: synthq's own estimate and what a real engine served."""
+
     id: int
-    name: str
+    job_id: int
     state: str
-    model: str
-    created_at: datetime
-    counts: dict[str, int]
-
-
-class WorkerPublic(BaseModel):
-    name: str
-    capacity: int
-    inflight: int
-    heartbeat_at: datetime
-    started_at: datetime
-
-
-class JobDetail(BaseModel):
-    id: int
-    name: str
-    state: str
-    model: str
-    total: int
-    counts: dict[str, int]
-    open: int
-    finished: bool
-    done_per_s: float
-    eta_s: float | None
-    failures: dict[str, int]
-    retrying: dict[str, int]
-    calls: dict[str, int]
-    inflight: dict[str, int]
-    servers: list[str]
-    unhealthy: dict[str, str | None]
-    tokenizer: str | None
-    tokenize_version: int
-    stale_examples: int
-    num_tokens: int
-    num_supervised: int
-    workers: list[WorkerPublic]
-    #: Each server's in-flight limit: limit, auto, reason of its last change, floor, cap,
-    #: history ``[[unix time, limit, tok/s, done/s], ...]``.
-    limits: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    #: The cost report: busy_s, gpu_hours, tokens, tokens_per_s, dollars,
-    #: dollars_per_mtok, remaining_s, remaining_dollars, servers.
-    cost: dict[str, Any] = Field(default_factory=dict)
-    regenerate: str = "last"
-    turns_done: int = 0
-    turns_total: int = 0
-    cut: int = 0
-    #: Why synthq paused the job itself (a server URL without /v1); None otherwise.
-    pause_reason: str | None = None
+    step: int
+    total_steps: int | None = None
+    loss: float | None = None
+    #: Teacher-forced estimate from training accuracies (optimistic).
+    accept: float | None = None
+    #: synthq's greedy draft-and-verify on the held-out split.
+    eval_acceptance_length: float | None = None
+    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
+    served_acceptance_length: float | None = None
+    served_engine: str | None = None
+    served_engine_version: str | None = None
+    checkpoint: str | None = None
+    error: str | None = None
 
 
 class JobStateChange(BaseModel):
@@ -214,80 +192,15 @@ class RequeueResult(BaseModel):
     requeued: int
 
 
-class SamplePublic(BaseModel):
-    id: int
-    dataset_index: int
-    source_id: str | None
-    state: str
-    attempts: int
-    server: str | None
-    error_class: str | None
-    error_message: str | None
-    finish_reason: str | None
-    completion_tokens: int | None
-    num_tokens: int | None
-    num_supervised: int | None
-    updated_at: datetime
-
-
 class SamplePage(BaseModel):
-    items: list[SamplePublic]
+    #: Each sample as synthq.query.SampleRow (one record, no copy to keep in step).
+    items: list[SampleRow]
     #: Pass as ``after`` for the next page; null on the last one.
     next_after: int | None
 
 
-class AttemptPublic(BaseModel):
-    id: int
-    server: str
-    worker: str | None
-    started_at: datetime
-    ended_at: datetime | None
-    outcome: str | None
-    error_message: str | None
-    latency_s: float | None
-    ttft_s: float | None
-    completion_tokens: int | None
-    turn: int | None = None
-
-
-class MaskSegmentPublic(BaseModel):
-    supervised: bool
-    tokens: int
-    text: str | None
-
-
-class SampleDetailPublic(BaseModel):
-    id: int
-    job_id: int
-    job_name: str
-    dataset_index: int
-    source_id: str | None
-    state: str
-    attempts: int
-    server: str | None
-    error_class: str | None
-    error_message: str | None
-    prompt: list[dict[str, Any]] | None
-    response_content: str | None
-    reasoning_content: str | None
-    finish_reason: str | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    num_tokens: int | None
-    num_supervised: int | None
-    tokenize_version: int | None
-    created_at: datetime
-    finished_at: datetime | None
-    attempt_log: list[AttemptPublic]
-    mask: list[MaskSegmentPublic]
-    tools: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    turn: int = 0
-    turn_count: int | None = None
-    turns: list[dict[str, Any]] | None = None
-    cut_at_turn: int | None = None
-    cut_reason: str | None = None
-    overrides: dict[str, Any] | None = None
+# One sample in full is synthq.query.SampleDetail itself (what `synthq sample --json`
+# prints), the response model of GET /api/samples/{id}.
 
 
 class ExportRequest(BaseModel):

@@ -536,7 +536,11 @@ class InferenceClient:
                                 "max_tokens": request.max_tokens, **more, **request.sampling}
         body.update(request.extra_body)
         if request.tools:
+            # The row's tool_choice, else "auto" with tools (what vLLM defaults to, and
+            # what speculators sends): a server whose default differs calls the same.
             body.update(request.tools)
+            if body.get("tools") and "tool_choice" not in request.tools:
+                body["tool_choice"] = "auto"
         data = json.dumps(body).encode()
         if len(data) > request.max_request_bytes:
             # A conversation regenerated turn by turn grows with every answer (and its

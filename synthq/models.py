@@ -148,6 +148,10 @@ class Job(Base):
     #: ``last``: regenerate the last assistant turn; ``all``: every assistant turn,
     #: each on the regenerated history (synthq.turns).
     regenerate: Mapped[str] = mapped_column(String(8), default="last", server_default="last")
+    #: ``conversation``: one training example per sample; ``per-turn``: with
+    #: regenerate=all, one per regenerated turn (synthq.examples).
+    examples: Mapped[str] = mapped_column(String(16), default="conversation",
+                                          server_default="conversation")
     #: ``drop``: earlier regenerated turns are sent with their content only; ``keep``:
     #: with their reasoning_content too.
     history_reasoning: Mapped[str] = mapped_column(String(8), default="drop",
@@ -251,6 +255,10 @@ class Sample(Base):
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int | None] = mapped_column(Integer)
     num_supervised: Mapped[int | None] = mapped_column(Integer)
+    #: Several examples in ``input_ids``/``loss_mask`` (jobs with examples=per-turn),
+    #: concatenated in this order: ``[{"turn", "tokens", "supervised"}, ...]``; None:
+    #: one example (synthq.examples).
+    examples: Mapped[list[dict[str, Any]] | None] = mapped_column(JsonType, nullable=True)
     #: The job's tokenize_version this result was computed at.
     tokenize_version: Mapped[int | None] = mapped_column(Integer)
     #: The row's ``{"tools": [...], "tool_choice": ...}``, sent with every call (None: no tools).
@@ -408,6 +416,10 @@ class Worker(Base):
     inflight: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime]
     heartbeat_at: Mapped[datetime]
+    #: Seconds this process's wall clock ran ahead of the database's at its last
+    #: heartbeat (negative: behind). synthq's times are the database's either way
+    #: (synthq.clock); ``status`` names a machine whose clock is off.
+    clock_skew: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class TrainingRun(Base):
@@ -440,6 +452,12 @@ class TrainingRun(Base):
     #: split (the latest evaluation; the final one once done). Trust this, not the
     #: training estimate in ``metrics``.
     eval_acceptance_length: Mapped[float | None] = mapped_column(Float)
+    #: The acceptance length a real engine served with this drafter (``synthq
+    #: serve-check``: its spec-decode counters, 1 + accepted / drafts, on the same
+    #: held-out prompts), and which engine and version measured it.
+    served_acceptance_length: Mapped[float | None] = mapped_column(Float)
+    served_engine: Mapped[str | None] = mapped_column(String(64))
+    served_engine_version: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
     #: Random token of the process that holds the run; every write presents it.
     claim: Mapped[str | None] = mapped_column(String(32))

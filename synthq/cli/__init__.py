@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "manage": ("requeue", "pause", "resume", "cancel"),
     "data": ("export", "retokenize"),
     "train": ("train", "runs"),
+    "engine": ("serve-check",),
     "services": ("worker", "beat", "simulate"),  # and `db upgrade`
     "api": ("api", "flower"),
 }
@@ -107,6 +108,10 @@ db_app = typer.Typer(help="Database maintenance.\n\nExample: `synthq db upgrade`
                      "after installing or upgrading synthq, before starting workers)",
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
+testing_app = typer.Typer(help="Helpers for trying synthq without a GPU.\n\nExample: "
+                          "`synthq testing tiny-target ./tiny` (a tiny Llama a CPU vLLM "
+                          "serves)", no_args_is_help=True)
+app.add_typer(testing_app, name="testing")
 
 def _console(stderr: bool = False) -> Console:
     """A console; piped (not a terminal, no COLUMNS), lines are not wrapped at 80 columns."""

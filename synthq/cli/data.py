@@ -82,7 +82,10 @@ def export(
         return
     tokens = (f", {manifest.num_tokens:,} tokens ({manifest.num_supervised:,} supervised)"
               if manifest.num_tokens is not None else "")
-    console.print(f"exported {manifest.exported:,} samples to {escape(out)} in "
+    what = (f"{manifest.exported:,} examples (one per regenerated turn) of "
+            f"{manifest.samples:,} samples" if manifest.examples == "per-turn"
+            else f"{manifest.exported:,} samples")
+    console.print(f"exported {what} to {escape(out)} in "
                   f"{len(manifest.shards)} {fmt} shard(s){tokens}")
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
@@ -99,6 +102,8 @@ def retokenize(
     max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
     reasoning: Annotated[str | None, typer.Option(help="keep or drop.")] = None,
     mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
+    examples: Annotated[str | None, typer.Option(help="conversation or per-turn (jobs with "
+                        "--regenerate all).")] = None,
     batch_size: Annotated[int, typer.Option(help="Samples per task.")] = 200,
     wait: Annotated[bool, typer.Option(help="Wait and show progress until every example is "
                     "recomputed (with workers).")] = True,
@@ -134,6 +139,8 @@ def retokenize(
             changes["reasoning"] = reasoning
         if mask is not None:
             changes["mask"] = mask
+        if examples is not None:
+            changes["examples"] = examples
         job_id, version = with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
     except UserError as exc:
         raise fail(str(exc)) from None

@@ -26,6 +26,7 @@ from synthq.cli.options import (
     BackoffCapOpt,
     ChatTemplateOpt,
     DatasetOpt,
+    ExamplesOpt,
     ExtraBodyOpt,
     GpuPriceOpt,
     GpusOpt,
@@ -146,7 +147,7 @@ def enqueue(
     reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
     regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
-    as_json: JsonOpt = False,
+    examples: ExamplesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Add a dataset's prompts to a job (created if new). Prints the job id.
 
@@ -193,7 +194,7 @@ def run(
     reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
     regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
-    as_json: JsonOpt = False,
+    examples: ExamplesOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 

@@ -72,6 +72,11 @@ RegenerateOpt = Annotated[str, typer.Option(help="last: regenerate the last assi
 HistoryReasoningOpt = Annotated[str, typer.Option(help="With --regenerate all: drop: earlier "
                                 "turns are sent with their content only; keep: with their "
                                 "reasoning_content too.")]
+ExamplesOpt = Annotated[str | None, typer.Option(help="With --regenerate all: conversation: "
+                        "one training example per conversation, masked per --mask; per-turn: "
+                        "one per regenerated turn, its history as sent and its answer "
+                        "supervised [default: per-turn where the template cannot mask several "
+                        "turns at once (tried at enqueue), else conversation].")]
 ThinkOpenOpt = Annotated[str, typer.Option(help="Opens kept reasoning where the template has no "
                          "reasoning_content (escapes like \\n are read).")]
 ThinkCloseOpt = Annotated[str, typer.Option(help="Closes kept reasoning where the template has "
@@ -114,7 +119,8 @@ def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
                    mask=opts["mask"], think_open=_unescape(opts["think_open"]),
                    think_close=_unescape(opts["think_close"]),
                    regenerate=opts.get("regenerate") or "last",
-                   history_reasoning=opts.get("history_reasoning") or "drop")
+                   history_reasoning=opts.get("history_reasoning") or "drop",
+                   examples=opts.get("examples"))
 
 
 def _unescape(text: str) -> str:

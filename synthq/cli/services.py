@@ -1,4 +1,6 @@
-"""Processes: `synthq worker`, `synthq beat`, `synthq db upgrade`, `synthq simulate`."""
+"""Processes: `synthq worker`, `synthq beat`, `synthq db upgrade`, `synthq simulate`;
+and `synthq testing tiny-target`, the target that `synthq simulate`'s real counterpart
+(vLLM on a CPU) serves."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from synthq.cli import (
     db_app,
     err,
     fail,
+    testing_app,
 )
 
 
@@ -139,6 +142,10 @@ def simulate(
                                "the whole conversation it was asked on.")] = False,
     record_requests: Annotated[bool, typer.Option(help="Keep every request for "
                                "`GET /sim/requests`.")] = False,
+    tool_calls: Annotated[bool, typer.Option(help="Answer a request that offers tools and "
+                          "ends with a user turn by calling one (the one tool_choice names, "
+                          "else the first): try the tool path with a dataset that has "
+                          "tools.")] = False,
 ) -> None:
     """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
 
@@ -173,6 +180,41 @@ def simulate(
                        retry_after=retry_after, seed=seed, knee=knee,
                        knee_falloff=knee_falloff, vllm_metrics=vllm_metrics,
                        history_answers=history_answers, record_requests=record_requests,
-                       **rates)  # type: ignore[arg-type]
+                       tool_calls=tool_calls, **rates)  # type: ignore[arg-type]
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)
+
+
+@testing_app.command("tiny-target")
+def tiny_target(
+    directory: Annotated[str, typer.Argument(help="Where to write the model (created).")],
+    layers: Annotated[int, typer.Option(help="Decoder layers (EAGLE-3 reads 3 of them: "
+                                        "7 or more keeps them distinct).")] = 8,
+    steps: Annotated[int, typer.Option(help="Training steps on the counting "
+                                       "language.")] = 300,
+    seed: Annotated[int, typer.Option(help="Random seed (another seed, another "
+                                      "target).")] = 0,
+    force: Annotated[bool, typer.Option(help="Overwrite a directory that has a "
+                                        "model.")] = False,
+) -> None:
+    """Build a tiny Llama (head_dim 64) and its byte-level BPE tokenizer with a chat
+    template, trained for a few seconds to count ("count from 23 to 29" -> "23 24 ... 29"),
+    so that a CPU vLLM can serve it and a drafter can learn it.
+
+    Example: `synthq testing tiny-target ./tiny && python -m
+    vllm.entrypoints.openai.api_server --model ./tiny --dtype float32 -O0` (or
+    `scripts/vllm-cpu.sh`)
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.testing.tiny import TinySpec, build_tiny_target
+
+    out = Path(directory)
+    if (out / "config.json").exists() and not force:
+        raise fail(f"{out} already holds a model (--force to overwrite)")
+    if layers < 4 or steps < 0:
+        raise fail("--layers must be at least 4 and --steps at least 0")
+    summary = build_tiny_target(out, TinySpec(layers=layers, steps=steps, seed=seed),
+                                say=lambda line: err.print(line, highlight=False))
+    console.print_json(json.dumps(summary))

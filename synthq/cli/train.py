@@ -248,15 +248,19 @@ def _table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈ (train)",
-                  "eval accept", "checkpoint / error")
+                  "eval accept", "served accept", "checkpoint / error")
     for r in rows:
         total = f"/{r['total_steps']}" if r["total_steps"] else ""
         acc = f"{r['acc'][0]:.2f}" if r["acc"] else ""
         ev = r.get("eval_acceptance_length")
+        sv = r.get("served_acceptance_length")
+        served = (f"{sv:.2f} ({r.get('served_engine') or '?'} "
+                  f"{r.get('served_engine_version') or ''})".replace(" )", ")")
+                  if sv is not None else "")
         table.add_row(str(r["id"]), str(r["job"]), r["state"], f"{r['step']}{total}",
                       f"{r['loss']:.4f}" if r["loss"] is not None else "", acc,
                       f"{r['accept']:.2f}" if r["accept"] is not None else "",
-                      f"{ev:.2f}" if ev is not None else "",
+                      f"{ev:.2f}" if ev is not None else "", served,
                       r["error"] if r["state"] == "failed" else (r["checkpoint"] or ""))
     return table
 

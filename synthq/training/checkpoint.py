@@ -127,7 +127,13 @@ def load_drafter(directory: Path, target: Any) -> Eagle3Drafter:
     drafter = Eagle3Drafter(c)
     tensors = load_file(str(directory / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) != {"embed_tokens.weight"}:
+    # d2t/t2d are absent when the draft vocabulary is the target's (vLLM refuses them
+    # then): d2t's zeros are the identity mapping, and every target id is kept.
+    same = c.draft_vocab_size == c.vocab_size
+    if same:
+        drafter.t2d.fill_(True)
+    expected = {"embed_tokens.weight", *(("d2t", "t2d") if same else ())}
+    if unexpected or set(missing) != expected:
         raise ValueError(f"checkpoint {directory}: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float().cpu())

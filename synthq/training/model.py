@@ -342,4 +342,9 @@ class Eagle3Drafter(nn.Module):
         """The tensors of the checkpoint, named as vLLM's llama_eagle3 loads them."""
         sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()
               if not k.startswith("embed_tokens.")}  # vLLM takes the target's embeddings
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            # vLLM makes no draft_id_to_target_id parameter when the vocabularies are
+            # equal, and a d2t tensor then fails its load ("no module or parameter
+            # named 'draft_id_to_target_id'"): the draft ids are the target's.
+            del sd["d2t"], sd["t2d"]
         return sd

@@ -55,6 +55,8 @@ def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
         "total_steps": run.total_steps, "resumed_from": run.resumed_from,
         "loss": last.get("loss"), "acc": last.get("acc"), "accept": last.get("accept"),
         "eval_acceptance_length": run.eval_acceptance_length,
+        "served_acceptance_length": run.served_acceptance_length,
+        "served_engine": run.served_engine, "served_engine_version": run.served_engine_version,
         "checkpoint": run.checkpoint, "output_dir": run.output_dir, "error": run.error,
         "worker": run.worker, "settings": run.settings,
         "created_at": run.created_at.isoformat(),

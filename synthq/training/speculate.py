@@ -62,7 +62,8 @@ def greedy_generate(target: Any, prompt: list[int], max_new: int) -> list[int]:
 def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int], max_new: int,
                          k: int = 5, eos: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     """Greedy draft-and-verify. Returns the new tokens and the tokens gained per verify
-    round (accepted drafts + the target's own token: vLLM's acceptance length).
+    round (accepted drafts + the target's own token, EOS or not: vLLM's acceptance
+    length).
     Generation stops after ``max_new`` tokens or at a token of ``eos``."""
     drafter.eval()
     preds, aux = _target(target, list(prompt))
@@ -78,13 +79,17 @@ def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int],
         while m < k and drafts[m] == int(preds[t + m]):
             m += 1
         gained = [*drafts[:m], int(preds[t + m])]
+        # The round counts all it accepted, as vLLM's counters do: its scheduler
+        # records the accepted drafts before the stop check cuts the output at EOS
+        # (vllm/v1/core/sched/scheduler.py, 0.32). Counting only up to EOS made the
+        # estimate 0.08 lower than what vLLM served on the same prompts.
+        lengths.append(len(gained))
         for cut, tok in enumerate(gained):
             if tok in stop:  # the request ends at EOS: what follows is dropped
                 gained = gained[:cut + 1]
                 break
         seq += gained
         new += gained
-        lengths.append(len(gained))
     return new[:max_new], lengths
 
 

@@ -36,3 +36,28 @@ def test_job_page_shows_eval_acceptance_beside_the_estimate(
     assert "Drafter training" in page.text
     row = page.text[page.text.index(f'data-run="{run_id}"'):]
     assert "5.97" in row and "<b>2.51</b>" in row
+
+
+def test_served_acceptance_is_on_the_page_and_in_the_api_beside_synthqs_own(
+        client: Any, job_factory: Callable[..., Any]) -> None:
+    from synthq.models import TrainingRun
+    from synthq.training import states
+
+    job_id = job_factory([]).job_id
+    with session_scope() as s:
+        run_id = states.create(s, job_id=job_id, trigger="manual", target="/m", settings={},
+                               output_dir="/tmp/run{run}", now=utcnow())
+        run = s.get_one(TrainingRun, run_id)
+        run.eval_acceptance_length, run.served_acceptance_length = 4.19, 4.27
+        run.served_engine, run.served_engine_version = "vllm", "0.32.0"
+    runs = client.get(f"/api/jobs/{job_id}/training-runs")
+    assert runs.status_code == 200
+    [row] = runs.json()
+    assert (row["id"], row["eval_acceptance_length"], row["served_acceptance_length"],
+            row["served_engine"], row["served_engine_version"]) == (
+        run_id, 4.19, 4.27, "vllm", "0.32.0")
+    assert client.get("/api/jobs/no-such-job/training-runs").status_code == 404
+    assert client.post("/ui/login", data={"token": TOKEN}).status_code == 200
+    page = client.get(f"/ui/jobs/{job_id}").text
+    cell = page[page.index('class="num served-accept"'):]
+    assert cell.index("<b>4.27</b>") < cell.index("vllm 0.32.0") < cell.index("</td>")

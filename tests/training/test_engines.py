@@ -166,6 +166,48 @@ def test_vllm_loader_loads_every_parameter_and_the_reference_drafts_synthqs_toke
         RefDrafter(out, tiny_target)
 
 
+def test_a_draft_vocabulary_equal_to_the_targets_has_no_d2t_as_vllm_loads_it(
+        tiny_target: Any, tmp_path: Path) -> None:
+    """vLLM makes no draft_id_to_target_id when the vocabularies are equal: synthq writes
+    neither d2t nor t2d then, the reference loader (like vLLM's) refuses a d2t, and
+    synthq loads its own checkpoint back with the identity mapping."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from synthq.training.checkpoint import load_drafter, save_drafter
+    from synthq.training.model import DraftConfig, Eagle3Drafter
+    from synthq.training.speculate import _target, propose
+
+    T = tiny_target.config.vocab_size
+    torch.manual_seed(2)
+    d = Eagle3Drafter(DraftConfig.from_target(tiny_target.config, T))
+    d.init_from_target(tiny_target, torch.arange(T))
+    d.t2d.fill_(True)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name != "embed_tokens.weight":
+                p.add_(0.2 * torch.randn_like(p))
+    out = save_drafter(tmp_path / "same", d.eval(), {})
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not {"d2t", "t2d"} & set(f.keys())  # noqa: SIM118 - safe_open has no __contains__
+        assert tuple(f.get_slice("lm_head.weight").get_shape())[0] == T
+    ref = RefDrafter(out, tiny_target)
+    assert not ref.mapped and ref.unloaded() == [] and len(ref.loaded) == 13
+    back = load_drafter(out, tiny_target)
+    assert bool(back.t2d.all()) and int(back.d2t.abs().sum()) == 0
+    for prompt, _ in greedy_examples(tiny_target, 3, seed=4, new_tokens=4):
+        _, aux = _target(tiny_target, prompt[:-1])
+        assert ref.propose(prompt, aux[0], 4) == propose(back, prompt, aux, 4) == \
+            propose(d, prompt, aux, 4)
+    # What synthq wrote before: a d2t beside an equal vocabulary. vLLM 0.32 refused it
+    # ("There is no module or parameter named 'draft_id_to_target_id'").
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({**tensors, "d2t": torch.zeros(T, dtype=torch.long)},
+              str(out / "model.safetensors"))
+    with pytest.raises(KeyError, match="draft_id_to_target_id"):
+        RefDrafter(out, tiny_target)
+
+
 def test_cache_estimate_matches_the_files_and_short_disk_is_refused(
         tiny_target: Any, tmp_path: Path) -> None:
     from synthq.errors import UserError

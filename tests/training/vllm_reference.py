@@ -7,7 +7,10 @@ What it follows (vLLM ``model_executor/models/llama_eagle3.py`` and the EAGLE pr
 - parameters after ``load_weights``: ``model.fc``, ``model.layers.0.self_attn.qkv_proj``
   (q, k, v stacked), ``o_proj``, ``model.layers.0.mlp.gate_up_proj`` (gate, up stacked),
   ``down_proj``, ``input_layernorm``, ``hidden_norm``, ``post_attention_layernorm``,
-  ``model.norm``, ``lm_head``, ``draft_id_to_target_id``; ``model.embed_tokens`` optional
+  ``model.norm``, ``lm_head``; ``draft_id_to_target_id`` only when ``draft_vocab_size``
+  differs from the *target's* vocabulary (``Eagle3LlamaForCausalLM.__init__``: it is
+  None otherwise, so a ``d2t`` tensor then fails the load; when it exists and the file
+  has no ``d2t`` it keeps its zeros, the identity); ``model.embed_tokens`` optional
   (the target's when absent). Renames: ``midlayer.`` -> ``layers.0.``, ``d2t`` ->
   ``draft_id_to_target_id``, every name but ``lm_head`` gets ``model.``; ``t2d`` is
   skipped; any other name has no parameter and fails the load.
@@ -56,22 +59,25 @@ class RefDrafter:
             "model.norm.weight": (self.H,),
             "model.embed_tokens.weight": (c["vocab_size"], self.H),
             "lm_head.weight": (c["draft_vocab_size"], self.H),
-            "draft_id_to_target_id": (c["draft_vocab_size"],),
         }
         self.p = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
-        self.p["draft_id_to_target_id"] = torch.zeros(c["draft_vocab_size"], dtype=torch.long)
+        # vLLM compares the draft vocabulary with the target model's config, not the
+        # drafter's own vocab_size.
+        self.mapped = c["draft_vocab_size"] != target.config.vocab_size
+        if self.mapped:
+            self.p["draft_id_to_target_id"] = torch.zeros(c["draft_vocab_size"],
+                                                          dtype=torch.long)
         self.loaded: set[str] = set()
         stacked = [(".q_proj", ".qkv_proj", (0, q)), (".k_proj", ".qkv_proj", (q, q + kv)),
                    (".v_proj", ".qkv_proj", (q + kv, q + 2 * kv)),
                    (".gate_proj", ".gate_up_proj", (0, inter)),
                    (".up_proj", ".gate_up_proj", (inter, 2 * inter))]
-        has_embed = has_d2t = False
+        has_embed = False
         for name, w in load_file(str(directory / "model.safetensors")).items():
             if "t2d" in name:
                 continue
             if "d2t" in name:
                 name = name.replace("d2t", "draft_id_to_target_id")
-                has_d2t = True
             elif "lm_head" not in name:
                 name = "model." + name
             name = name.replace("midlayer.", "layers.0.")
@@ -94,8 +100,6 @@ class RefDrafter:
         if not has_embed:
             self.p["model.embed_tokens.weight"] = \
                 target.get_input_embeddings().weight.detach().float().clone()
-        if not has_d2t:
-            raise ValueError("no d2t in the checkpoint")
 
     def unloaded(self) -> list[str]:
         """Parameters vLLM would leave uninitialised (embed_tokens comes from the target)."""
@@ -162,6 +166,8 @@ class RefDrafter:
         return logits, h2
 
     def to_target(self, draft_id: int) -> int:
+        if not self.mapped:  # the logits are over the target's vocabulary already
+            return draft_id
         return int(draft_id + self.p["draft_id_to_target_id"][draft_id])
 
     @torch.no_grad()

@@ -1,0 +1,88 @@
+"""The engine tier: one real vLLM (CPU, its own venv) per test session, serving a tiny
+target the session builds (``synthq testing tiny-target``).
+
+If the server does not come up, every test of the tier fails with the server's log:
+the tier is never skipped (``scripts/vllm-venv.sh`` makes the venv first).
+
+``SYNTHQ_ENGINE_TARGET=DIR`` reuses a target built earlier (iterating on a test
+without the minute the build takes on a busy machine); ``SYNTHQ_ENGINE_URL=URL``
+(with the target) reuses a server already running (its name: ``tiny``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from synthq.testing.vllm import VllmServer, VllmStartError
+
+#: The served model name.
+SERVED = "tiny"
+#: The server's context window (the 400 test sends more).
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if given := os.environ.get("SYNTHQ_ENGINE_TARGET"):
+        return Path(given)
+    import hashlib
+    import shutil
+
+    from synthq.testing import tiny
+    from synthq.testing.vllm import venv_path
+
+    # Built once per version of its code (a minute or more on a busy machine) and
+    # kept beside the vLLM venv: a rerun on the same machine reuses it.
+    key = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
+    cached = venv_path().parent / f"tiny-target-{key}"
+    if (cached / "tiny_target.json").is_file():
+        return cached
+    out = tmp_path_factory.mktemp("engine") / "tiny"
+    tiny.build_tiny_target(out)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(out, cached.with_suffix(".tmp"), dirs_exist_ok=True)
+        cached.with_suffix(".tmp").rename(cached)
+    except OSError:  # another session cached it first, or no room: use this one
+        return out
+    return cached
+
+
+class Engine:
+    """The running server: ``url`` (OpenAI base URL), ``name``, ``target`` (its model dir)."""
+
+    def __init__(self, url: str, target: Path, server: VllmServer | None) -> None:
+        self.url, self.target, self.server, self.name = url, target, server, SERVED
+
+    def metrics(self) -> dict[str, float]:
+        from synthq.testing.vllm import metrics
+
+        return metrics(self.url)
+
+    def log(self) -> str:
+        if self.server is None:
+            return "(a server started outside the tests)"
+        return self.server.log_path.read_text(errors="replace")[-6000:]
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    if url := os.environ.get("SYNTHQ_ENGINE_URL"):
+        yield Engine(url, tiny_target, None)
+        return
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    try:
+        server = VllmServer.start(tiny_target, SERVED, log_path=log,
+                                  max_model_len=MAX_MODEL_LEN)
+        server.wait_ready(timeout=float(os.environ.get("SYNTHQ_VLLM_START_TIMEOUT", 900)))
+    except VllmStartError as exc:
+        pytest.fail(f"the engine tier needs a real vLLM, and it did not start: {exc}",
+                    pytrace=False)
+    try:
+        yield Engine(server.base_url, tiny_target, server)
+    finally:
+        server.stop()
