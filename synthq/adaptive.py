@@ -335,6 +335,9 @@ def parse_vllm_gauges(body: str) -> dict[str, float]:
     return found
 
 
+#: Bytes of a ``/metrics`` page read at most (vLLM's is about 100 KB), and seconds in all.
+METRICS_BYTES = 4 << 20
+METRICS_SECONDS = 0.5
 #: Servers found without vLLM gauges, and when (monotonic): asked again after a minute.
 _no_gauges: dict[str, float] = {}
 _client: httpx.Client | None = None
@@ -346,11 +349,17 @@ def _scrape(url: str) -> dict[str, float]:
 
     if time.monotonic() - _no_gauges.get(url, -1e9) < 60.0:
         return {}
+    from synthq.netio import get_bounded
+
     if _client is None:
         _client = httpx.Client()
     try:
-        response = _client.get(metrics_url(url), timeout=0.5)
-        gauges = parse_vllm_gauges(response.text) if response.status_code == 200 else {}
+        # Bounded: a page that never ends (or a huge one) costs METRICS_BYTES and the
+        # deadline; its complete lines are still read.
+        body = get_bounded(_client, metrics_url(url), max_bytes=METRICS_BYTES,
+                           seconds=METRICS_SECONDS)
+        text = body.text() if body.complete else body.text().rpartition("\n")[0]
+        gauges = parse_vllm_gauges(text) if body.status == 200 else {}
     except httpx.HTTPError:
         gauges = {}
     if not gauges:

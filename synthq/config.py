@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from synthq import defaults
@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     dispatch_batch: int = 1000
     #: Most samples in one ``generate`` message (a batch one worker runs at once).
     batch_size: int = 32
+    #: Bounds on what one sample may cost, whatever its row or its server says. A row with
+    #: more assistant turns than this to regenerate (``--regenerate all``) is skipped at
+    #: enqueue, with its reason; a request body over this many bytes (a long history,
+    #: carried reasoning) fails as ``request_too_large`` before it is sent.
+    max_regenerated_turns: int = Field(default=64, gt=0)
+    max_request_bytes: int = Field(default=16 << 20, gt=0)
     #: Seconds between a worker's heartbeats, and silence after which it counts
     #: as dead (its capacity is freed, its running samples go back to pending).
     heartbeat_interval: float = 2.0

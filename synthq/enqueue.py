@@ -524,8 +524,13 @@ def _sample_values(job_id: int, keys: ContentKeys, rows: Iterable[Row], report: 
     keeps no key order, so nothing is lost); SQLite the messages themselves,
     which SQLAlchemy's JSON type encodes.
     """
+    from synthq.config import get_settings
+
     now = utcnow()
     pending, skipped = SampleState.PENDING.value, SampleState.SKIPPED.value
+    # Each regenerated turn is a call with the whole history so far: a 2,500-turn row
+    # would be 2,500 calls with ever larger bodies.
+    max_turns = get_settings().max_regenerated_turns
     for row in rows:
         report.rows += 1
         if row.source_id is not None:
@@ -533,8 +538,15 @@ def _sample_values(job_id: int, keys: ContentKeys, rows: Iterable[Row], report: 
         tools: Any = row.tools
         if tools is not None and postgres:
             tools = _JSONB_VERSION + json.dumps(tools, ensure_ascii=False).encode("utf-8")
-        if row.messages is None:
-            reason = row.skip_reason or "malformed row"
+        reason = None if row.messages is not None else row.skip_reason or "malformed row"
+        turn_count = None
+        if row.messages is not None and regenerate == "all":
+            turn_count = len(turn_positions(row.messages))
+            if turn_count > max_turns:
+                reason = (f"{turn_count:,} assistant turns to regenerate, over "
+                          f"SYNTHQ_MAX_REGENERATED_TURNS={max_turns:,}")
+        if reason is not None or row.messages is None:
+            reason = reason or "malformed row"
             report.skipped += 1
             where = row.where or f"row {row.index + 1}"
             if len(report.skip_examples) < 10:
@@ -547,8 +559,7 @@ def _sample_values(job_id: int, keys: ContentKeys, rows: Iterable[Row], report: 
             key, prompt_json = keys.key(row.messages, row.tools)
             yield (job_id, key, row.index, row.source_id,
                    _JSONB_VERSION + prompt_json if postgres else row.messages, pending, 0,
-                   now, now, now, None, None, None, tools,
-                   len(turn_positions(row.messages)) if regenerate == "all" else None)
+                   now, now, now, None, None, None, tools, turn_count)
 
 
 #: Duplicate source ids named in the report.

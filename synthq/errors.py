@@ -19,6 +19,9 @@
             ├── InvalidInput          the sample itself is unusable    (invalid_input)
             ├── EmptyResponse         the server answered nothing      (empty_response)
             ├── Truncated             finish_reason=length, not kept   (truncated)
+            ├── ResponseTooLarge      answer over max_response_bytes   (response_too_large)
+            ├── RequestTooLarge       request over max_request_bytes,  (request_too_large)
+            │                         never sent
             ├── BoundaryUnstable      chat template renders unstably   (boundary_unstable)
             ├── MaskMismatch          mask fails its self-check        (mask_mismatch)
             ├── NoSupervisedTokens    nothing left after truncation    (no_supervised_tokens;
@@ -51,6 +54,8 @@ __all__ = [
     "InvalidInput",
     "EmptyResponse",
     "Truncated",
+    "ResponseTooLarge",
+    "RequestTooLarge",
     "BoundaryUnstable",
     "MaskMismatch",
     "NoSupervisedTokens",
@@ -62,6 +67,7 @@ __all__ = [
     "retokenizable",
     "RETRYABLE_CLASSES",
     "PERMANENT_CLASSES",
+    "brief",
 ]
 
 
@@ -158,6 +164,12 @@ class ResponseTooLarge(PermanentError):
     error_class = "response_too_large"
 
 
+class RequestTooLarge(PermanentError):
+    """The request body exceeded SYNTHQ_MAX_REQUEST_BYTES; it was not sent."""
+
+    error_class = "request_too_large"
+
+
 class BadRequest(PermanentError):
     """The server rejected the request (4xx)."""
 
@@ -249,5 +261,19 @@ RETRYABLE_CLASSES = frozenset(
 PERMANENT_CLASSES = frozenset(
     c.error_class
     for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable,
-              MaskMismatch, NoSupervisedTokens, ResponseTooLarge)
+              MaskMismatch, NoSupervisedTokens, ResponseTooLarge, RequestTooLarge)
 )
+
+
+def brief(exc: BaseException) -> str:
+    """``Class: first line`` of an exception, short enough for a user-visible message.
+
+    A database error is described by the driver's own message (SQLAlchemy's
+    ``orig``): never the SQL statement and parameters SQLAlchemy appends, which
+    carry claim tokens and whole answers. The full error belongs in the log.
+    """
+    inner = getattr(exc, "orig", None)
+    if isinstance(inner, BaseException):
+        exc = inner
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]

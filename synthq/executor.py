@@ -25,6 +25,7 @@ import logging
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -34,9 +35,10 @@ from synthq import states, workers
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
 from synthq.dispatch import LocalClaim
-from synthq.errors import DiskFull
+from synthq.errors import DiskFull, brief
 from synthq.inference import InferenceClient
-from synthq.process import Call, Outcome, get_job, lease_seconds, run_claimed
+from synthq.process import Call, Outcome, effective, get_job, lease_seconds, run_claimed
+from synthq.retry import backoff_delay
 from synthq.writer import Writer
 
 __all__ = ["Executor", "default_executor", "reset_default_executor"]
@@ -69,6 +71,8 @@ class Executor:
         self._starting_lock = threading.Lock()
         self._clients: dict[str, InferenceClient] = {}  # loop thread only
         self._retired: list[InferenceClient] = []
+        #: Unexpected errors already logged with their traceback (type, place).
+        self._bugs_seen: set[tuple[str, str]] = set()
         self._closed = False
         #: Set by :meth:`begin_shutdown`: new batches are released, not run.
         self._stopping = False
@@ -283,17 +287,38 @@ class Executor:
         except DiskFull:  # nothing can be written: the lease (or the next run) brings it back
             outcome = Outcome.LOST
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
-            log.exception("sample %s: unexpected error", c.sample_id)
-            outcome = await self._give_back(c, f"{type(exc).__name__}: {exc}", call)
+            self._log_unexpected(c.sample_id, exc)
+            outcome = await self._give_back(c, brief(exc), call, job)
         finally:
             del self._calls[c.sample_id]
         if self.on_finished is not None:
             self.on_finished()
         return outcome
 
-    async def _give_back(self, c: states.Claimed, why: str, call: Call | None = None) -> Outcome:
-        """running → pending (due now, class ``worker_error``) after an unexpected error, so
-        the sample does not wait out its lease; LOST if even that cannot be written.
+    def _log_unexpected(self, sample_id: int, exc: Exception) -> None:
+        """The traceback the first time a bug is met (by type and place), one line after:
+        a bug every call meets would otherwise log a traceback per call."""
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        key = (type(exc).__name__, where)
+        if key in self._bugs_seen:
+            log.warning("sample %s: unexpected error at %s: %s (traceback logged before)",
+                        sample_id, where, brief(exc))
+            return
+        self._bugs_seen.add(key)
+        log.error("sample %s: unexpected error", sample_id, exc_info=exc)
+
+    async def _give_back(self, c: states.Claimed, why: str, call: Call | None = None,
+                         job: Any = None) -> Outcome:
+        """running → pending after an unexpected error (class ``worker_error``), after the
+        job's backoff, so the sample does not wait out its lease; LOST if even that cannot
+        be written.
+
+        The call counts against ``max_attempts`` (the claim charged it) like any other:
+        once they are spent the sample fails as ``worker_error``, so a bug, or a server
+        answer that sets one off, every call meets never loops. A sample whose response
+        was stored (its claim charges nothing) fails at once: the answer stays, and
+        ``requeue`` or ``retokenize`` takes it up again.
 
         A call that was under way (it may have reached the server, and been paid for)
         gets its attempts row, as every call does, whatever ended it."""
@@ -304,15 +329,32 @@ class Executor:
                            started_at=call.started_at, ended_at=utcnow(),
                            outcome="worker_error", error_message=message,
                            latency_s=time.monotonic() - call.started_mono)
+        settings = effective(job, c.overrides) if job is not None else None
+        delay, retry = 0.0, True
+        if settings is not None:
+            retry = c.attempts < settings.max_attempts and c.response_content is None
+            delay = backoff_delay(c.attempts, base=settings.backoff_base,
+                                  cap=settings.backoff_cap)
+
+        def record(s: Any, now: datetime) -> bool:
+            if not retry:
+                return states.fail(s, c.sample_id, c.token, now=now, error_class="worker_error",
+                                   error_message=f"{message} (gave up after {c.attempts} "
+                                   "attempts)", attempt=attempt)
+            return states.retry(s, c.sample_id, c.token, now=now,
+                                next_attempt_at=now + timedelta(seconds=delay),
+                                error_class="worker_error", error_message=message,
+                                attempt=attempt)
+
         try:
-            won = await self.writer.write(lambda s, now: states.retry(
-                s, c.sample_id, c.token, now=now, next_attempt_at=now,
-                error_class="worker_error", error_message=message, attempt=attempt))
+            won = await self.writer.write(record)
         except Exception as exc:  # noqa: BLE001 - the lease is the last line of defence
             if not isinstance(exc, DiskFull):
                 log.exception("sample %s: could not hand it back", c.sample_id)
             return Outcome.LOST
-        return Outcome.RETRY if won else Outcome.LOST
+        if not won:
+            return Outcome.LOST
+        return Outcome.RETRY if retry else Outcome.FAILED
 
     def _heartbeat_now(self) -> None:
         def beat() -> None:

@@ -24,12 +24,20 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 __all__ = ["PROBE_EVERY", "health_url", "probe", "probe_due", "unhealthy", "served_models",
-           "check_model"]
+           "check_model", "ModelsUnreadable"]
 
 #: Seconds between probes of one server.
 PROBE_EVERY = 5.0
-#: Seconds a probe may take.
+#: Seconds a probe may take, in all (its body included).
 PROBE_TIMEOUT = 3.0
+#: Bytes of a probe's body read, at most: a health answer is empty, a model list small.
+#: A body that never ends costs this much, not the process's memory.
+HEALTH_BYTES = 64 << 10
+MODELS_BYTES = 1 << 20
+
+
+class ModelsUnreadable(Exception):
+    """``/models`` answered 200 with a body cut by the byte cap or the deadline."""
 
 
 def health_url(base_url: str) -> str:
@@ -44,25 +52,38 @@ def probe(base_url: str, client: httpx.Client) -> str | None:
     """None when the server is healthy, else what went wrong."""
     import httpx
 
+    from synthq.netio import get_bounded
+
     try:
-        response = client.get(health_url(base_url), timeout=PROBE_TIMEOUT)
+        # The status is the answer; a body that never ends is cut, not read.
+        body = get_bounded(client, health_url(base_url), max_bytes=HEALTH_BYTES,
+                           seconds=PROBE_TIMEOUT)
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
-    if response.status_code >= 500:
-        return f"GET /health answered HTTP {response.status_code}"
+    if body.status >= 500:
+        return f"GET /health answered HTTP {body.status}"
     return None
 
 
 def served_models(base_url: str, client: httpx.Client) -> list[str] | None:
     """The model ids ``GET {base_url}/models`` lists; None when the server has no such list.
 
-    Raises :class:`httpx.HTTPError` when the server cannot be reached.
+    Raises :class:`httpx.HTTPError` when the server cannot be reached, and
+    :class:`ModelsUnreadable` when its list passes MODELS_BYTES or PROBE_TIMEOUT.
     """
-    response = client.get(f"{base_url.rstrip('/')}/models", timeout=PROBE_TIMEOUT)
-    if response.status_code != 200:
+    import json
+
+    from synthq.netio import get_bounded
+
+    body = get_bounded(client, f"{base_url.rstrip('/')}/models", max_bytes=MODELS_BYTES,
+                       seconds=PROBE_TIMEOUT)
+    if body.status != 200:
         return None
+    if not body.complete:
+        raise ModelsUnreadable(f"its /models answer did not end within {MODELS_BYTES:,} bytes "
+                               f"and {PROBE_TIMEOUT:g} s")
     try:
-        data = response.json().get("data")
+        data = json.loads(body.data).get("data")
         return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
     except (ValueError, AttributeError, TypeError):
         return None
@@ -74,7 +95,8 @@ def check_model(servers: Iterable[str], model: str, *,
 
     A server that lists its models but not ``model`` is a :class:`UserError`
     naming the ones it serves. A server that cannot be reached may come up
-    later: that is a warning, returned as a line to print.
+    later, and one whose list cannot be read is not checked: each is a warning,
+    returned as a line to print.
     """
     import httpx
 
@@ -90,6 +112,9 @@ def check_model(servers: Iterable[str], model: str, *,
             warnings.append(f"server {url} cannot be reached ({reason}); its samples wait "
                             "until it answers")
             continue
+        except ModelsUnreadable as exc:
+            warnings.append(f"server {url}: {exc}; model {model!r} is not checked")
+            continue
         if models is None and _without_v1(url, client):
             raise UserError(f"server {url} answers 404 for /models, and {url.rstrip('/')}/v1 "
                             f"serves models: did you mean --server {url.rstrip('/')}/v1 ? "
@@ -104,13 +129,16 @@ def _without_v1(url: str, client: httpx.Client) -> bool:
     """True when ``url`` lacks the ``/v1`` the server's OpenAI routes live under."""
     import httpx
 
+    from synthq.netio import get_bounded
+
     if url.rstrip("/").endswith("/v1"):
         return False
     try:
-        if client.get(f"{url.rstrip('/')}/models", timeout=PROBE_TIMEOUT).status_code != 404:
+        if get_bounded(client, f"{url.rstrip('/')}/models", max_bytes=HEALTH_BYTES,
+                       seconds=PROBE_TIMEOUT).status != 404:
             return False
         return served_models(f"{url.rstrip('/')}/v1", client) is not None
-    except httpx.HTTPError:
+    except (httpx.HTTPError, ModelsUnreadable):
         return False
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import ssl
 import time
@@ -42,10 +43,18 @@ from synthq import errors, netio
 
 __all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after"]
 
+log = logging.getLogger(__name__)
+
 #: Seconds to open a TCP connection before the call counts as a connection failure.
 CONNECT_TIMEOUT = 10.0
 #: Most connections in one connection pool (a server's connections are split into pools).
 POOL_SHARD = 16
+#: Bytes of an error answer's body read for its message, and seconds in all to read them.
+ERROR_BODY_BYTES = 256 << 10
+ERROR_BODY_SECONDS = 10.0
+#: Most tokens a usage field may report: far above any context window, far below the
+#: database's INTEGER (a server's 10**15 failed a good answer on storing it).
+MAX_USAGE_TOKENS = 10_000_000
 
 _SSL: ssl.SSLContext | None = None
 
@@ -69,6 +78,8 @@ class ChatRequest:
     extra_body: dict[str, Any] = field(default_factory=dict)
     #: Bytes of streamed body after which the call fails as ``response_too_large``.
     max_response_bytes: int = 4 << 20
+    #: Bytes of request body over which the call fails as ``request_too_large``, unsent.
+    max_request_bytes: int = 16 << 20
     #: The row's ``{"tools": [...], "tool_choice": ...}``, sent as request fields.
     tools: dict[str, Any] | None = None
 
@@ -124,6 +135,15 @@ def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
     if _is_context_length(str(exc.message)) or _is_context_length(str(exc.body)):
         return errors.ContextLength(message)
     return errors.BadRequest(message)
+
+
+def _error_response(response: httpx2.Response, data: bytes) -> httpx2.Response:
+    """A copy of an error ``response`` holding the (bounded, decoded) ``data`` as its body,
+    for the openai client's message extraction."""
+    headers = [(k, v) for k, v in response.headers.multi_items()
+               if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+    return httpx2.Response(response.status_code, headers=headers, content=data,
+                           request=response.request)
 
 
 def _describe(exc: BaseException) -> str:
@@ -188,8 +208,48 @@ def storable(text: str | None, repairs: dict[str, int]) -> str | None:
     return _UNSTORABLE.sub(fix, text)
 
 
+class _Malformed(ValueError):
+    """A chunk or document field of the wrong type: the server's fault (``server_error``)."""
+
+
+def _text(value: Any, what: str) -> str:
+    if type(value) is not str:
+        raise _Malformed(f"{what} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _ids(value: Any, what: str) -> list[int]:
+    """Token ids as int32 can store them (the packed columns are int32)."""
+    if type(value) is list:
+        for i in value:  # a loop, not all(...): a generator per chunk costs a microsecond
+            if type(i) is not int or not 0 <= i < _INT32:
+                break
+        else:
+            return value
+    raise _Malformed(f"{what} is not a list of token ids")
+
+
+_INT32 = 1 << 31
+
+
+def _finish(value: Any) -> str:
+    if type(value) is not str or len(value) > 32:  # samples.finish_reason is VARCHAR(32)
+        raise _Malformed(f"finish_reason {str(value)[:40]!r} is not a short string")
+    return value
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise _Malformed(f"{what} is a {type(value).__name__}, not an object")
+    return value
+
+
 class _Accumulator:
-    """Builds the answer from SSE chunk payloads."""
+    """Builds the answer from SSE chunk payloads, checking each field's type as it goes
+    (a wrong one raises :class:`_Malformed`): ``"delta": "str"`` or a tool call's
+    ``"index": [1]`` is a broken server, never a crash of the worker."""
 
     __slots__ = ("content", "reasoning", "finish_reason", "usage", "token_ids", "prompt_token_ids",
                  "calls")
@@ -198,7 +258,8 @@ class _Accumulator:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        #: As the server sent it: checked once, at the end (:func:`_checked_usage`).
+        self.usage: Any = None
         self.token_ids: list[int] | None = None
         self.prompt_token_ids: list[int] | None = None
         #: Streamed tool calls by index: id, name and the argument pieces.
@@ -208,36 +269,67 @@ class _Accumulator:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         if chunk.get("prompt_token_ids"):
-            self.prompt_token_ids = list(chunk["prompt_token_ids"])
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
+            self.prompt_token_ids = list(_ids(chunk["prompt_token_ids"], "prompt_token_ids"))
+        choices = chunk.get("choices") or []
+        if type(choices) is not list:
+            raise _Malformed(f"choices is a {type(choices).__name__}, not a list")
+        for choice in choices:
+            if type(choice) is not dict:
+                raise _Malformed(f"a choice is a {type(choice).__name__}, not an object")
+            # Type checks inline, the helpers only on the way to the error: this runs
+            # once per streamed token.
+            delta = choice.get("delta")
+            if type(delta) is not dict:
+                delta = _object(delta, "delta")
             if piece := delta.get("content"):
-                self.content.append(piece)
+                self.content.append(piece if type(piece) is str else
+                                    _text(piece, "delta.content"))
             # vLLM: reasoning_content; some versions and SGLang: reasoning.
             if piece := delta.get("reasoning_content") or delta.get("reasoning"):
-                self.reasoning.append(piece)
+                self.reasoning.append(piece if type(piece) is str else
+                                      _text(piece, "delta.reasoning_content"))
             if calls := delta.get("tool_calls"):
                 self._add_calls(calls)
             if ids := choice.get("token_ids"):
+                if type(ids) is not list:
+                    raise _Malformed(f"token_ids is a {type(ids).__name__}, not a list")
                 if self.token_ids is None:
                     self.token_ids = []
-                self.token_ids.extend(ids)
+                self.token_ids.extend(ids)  # each id checked once, at the end (ids())
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = _finish(choice["finish_reason"])
 
-    def _add_calls(self, calls: list[dict[str, Any]]) -> None:
+    def pieces(self) -> int:
+        """Chunks that carried generated text: the token count when usage cannot be trusted
+        (a server's chunk carries at least one token)."""
+        calls = sum(len(c["arguments"]) or 1 for c in (self.calls or {}).values())
+        return len(self.content) + len(self.reasoning) + calls
+
+    def ids(self) -> list[int] | None:
+        """The streamed token ids, checked (one pass over them all is cheaper than a
+        check per chunk)."""
+        return None if self.token_ids is None else _ids(self.token_ids, "token_ids")
+
+    def _add_calls(self, calls: Any) -> None:
+        if type(calls) is not list:
+            raise _Malformed(f"tool_calls is a {type(calls).__name__}, not a list")
         if self.calls is None:
             self.calls = {}
         for piece in calls:
-            at = self.calls.setdefault(int(piece.get("index") or 0),
-                                       {"id": "", "name": "", "arguments": []})
+            piece = _object(piece, "a tool call")
+            index = piece.get("index")
+            if index is None:
+                index = 0
+            elif type(index) is not int or index < 0:
+                raise _Malformed(f"a tool call's index is {str(index)[:40]!r}, not an integer")
+            at = self.calls.setdefault(index, {"id": "", "name": "", "arguments": []})
             if piece.get("id"):
-                at["id"] = piece["id"]
-            function = piece.get("function") or {}
+                at["id"] = _text(piece["id"], "a tool call's id")
+            function = _object(piece.get("function"), "a tool call's function")
             if function.get("name"):
-                at["name"] += function["name"]
+                at["name"] += _text(function["name"], "a tool call's name")
             if function.get("arguments"):
-                at["arguments"].append(function["arguments"])
+                at["arguments"].append(_text(function["arguments"], "a tool call's arguments"))
 
     def tool_calls(self, repairs: dict[str, int]) -> list[dict[str, Any]] | None:
         if not self.calls:
@@ -246,6 +338,63 @@ class _Accumulator:
                  "function": {"name": storable(c["name"], repairs) or "",
                               "arguments": storable("".join(c["arguments"]), repairs) or ""}}
                 for i, c in sorted(self.calls.items())]
+
+
+def _count(value: Any) -> int | None:
+    """A token count as a server must send it: a JSON integer in [0, MAX_USAGE_TOKENS]
+    (not a bool, a float or a string such as "1e9")."""
+    if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS:
+        return value
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Usage:
+    prompt: int | None
+    completion: int | None
+    #: What was wrong with the server's figures (None: nothing); they were replaced.
+    problem: str | None = None
+
+
+def _checked_usage(usage: Any, *, ceiling: int, ids: list[int] | None,
+                   prompt_ids: list[int] | None, streamed: int | None, text: bool) -> _Usage:
+    """The token counts to record, from the server's ``usage`` checked against the call.
+
+    A count must be an integer in range; the completion count can be no lower than
+    the token ids streamed (or 1 when text was), and no higher than the request's
+    ``max_tokens`` (``ceiling``). A bad one is replaced by what was streamed (the
+    token ids, else the chunks that carried text: a server's chunk carries at
+    least one token), never by a figure that could make a counter go negative or
+    fail the answer. Absent figures stay None (the server gave none).
+    """
+    if usage is not None and type(usage) is not dict:
+        return _Usage(len(prompt_ids) if prompt_ids else None, len(ids) if ids else streamed,
+                      f"usage is a {type(usage).__name__}, not an object")
+    problems: list[str] = []
+    usage = usage or {}
+    said = usage.get("prompt_tokens")
+    prompt = _count(said)
+    if said is not None and prompt is None:
+        problems.append(f"prompt_tokens={str(said)[:40]!r}")
+    if prompt_ids and prompt != len(prompt_ids):
+        if prompt is not None:
+            problems.append(f"prompt_tokens={prompt} for {len(prompt_ids)} prompt token ids")
+        prompt = len(prompt_ids)
+    said = usage.get("completion_tokens")
+    completion = _count(said)
+    low = len(ids) if ids else int(text)
+    if said is not None and (completion is None or not low <= completion <= max(ceiling, low)):
+        problems.append(f"completion_tokens={str(said)[:40]!r} (streamed {low}, "
+                        f"max_tokens {ceiling})")
+        completion = len(ids) if ids else streamed
+    return _Usage(prompt, completion, "; ".join(problems) or None)
+
+
+def _ceiling(request: ChatRequest) -> int:
+    """The most tokens the request lets the server generate, as sent."""
+    asked = [request.max_tokens, *(v for k in ("max_tokens", "max_completion_tokens")
+                                   if type(v := request.extra_body.get(k)) is int)]
+    return max(asked)
 
 
 def _tool_calls(calls: Any, repairs: dict[str, int]) -> list[dict[str, Any]] | None:
@@ -263,8 +412,10 @@ def _tool_calls(calls: Any, repairs: dict[str, int]) -> list[dict[str, Any]] | N
     return out or None
 
 
-def _completion_result(document: Any, repairs: dict[str, int], start: float) -> ChatResult:
-    """A non-streamed ``chat.completion`` document as a :class:`ChatResult`."""
+def _completion_result(document: Any, repairs: dict[str, int], start: float,
+                       ceiling: int) -> tuple[ChatResult, str | None]:
+    """A non-streamed ``chat.completion`` document as a :class:`ChatResult`, and what was
+    wrong with its usage (None: nothing). A field of the wrong type raises :class:`_Malformed`."""
     choices = document.get("choices") if isinstance(document, dict) else None
     if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         if isinstance(document, dict) and "error" in document:
@@ -274,23 +425,29 @@ def _completion_result(document: Any, repairs: dict[str, int], start: float) -> 
     message = choice.get("message") or {}
     if not isinstance(message, dict):
         raise errors.ServerError(f"malformed response message: {str(message)[:200]}")
-    usage = document.get("usage") or {}
     reasoning = message.get("reasoning_content") or message.get("reasoning")
-    ids = choice.get("token_ids")
+    content = message.get("content") or ""
+    ids = _ids(choice["token_ids"], "token_ids") if choice.get("token_ids") else None
     prompt_ids = document.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    prompt_ids = _ids(prompt_ids, "prompt_token_ids") if prompt_ids else None
+    usage = _checked_usage(document.get("usage"), ceiling=ceiling, ids=ids,
+                           prompt_ids=prompt_ids, streamed=None,
+                           text=bool(content or reasoning))
+    finish = choice.get("finish_reason")
     return ChatResult(
-        content=storable(str(message.get("content") or ""), repairs) or "",
-        reasoning_content=storable(str(reasoning), repairs) if reasoning else None,
-        finish_reason=choice.get("finish_reason"),
-        prompt_tokens=usage.get("prompt_tokens") if isinstance(usage, dict) else None,
-        completion_tokens=usage.get("completion_tokens") if isinstance(usage, dict) else None,
+        content=storable(_text(content, "message.content"), repairs) or "",
+        reasoning_content=storable(_text(reasoning, "message.reasoning_content"), repairs)
+        if reasoning else None,
+        finish_reason=_finish(finish) if finish is not None else None,
+        prompt_tokens=usage.prompt,
+        completion_tokens=usage.completion,
         prompt_token_ids=list(prompt_ids) if prompt_ids else None,
         completion_token_ids=list(ids) if ids else None,
         latency_s=time.monotonic() - start,
         ttft_s=None,  # the whole answer arrives at once: no first-token time to measure
         tool_calls=_tool_calls(message.get("tool_calls"), repairs),
         repairs=repairs or None,
-    )
+    ), usage.problem
 
 
 def _body_bytes(response: httpx2.Response) -> AsyncIterator[bytes]:
@@ -341,6 +498,9 @@ class InferenceClient:
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url
         self.max_connections = max_connections
+        self._usage_warned = False
+        #: The URL as a log line may show it (no user or password).
+        self._shown = base_url.split("://", 1)[-1].rsplit("@", 1)[-1]
         # The connection pool scans all its connections when a request starts and when
         # one ends: at 128 connections that was a seventh of a worker's CPU. So the
         # connections are split into pools of at most POOL_SHARD, and each call takes
@@ -381,7 +541,14 @@ class InferenceClient:
             body.update(request.tools)
             if body.get("tools") and "tool_choice" not in request.tools:
                 body["tool_choice"] = "auto"
-        return json.dumps(body).encode()
+        data = json.dumps(body).encode()
+        if len(data) > request.max_request_bytes:
+            # A conversation regenerated turn by turn grows with every answer (and its
+            # reasoning, with --history-reasoning keep): it stops here, before it is sent.
+            raise errors.RequestTooLarge(
+                f"the request body is {len(data):,} bytes, over "
+                f"SYNTHQ_MAX_REQUEST_BYTES={request.max_request_bytes:,}")
+        return data
 
     @asynccontextmanager
     async def _send(self, body: bytes, timeout: httpx2.Timeout
@@ -406,8 +573,13 @@ class InferenceClient:
             raise
         try:
             if response.status_code >= 400:
-                await response.aread()
-                raise self._client._make_status_error_from_response(response)
+                # A message is all an error body is read for: a 3 GB one costs its
+                # first ERROR_BODY_BYTES, and closing the response drops the rest.
+                data, _ = await netio.read_bounded(_body_bytes(response),
+                                                   max_bytes=ERROR_BODY_BYTES,
+                                                   seconds=ERROR_BODY_SECONDS)
+                raise self._client._make_status_error_from_response(
+                    _error_response(response, data))
             yield response
         finally:
             busy[shard] -= 1
@@ -453,7 +625,12 @@ class InferenceClient:
             raise errors.ServerError(
                 f"malformed response (not a chat.completion JSON document): {raw[:200]!r}"
             ) from exc
-        return _completion_result(document, repairs, start)
+        try:
+            result, problem = _completion_result(document, repairs, start, _ceiling(request))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a field's type
+            raise errors.ServerError(f"malformed response: {exc}"[:2000]) from exc
+        self._bad_usage(problem, result)
+        return result
 
     async def chat(self, request: ChatRequest, *, total_timeout: float,
                    stall_timeout: float, stream: bool = True) -> ChatResult:
@@ -502,7 +679,11 @@ class InferenceClient:
                         raise errors.ServerError(f"error in stream: {chunk['error']}"[:2000])
                     if ttft is None:
                         ttft = time.monotonic() - start
-                    acc.add(chunk)
+                    try:
+                        acc.add(chunk)
+                    except (TypeError, AttributeError, KeyError) as exc:
+                        # A shape the checks in add() did not foresee: still the server's.
+                        raise _Malformed(f"{type(exc).__name__}: {exc}") from exc
         except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
             raise errors.StalledError(
                 f"no data from the server for {read_timeout:g} s "
@@ -514,7 +695,7 @@ class InferenceClient:
                 raise errors.ServerError(
                     f"the connection broke mid-response: {_describe(exc)}"[:2000]) from exc
             raise errors.ConnectionFailed(_describe(exc)[:2000]) from exc
-        except ValueError as exc:  # JSONDecodeError, or a body that is not SSE at all
+        except ValueError as exc:  # JSONDecodeError, a field's type, a body that is not SSE
             raise errors.ServerError(f"malformed stream chunk: {exc}"[:2000]) from exc
         if not done and acc.finish_reason is None:
             # The body ended cleanly but without [DONE] or a finish reason: the
@@ -522,18 +703,37 @@ class InferenceClient:
             # not unreachable. Retried, and it does not mark the server down.
             raise errors.ServerError("the stream ended without [DONE] or a finish reason "
                                      "(not a complete OpenAI stream)")
-        usage = acc.usage or {}
+        try:
+            ids = acc.ids()
+        except _Malformed as exc:
+            raise errors.ServerError(f"malformed stream chunk: {exc}") from exc
+        usage = _checked_usage(acc.usage, ceiling=_ceiling(request), ids=ids,
+                               prompt_ids=acc.prompt_token_ids, streamed=acc.pieces(),
+                               text=bool(acc.content or acc.reasoning))
         content = storable("".join(acc.content), repairs) or ""
-        return ChatResult(
+        result = ChatResult(
             content=content,
             reasoning_content=storable("".join(acc.reasoning), repairs) or None,
             finish_reason=acc.finish_reason,
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=usage.prompt,
+            completion_tokens=usage.completion,
             prompt_token_ids=acc.prompt_token_ids,
-            completion_token_ids=acc.token_ids,
+            completion_token_ids=ids,
             latency_s=time.monotonic() - start,
             ttft_s=ttft,
             tool_calls=acc.tool_calls(repairs),
             repairs=repairs or None,
         )
+        self._bad_usage(usage.problem, result)
+        return result
+
+    def _bad_usage(self, problem: str | None, result: ChatResult) -> None:
+        """Say once per client (then at debug level) that a server's usage was replaced:
+        a server that always lies would otherwise write a line per call."""
+        if problem is None:
+            return
+        level = logging.DEBUG if self._usage_warned else logging.WARNING
+        self._usage_warned = True
+        log.log(level, "server %s sent an invalid usage (%s); recorded prompt_tokens=%s, "
+                "completion_tokens=%s from the stream instead", self._shown, problem,
+                result.prompt_tokens, result.completion_tokens)

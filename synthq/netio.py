@@ -8,6 +8,12 @@ time at 30,000 chunks a second. This backend keeps the socket readable and
 buffers what arrives in an :class:`asyncio.Protocol`; a read takes what is
 buffered or waits for the next ``data_received``. The HTTP parsing, pooling,
 timeouts-as-exceptions and TLS stay httpcore's and asyncio's.
+
+Every body read from a server that synthq does not keep (an error answer, a
+health probe, ``/v1/models``, ``/metrics``) goes through :func:`read_bounded`
+or :func:`get_bounded`: at most so many bytes, within so many seconds in all.
+A server answering a 500 with a 3 GB body, or a ``/metrics`` page that never
+ends, costs a few hundred kilobytes and a few seconds, never the process's memory.
 """
 
 from __future__ import annotations
@@ -15,13 +21,18 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import httpcore2
 from httpcore2._backends.base import AsyncNetworkBackend, AsyncNetworkStream
 
-__all__ = ["AsyncioBackend", "install"]
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["AsyncioBackend", "install", "Body", "read_bounded", "get_bounded"]
 
 #: Stop reading from the socket while this much is buffered and unread.
 _HIGH_WATER = 1 << 20
@@ -188,3 +199,93 @@ def install(transport: Any) -> bool:
         return False
     pool._network_backend = AsyncioBackend()
     return True
+
+
+# -- bounded reads ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """What a bounded read got: the status, the bytes, and whether that was all of it."""
+
+    status: int
+    data: bytes
+    #: False when the byte cap or the deadline cut the body short.
+    complete: bool
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+class _Parts:
+    """Bytes gathered up to a cap (what passes it is dropped, not kept)."""
+
+    __slots__ = ("parts", "seen", "cap")
+
+    def __init__(self, cap: int) -> None:
+        self.parts: list[bytes] = []
+        self.seen = 0
+        self.cap = cap
+
+    def add(self, data: bytes) -> bool:
+        """Keep ``data`` (up to the cap); False once the cap is reached."""
+        room = self.cap - self.seen
+        if len(data) > room:
+            self.parts.append(data[:room])
+            self.seen = self.cap
+            return False
+        self.parts.append(data)
+        self.seen += len(data)
+        return True
+
+    def data(self) -> bytes:
+        return b"".join(self.parts)
+
+
+async def read_bounded(chunks: AsyncIterator[bytes], *, max_bytes: int,
+                       seconds: float) -> tuple[bytes, bool]:
+    """At most ``max_bytes`` of ``chunks``, read for at most ``seconds`` in all.
+
+    Returns the bytes and whether the body ended within both bounds. The caller
+    closes the response: an unread rest closes its connection (nothing drains it).
+    A read timeout of the transport still ends a read that waits too long.
+    """
+    got = _Parts(max_bytes)
+    complete = False
+    try:
+        async with asyncio.timeout(seconds):
+            async for data in chunks:
+                if not got.add(data):
+                    break
+            else:
+                complete = True
+    except TimeoutError:
+        pass
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:  # an async generator left mid-body: end it now, not at GC
+            await close()
+    return got.data(), complete
+
+
+def get_bounded(client: httpx.Client, url: str, *, max_bytes: int, seconds: float) -> Body:
+    """``GET url`` with a body of at most ``max_bytes``, read for at most ``seconds``
+    in all (each socket read waits at most ``seconds`` too); raises
+    :class:`httpx.HTTPError` as ``client.get`` does when the server cannot be reached.
+
+    A sync client has no total timeout of its own: the deadline is checked between
+    chunks, so a body that never ends, or trickles, stops within about ``seconds``
+    plus one read timeout.
+    """
+    deadline = time.monotonic() + seconds
+    got = _Parts(max_bytes)
+    complete = False
+    # identity: a compressed body would be capped only after decoding, chunk by chunk.
+    with client.stream("GET", url, timeout=seconds,
+                       headers={"Accept-Encoding": "identity"}) as response:
+        for data in response.iter_bytes():
+            if not got.add(data) or time.monotonic() > deadline:
+                break
+        else:
+            complete = True
+    return Body(response.status_code, got.data(), complete)

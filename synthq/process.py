@@ -236,7 +236,8 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         messages = c.prompt
     request = ChatRequest(model=job.model, messages=messages, max_tokens=job.max_tokens,
                           sampling=dict(job.sampling), extra_body=dict(job.extra_body),
-                          max_response_bytes=job.max_response_bytes, tools=c.tools)
+                          max_response_bytes=job.max_response_bytes, tools=c.tools,
+                          max_request_bytes=get_settings().max_request_bytes)
     result: ChatResult | None = None
     call.calling = True
     try:
@@ -338,8 +339,9 @@ async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], b
     except Exception as exc:  # noqa: BLE001 - recorded on the sample
         if disk_full(exc) or getattr(writer, "disk_full", None):
             raise
+        # The whole error (SQL included) to the log; the sample's message is one line.
         log.warning("sample %s: write refused: %s", c.sample_id, exc)
-        message = f"the result could not be stored: {type(exc).__name__}: {exc}"[:2000]
+        message = f"the result could not be stored: {errors.brief(exc)}"
         return bool(await writer.write(lambda s, now: states.fail(
             s, c.sample_id, c.token, error_class="invalid_input", error_message=message,
             now=now)))

@@ -251,8 +251,8 @@ def test_a_retry_prefers_another_server(simulator: Callable[..., Any],
 def test_a_bug_in_the_worker_hands_the_sample_back(simulator: Callable[..., Any],
                                                    job_factory: Callable[..., Any],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unexpected exception while running a sample: back to pending at once (class
-    worker_error), not stranded as running until its lease expires."""
+    """An unexpected exception while running a sample: back to pending after its backoff
+    (class worker_error), not stranded as running until its lease expires."""
     import synthq.executor
 
     async def broken(*args: Any, **kwargs: Any) -> Any:
