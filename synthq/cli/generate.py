@@ -250,7 +250,7 @@ def run(
     if as_json:
         print(json.dumps(status.to_dict()))
     else:
-        print_status(status)
+        print_status(status, stopped=stop.is_set())
     if stop.is_set():
         raise typer.Exit(130)
     if status.state == "paused" and status.pause_reason:

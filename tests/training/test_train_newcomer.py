@@ -20,68 +20,78 @@ from training_support import get_run, greedy_examples, start_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-#: A run long enough to be killed mid-way, short enough for a test: 90 training
-#: examples in batches of 2, 10 held out (a tenth), each evaluated one draft token a round.
+#: A run long enough to be killed mid-way, short enough for a test: 40 steps over 90
+#: training examples in batches of 2, 10 held out (a tenth), each evaluated one draft
+#: token a round (many verify rounds: an evaluation long enough to interrupt).
 TRAIN = ["--draft-vocab-size", "64", "--batch-size", "2", "--epochs", "50", "--max-steps",
-         "120", "--lr", "1e-2", "--save-every", "10", "--log-every", "1", "--eval-fraction",
+         "40", "--lr", "1e-2", "--save-every", "10", "--log-every", "1", "--eval-fraction",
          "0.1", "--eval-every", "0", "--eval-draft-tokens", "1", "--eval-max-new", "40"]
 
 
-def start_train(job_id: int, target: Path, log: Path) -> subprocess.Popen[str]:
+def start_train(job_id: int, target: Path, out: Path) -> subprocess.Popen[str]:
+    """`synthq train` in embedded mode; stdout to ``out``, stderr to ``out`` + ``.err``."""
     env = child_env(SYNTHQ_BROKER_URL="", PYTHONUNBUFFERED="1", COLUMNS="200")
     return subprocess.Popen([sys.executable, "-m", "synthq.cli", "train", str(job_id),
                              "--target", str(target), *TRAIN], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=open(log, "w"))  # noqa: SIM115
+                            stdout=open(out, "w"),  # noqa: SIM115 - the child holds it
+                            stderr=open(f"{out}.err", "w"))  # noqa: SIM115
 
 
+@pytest.mark.timeout(900)  # three `synthq train` starts: minutes on a loaded 2-core machine
 def test_killed_and_interrupted_synthq_train_resumes_at_once(
         pg: str, greedy_job: Callable[..., int], tiny_target: Any, tiny_target_dir: Path,
         tmp_path: Path) -> None:
     job_id = greedy_job(examples=greedy_examples(tiny_target, 25) * 4)
     # kill -9 mid-training: the next `synthq train` on this host takes the run over at
     # once (its holder's pid is gone), not after the 120 s lease.
-    first = start_train(job_id, tiny_target_dir, tmp_path / "first.log")
+    first = start_train(job_id, tiny_target_dir, tmp_path / "first.out")
     try:
-        wait_for(lambda: (r := _run(job_id)) is not None and r.step >= 15, 180,
-                 (tmp_path / "first.log").read_text())
+        wait_for(lambda: (r := _run(job_id)) is not None and r.step >= 12, 400,
+                 (tmp_path / "first.out.err").read_text())
     finally:
         first.kill()
         first.wait(30)
     killed = _run(job_id)
     assert killed is not None and killed.state == "running"  # its claim, left behind
-    second = start_train(job_id, tiny_target_dir, tmp_path / "second.log")
+    out_path = tmp_path / "second.out"
+    second = start_train(job_id, tiny_target_dir, out_path)
     try:
-        assert second.stdout is not None
-        lines = []
-        for line in second.stdout:  # each line as it is printed
-            lines.append(line)
-            if line.startswith("evaluating: "):
-                break
+        def evaluating() -> bool:
+            if second.poll() is not None:
+                pytest.fail(f"exited {second.returncode}: {out_path.read_text()}"
+                            f"{Path(f'{out_path}.err').read_text()}")
+            return "\nevaluating: " in out_path.read_text()
+
+        wait_for(evaluating, 400, "no evaluation", interval=0.02)
         # Ctrl-C during the final evaluation: the run is handed back at once.
         second.send_signal(signal.SIGINT)
-        rest, _ = second.communicate(timeout=60)
+        second.wait(60)
     finally:
         if second.poll() is None:
             second.kill()
-    out = "".join(lines) + rest
-    log = (tmp_path / "second.log").read_text()
+    out, log = out_path.read_text(), Path(f"{out_path}.err").read_text()
     assert "resuming training run" in out and "being trained by" not in out + log, out + log
-    assert lines[-1].startswith("evaluating: 1/10 held-out prompts, acceptance length "), out
+    shown = [line for line in out.splitlines() if line.startswith("evaluating: ")]
+    assert shown[0].startswith("evaluating: 1/10 held-out prompts, acceptance length "), out
+    assert not shown[-1].startswith("evaluating: 10/10"), out  # stopped during it
     assert second.returncode == 130, out + log
     assert "handed back" in log and "Traceback" not in log, log
     interrupted = _run(job_id)
     assert interrupted is not None
-    assert (interrupted.state, interrupted.claim, interrupted.step) == ("pending", None, 120)
+    assert (interrupted.state, interrupted.claim, interrupted.step) == ("pending", None, 40)
     # The last step was saved before the evaluation: resuming redoes no step.
-    assert Path(interrupted.checkpoint or "").name == "step-00000120"
+    assert Path(interrupted.checkpoint or "").name == "step-00000040"
     third = subprocess.run([sys.executable, "-m", "synthq.cli", "train", str(job_id),
                             "--target", str(tiny_target_dir), *TRAIN], cwd=REPO,
                            env=child_env(SYNTHQ_BROKER_URL="", COLUMNS="200"), text=True,
                            capture_output=True, timeout=300)
     assert third.returncode == 0, third.stdout + third.stderr
     done = _run(job_id)
-    assert done is not None and done.state == "done" and done.resumed_from == 120
-    assert "step " not in third.stdout.replace("step 120: eval", "")  # no step trained again
+    assert done is not None and done.state == "done" and done.resumed_from == 40
+    # No step trained again: the only step line is the last one, shown with its evaluation.
+    shown = [line for line in third.stdout.splitlines() if line.startswith("step ")]
+    assert shown and all(line.startswith("step 40: ") and "eval_accept" in line
+                         for line in shown), third.stdout
     assert done.eval_acceptance_length is not None
     assert [line for line in third.stdout.splitlines() if line.startswith("evaluating: ")][-1] \
         .startswith("evaluating: 10/10 held-out prompts")
