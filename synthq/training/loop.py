@@ -183,13 +183,9 @@ def _dead_local_holder(session: Any, run_id: int) -> str | None:
     host, _, pid = (held or "").rpartition(":")
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return str(held)
-    except OSError:  # PermissionError: it exists (another user's)
-        return None
-    return None
+    from synthq.workers import pid_alive
+
+    return None if pid_alive(int(pid)) else str(held)
 
 
 def _state(run_id: int) -> str:

@@ -90,7 +90,7 @@ def test_killed_and_interrupted_synthq_train_resumes_at_once(
     assert done is not None and done.state == "done" and done.resumed_from == 40
     # No step trained again: the only step line is the last one, shown with its evaluation.
     shown = [line for line in third.stdout.splitlines() if line.startswith("step ")]
-    assert shown and all(line.startswith("step 40: ") and "eval_accept" in line
+    assert shown and all(line.startswith("step 40: ") and "eval" in line
                          for line in shown), third.stdout
     assert done.eval_acceptance_length is not None
     assert [line for line in third.stdout.splitlines() if line.startswith("evaluating: ")][-1] \
