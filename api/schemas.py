@@ -48,7 +48,7 @@ class JobSettings(BaseModel):
     chat_template: str | None = Field(None, description="Chat template text overriding the "
                                       "tokenizer's own.")
     max_seq_len: int = 4096
-    reasoning: Literal["keep", "drop"] = "keep"
+    reasoning: Literal["auto", "keep", "drop"] = "auto"
     mask: Literal["last_turn", "all_assistant_turns"] | None = Field(
         None, description="[default: all_assistant_turns with regenerate=all, else last_turn]")
     think_open: str = "<think>\n"

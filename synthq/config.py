@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     #: ``train`` message is sent again (it may have died with the broker).
     train_lease: float = 120.0
     train_resend_after: float = 900.0
+    #: Processes per training run (DDP under torchrun, rank 0 writes): 0 = one per
+    #: CUDA GPU of the machine, so one without CUDA; 2 or more on the CPU use gloo.
+    train_procs: int = 0
     #: Dollars per GPU-hour for the cost report of jobs enqueued without --gpu-hour-price.
     gpu_hour_price: float | None = defaults.GPU_HOUR_PRICE
     #: Hidden-state capture (synthq.capture): where the store lives (empty:

@@ -147,7 +147,9 @@ class JobSpec:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_seq_len: int = 4096
-    reasoning: str = "keep"
+    #: ``auto`` (keep where the template renders reasoning, else drop: resolved at
+    #: enqueue, the job stores the result), ``keep`` or ``drop``.
+    reasoning: str = "auto"
     #: None: ``all_assistant_turns`` with ``regenerate="all"``, else ``last_turn``.
     mask: str | None = None
     think_open: str = "<think>\n"
@@ -215,8 +217,8 @@ class JobSpec:
         if self.backoff_cap < self.backoff_base:
             raise UserError("--backoff-cap must be at least --backoff-base")
         # Checked with or without --tokenizer: a later retokenize must not fail on them.
-        if self.reasoning not in ("keep", "drop"):
-            raise UserError(f"--reasoning must be keep or drop, got {self.reasoning!r}")
+        if self.reasoning not in ("auto", "keep", "drop"):
+            raise UserError(f"--reasoning must be auto, keep or drop, got {self.reasoning!r}")
         if self.mask not in ("last_turn", "all_assistant_turns"):
             raise UserError(f"--mask must be last_turn or all_assistant_turns, got "
                             f"{self.mask!r}")
@@ -277,6 +279,8 @@ class EnqueueReport:
     duplicate_source_id_examples: list[str] = field(default_factory=list)
     #: Things the user should know, one line each (the CLI prints them as warnings).
     warnings: list[str] = field(default_factory=list)
+    #: What a setting resolved to (``--reasoning auto: drop: ...``), one line each.
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -618,15 +622,8 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     if id_field is not None and not id_field.strip():
         raise UserError("--id-field is empty")
     spec.dataset = source
-    tokenize = spec.tokenize_settings()
-    chat = None
-    if tokenize is not None:
-        # Load it now: a tokenizer or template that cannot work (one that loses
-        # characters in a round trip, too) is an error here, not a failure of
-        # every sample.
-        from synthq.tokenize import get_chat_tokenizer
-
-        chat = get_chat_tokenizer(tokenize)
+    spec.check()  # bad settings in one line before the tokenizer's seconds of loading
+    notes, chat = _resolve_tokenization(spec)
     with session_scope() as s:
         known, examples = s.execute(select(Job.key_version, Job.examples)
                                     .where(Job.name == spec.name)).one_or_none() or (None, None)
@@ -665,7 +662,8 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
         job, created, changed = get_or_create_job(s, spec)
         job_id, settings, key_version = job.id, job.key_generation_settings(), job.key_version
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created,
-                           updated_settings=changed, key_version=key_version)
+                           updated_settings=changed, key_version=key_version,
+                           notes=notes if created else [])
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
     if note is not None and created:
@@ -684,6 +682,34 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                         f" (its {report.skipped:,} rows are in job {spec.name!r} as skipped)")
     _check_source_ids(report, id_field)
     return report
+
+
+def _resolve_tokenization(spec: JobSpec) -> tuple[list[str], Any]:
+    """Check the tokenization settings before anything is stored or sent, and resolve
+    ``--reasoning auto`` on ``spec``: an existing job keeps its own mode, a new one
+    takes what its template allows. Returns the line that says what auto became, and
+    the loaded tokenizer (None without one)."""
+    tokenize = spec.tokenize_settings()
+    if tokenize is None:
+        return [], None
+    from synthq.tokenize import get_chat_tokenizer, precheck_reasoning
+
+    # From the template alone first (well under a second): an impossible --reasoning
+    # keep is refused before the tokenizer's load, which takes 20 s to a minute.
+    precheck_reasoning(tokenize)
+    # Then load it: a tokenizer or template that cannot work (one that loses
+    # characters in a round trip, too) is an error here, not a failure of every sample.
+    tok = get_chat_tokenizer(tokenize)
+    if spec.reasoning != "auto":
+        return [], tok
+    with session_scope() as s:
+        theirs = s.scalar(select(Job.reasoning).where(Job.name == spec.name,
+                                                      Job.tokenizer.is_not(None)))
+    if theirs in ("keep", "drop"):  # the job's own, whatever auto would pick today
+        spec.reasoning = theirs
+        return [], tok
+    spec.reasoning = tok.reasoning
+    return [tok.reasoning_line], tok
 
 
 #: Rows read before the job is made, looking for a valid one.

@@ -543,7 +543,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                 raise UserError("job has no tokenizer: parquet needs input_ids; use --format "
                                 "jsonl or set one with synthq retokenize")
             plan = _Plan(job_id=job.id, job_name=job.name, version=job.tokenize_version,
-                         tokenized=fmt == "parquet", reasoning=job.reasoning == "keep",
+                         tokenized=fmt == "parquet", reasoning=job.reasoning != "drop",
                          include_truncated=include_truncated,
                          regenerate_all=job.regenerate == "all",
                          per_turn=job.regenerate == "all" and job.examples == "per-turn",

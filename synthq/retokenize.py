@@ -67,12 +67,14 @@ def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
         chat_template_kwargs=json.dumps(merged["chat_template_kwargs"] or {}, sort_keys=True),
         max_seq_len=merged["max_seq_len"], reasoning=merged["reasoning"], mask=merged["mask"],
         think_open=job.think_open, think_close=job.think_close)
-    chat = get_chat_tokenizer(settings)  # raises a clear error if it cannot work
+    tok = get_chat_tokenizer(settings)  # raises a clear error if it cannot work
     if "examples" in changes or "mask" in changes:  # refused where every sample would fail
         choose(merged["examples"], regenerate=job.regenerate, mask=merged["mask"],
-               tokenizer=chat)
+               tokenizer=tok)
     for name, value in changes.items():
         setattr(job, name, value)
+    if merged["reasoning"] == "auto":  # stored resolved, as enqueue does
+        job.reasoning = tok.reasoning
     job.tokenize_version += 1
     job.updated_at = utcnow()
     return job.tokenize_version

@@ -28,19 +28,23 @@ loaded, naming the transformers version, instead of failing every sample with
 
 Reasoning (``reasoning_content``) is rendered the way the template renders it
 when the template knows the field, else wrapped in think markers inside the
-content; with ``reasoning="drop"`` it is left out. An empty think block that
+content; with ``reasoning="drop"`` it is left out. ``reasoning="auto"`` (the
+default) keeps it where the template renders it either way and drops it where
+the template removes it from assistant turns (DeepSeek-V3's keeps only what
+follows ``</think>``); ``keep`` there is refused when the job is made. An empty think block that
 a template injects in front of an answer (``<think>\\n\\n</think>``) is never
 supervised: the model did not write it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
 import threading
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
 
@@ -57,9 +61,11 @@ __all__ = [
     "REASONING_MODES",
     "MASK_MODES",
     "PROBE_CONVERSATION",
+    "precheck_reasoning",
 ]
 
-REASONING_MODES = ("keep", "drop")
+#: ``auto`` resolves to ``keep`` or ``drop`` per template (:meth:`ChatTokenizer.reasoning`).
+REASONING_MODES = ("auto", "keep", "drop")
 MASK_MODES = ("last_turn", "all_assistant_turns")
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -109,7 +115,7 @@ class TokenizeSettings:
     #: JSON text of the template variables (a string so the settings are hashable).
     chat_template_kwargs: str = "{}"
     max_seq_len: int = 4096
-    reasoning: str = "keep"
+    reasoning: str = "auto"
     think_open: str = "<think>\n"
     think_close: str = "\n</think>\n\n"
     mask: str = "last_turn"
@@ -194,7 +200,10 @@ class ChatTokenizer:
         install()
         with limits(seconds=PROBE_SECONDS):
             self._check_round_trip()
-            self.reasoning_field = self._probe_reasoning()
+            #: Whether the template renders ``reasoning_content``, and the mode in force
+            #: (``keep`` or ``drop``: ``auto`` resolved for this template).
+            self.reasoning_field, self.reasoning = _reasoning_mode(
+                lambda m: self.render(m, generation_prompt=False), settings)
         self._decode_ids = self._span_decoder()
         #: Set when the tokenizer is a plain byte-level BPE (see :meth:`_byte_level`):
         #: the backend to encode with and each id's bytes; else ``None``.
@@ -220,28 +229,10 @@ class ChatTokenizer:
                                       f"{exc}") from exc
         return str(text)
 
-    def _probe_reasoning(self) -> bool:
-        """Whether the template renders ``reasoning_content``; check keep is possible."""
-        user = {"role": "user", "content": "q"}
-        try:
-            with_field = self.render([user, {"role": "assistant", "content": "a",
-                                             "reasoning_content": _PROBE}],
-                                     generation_prompt=False)
-        except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
-            raise _cannot_render(exc) from exc
-        if _PROBE in with_field:
-            return True
-        if self.settings.reasoning == "keep":
-            wrapped = self.render([user, {"role": "assistant", "content":
-                                          self.settings.think_open + _PROBE
-                                          + self.settings.think_close + "a"}],
-                                  generation_prompt=False)
-            if _PROBE not in wrapped:
-                raise TokenizerSetupError(
-                    "the chat template drops reasoning from assistant turns, so "
-                    "--reasoning keep cannot keep it: pass --reasoning drop, or a "
-                    "--chat-template that renders reasoning")
-        return False
+    @property
+    def reasoning_line(self) -> str:
+        """One line: what ``--reasoning auto`` became with this template, and why."""
+        return _reasoning_line(self.reasoning_field, self.reasoning)
 
     def multi_turn_unstable(self) -> str | None:
         """Why this template cannot supervise several assistant turns of one conversation
@@ -297,7 +288,7 @@ class ChatTokenizer:
         settings say: as the template's field, wrapped in think markers, or dropped."""
         out = dict(message)
         reasoning = out.pop("reasoning_content", None)
-        if out.get("role") != "assistant" or not reasoning or self.settings.reasoning != "keep":
+        if out.get("role") != "assistant" or not reasoning or self.reasoning != "keep":
             return out
         if self.reasoning_field:
             out["reasoning_content"] = reasoning
@@ -630,6 +621,105 @@ def _byte_level_chars() -> dict[str, int]:
     return out
 
 
+def _reasoning_mode(render: Callable[[list[dict[str, Any]]], str],
+                    settings: TokenizeSettings) -> tuple[bool, str]:
+    """``(the template renders reasoning_content, keep or drop)`` from probe renders;
+    ``keep`` where the template removes reasoning either way is a TokenizerSetupError."""
+    user = {"role": "user", "content": "q"}
+    try:
+        with_field = render([user, {"role": "assistant", "content": "a",
+                                    "reasoning_content": _PROBE}])
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
+        raise TokenizerSetupError(f"the chat template cannot render a conversation: "
+                                  f"{exc}") from exc
+    if _PROBE in with_field:
+        return True, "drop" if settings.reasoning == "drop" else "keep"
+    if settings.reasoning == "drop":
+        return False, "drop"
+    wrapped = render([user, {"role": "assistant", "content": settings.think_open + _PROBE
+                             + settings.think_close + "a"}])
+    if _PROBE in wrapped:
+        return False, "keep"
+    if settings.reasoning == "keep":
+        raise TokenizerSetupError(
+            "the chat template drops reasoning from assistant turns, so --reasoning keep "
+            "cannot keep it: pass --reasoning auto (drops it here) or drop, or a "
+            "--chat-template that renders reasoning")
+    return False, "drop"
+
+
+def _reasoning_line(field: bool, mode: str) -> str:
+    if mode == "drop":
+        return ("--reasoning auto: drop: the chat template removes reasoning from assistant "
+                "turns, so the examples hold the answers without it")
+    how = "as its reasoning_content" if field else "wrapped in think markers in the content"
+    return f"--reasoning auto: keep: reasoning is rendered {how} and supervised"
+
+
+def precheck_reasoning(settings: TokenizeSettings) -> str | None:
+    """The reasoning mode (``keep``/``drop``) from the chat template alone, in well under
+    a second: the template is read from ``--chat-template`` or the local tokenizer
+    directory's files and rendered with jinja2, without loading the tokenizer (which
+    takes 20 s to a minute for a large vocabulary). Refuses an impossible ``keep``
+    (TokenizerSetupError). None when this cannot tell (a Hub id, a template that needs
+    transformers' extensions): loading the tokenizer decides then."""
+    template, specials = _template_text(settings)
+    if template is None:
+        return None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        compiled = env.from_string(template)
+    except Exception:  # noqa: BLE001 - e.g. {% generation %}: transformers' own env decides
+        return None
+    kwargs = {**specials, **settings.template_kwargs}
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return str(compiled.render(messages=messages, add_generation_prompt=False, **kwargs))
+
+    try:
+        _, mode = _reasoning_mode(render, settings)
+    except TokenizerSetupError as exc:
+        if "cannot render" in str(exc):
+            return None  # maybe only under transformers' environment: the full load says
+        raise
+    return mode
+
+
+def _template_text(settings: TokenizeSettings) -> tuple[str | None, dict[str, str]]:
+    """The chat template and the special tokens it may name, from files only."""
+    from pathlib import Path
+
+    folder = Path(settings.tokenizer).expanduser()
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):  # no such file: a Hub id, or no config
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    specials = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            specials[name] = value
+    if settings.chat_template:
+        return settings.chat_template, specials
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        try:
+            template = (folder / "chat_template.jinja").read_text()
+        except OSError:
+            template = None
+    return template, specials
+
+
 _cache: dict[TokenizeSettings, ChatTokenizer] = {}
 _cache_lock = threading.Lock()
 
@@ -640,4 +730,6 @@ def get_chat_tokenizer(settings: TokenizeSettings) -> ChatTokenizer:
         tok = _cache.get(settings)
         if tok is None:
             tok = _cache[settings] = ChatTokenizer(settings)
+            if settings.reasoning == "auto":  # the job stores the resolved mode: one load
+                _cache.setdefault(replace(settings, reasoning=tok.reasoning), tok)
         return tok

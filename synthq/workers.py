@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # SQLAlchemy, the models and socket are imported by the functions that write:
 # `synthq status` reads live() (plain SQL) on its fast path, which must not load them.
 
-__all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity"]
+__all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity",
+           "pid_alive"]
 
 
 def new_name() -> str:
@@ -74,13 +75,29 @@ def unregister(session: Session, name: str) -> None:
 
 
 def live(db: Session | Reader, *, now: datetime, timeout: float) -> list[WorkerInfo]:
-    """Workers that heart-beat within ``timeout`` seconds."""
+    """Workers that heart-beat within ``timeout`` seconds, less those of this host whose
+    process is gone (a ``synthq run`` killed with -9 is not live for its last seconds)."""
+    import socket
+
     rows = reader_of(db).rows(
-        "SELECT name, capacity, inflight, heartbeat_at, started_at, clock_skew FROM workers "
-        "WHERE heartbeat_at >= :since ORDER BY started_at",
+        "SELECT name, capacity, inflight, heartbeat_at, started_at, clock_skew, host, pid "
+        "FROM workers WHERE heartbeat_at >= :since ORDER BY started_at",
         {"since": now - timedelta(seconds=timeout)})
+    here = socket.gethostname()
     return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started), off)
-            for name, capacity, inflight, beat, started, off in rows]
+            for name, capacity, inflight, beat, started, off, host, pid in rows
+            if not (host == here and not pid_alive(int(pid)))]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists
+        return True
+    return True
 
 
 def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:

@@ -2,7 +2,9 @@
 
 * ``pg``: a PostgreSQL database for this test session, migrated with Alembic,
   emptied before each test that uses it; ``SYNTHQ_DATABASE_URL`` points at it.
-* ``redis_url``: Redis database 15, flushed before each test.
+* ``redis_url``: the Redis database of ``SYNTHQ_TEST_REDIS`` (default 15), used as
+  given; the keys the tests made are deleted before and after each test that uses
+  it, nothing else (see ``support.RedisForTests``).
 * ``simulator``: a factory starting ``synthq simulate`` subprocesses.
 * ``workers``: a factory starting real ``celery worker`` / ``celery beat``
   subprocesses against them (no eager mode anywhere).
@@ -11,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,14 +28,25 @@ from support import (  # noqa: F401 - the settings, shared with tests that need 
     _reset_process_state,
     child_env,
     fresh_pg_database,
+    pg_database,
+    redis_for_tests,
 )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Check the test Redis before the first test runs when any selected test uses it:
+    a database that is not the tests' own stops the session in one line, not after
+    minutes of other tests."""
+    if any("redis_url" in getattr(item, "fixturenames", ()) for item in session.items):
+        redis_for_tests()
+    pg_database()  # a bad SYNTHQ_TEST_PG_PREFIX stops it the same way
 
 
 @pytest.fixture(scope="session")
 def pg_session_url() -> Iterator[str]:
     from synthq.migrate import upgrade
 
-    with fresh_pg_database(f"synthq_test_{os.getpid()}") as url:
+    with fresh_pg_database(pg_database()) as url:
         upgrade(url)
         yield url
 
@@ -60,15 +72,12 @@ def pg(pg_session_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 @pytest.fixture
 def redis_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
+    keys = redis_for_tests()
+    keys.clear()
     monkeypatch.setenv("SYNTHQ_BROKER_URL", REDIS_URL)
     _reset_process_state()
     yield REDIS_URL
-    client.flushdb()
-    client.close()
+    keys.clear()
 
 
 @pytest.fixture

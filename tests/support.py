@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,9 +22,100 @@ from synthq.testing.procs import Proc, free_port  # noqa: F401 - Proc: re-export
 REPO = Path(__file__).resolve().parents[1]
 
 # The test services and settings (conftest.py uses them; a test module imports them
-# from here: `conftest` is a different module under tests/api).
+# from here: `conftest` is a different module under tests/api). What the tests touch
+# is these and nothing else: databases named PG_PREFIX + ... + pid on the server of
+# PG_ADMIN_URL, and keys in the one Redis database of REDIS_URL (used as given).
 PG_ADMIN_URL = os.environ.get("SYNTHQ_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+PG_PREFIX = os.environ.get("SYNTHQ_TEST_PG_PREFIX", "synthq_test_")
 REDIS_URL = os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15")
+#: Set (to 1) to run on a Redis database that holds keys already: those keys are left
+#: alone, and the tests delete only the keys they made.
+REDIS_SHARED = os.environ.get("SYNTHQ_TEST_REDIS_SHARED", "") not in ("", "0")
+
+#: Keys synthq's own queues use (Celery's lists, kombu's bindings and unacked hash).
+_QUEUE_KEYS = re.compile(r"^(generate|control|tokenize|train|unacked(_index|_mutex)?"
+                         r"|_kombu\..*)$")
+
+
+def pg_database(tag: str = "") -> str:
+    """This process's test database name: ``PG_PREFIX + tag + pid``."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,39}", PG_PREFIX):
+        raise pytest.UsageError(
+            f"SYNTHQ_TEST_PG_PREFIX={PG_PREFIX!r}: use lower-case letters, digits and _ "
+            "(at most 40, not starting with a digit); the tests create and drop databases "
+            "named PREFIX<pid>")
+    return f"{PG_PREFIX}{tag}{os.getpid()}"
+
+
+class RedisForTests:
+    """The tests' Redis database: checked once, then cleared of the tests' keys only.
+
+    The database must be empty when the session starts (a non-empty one may be
+    someone's: its keys are not the tests' to delete), unless REDIS_SHARED says to
+    share it; then the keys found at the start are never deleted, and the tests'
+    own keys are. Nothing is flushed: no FLUSHDB, no FLUSHALL.
+    """
+
+    def __init__(self, url: str = REDIS_URL) -> None:
+        import redis
+
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=5)
+        self.kept: frozenset[bytes] = frozenset()
+
+    def check(self, shared: bool = REDIS_SHARED) -> None:
+        """Raise :class:`pytest.UsageError` (one line) when the tests may not use it."""
+        import redis
+
+        shown = _mask_password(self.url)
+        try:
+            keys = frozenset(self.client.scan_iter(count=1000))
+        except redis.RedisError as exc:
+            raise pytest.UsageError(f"SYNTHQ_TEST_REDIS={shown}: cannot reach it "
+                                    f"({type(exc).__name__}: {exc})") from None
+        if keys and not shared:
+            some = ", ".join(sorted(k.decode(errors="replace") for k in keys)[:3])
+            more = ", ..." if len(keys) > 3 else ""
+            raise pytest.UsageError(
+                f"SYNTHQ_TEST_REDIS={shown} holds {len(keys)} key{'s' * (len(keys) != 1)} "
+                f"({some}{more}) that the tests "
+                "did not make: point it at an empty database (redis://HOST:PORT/N), or set "
+                "SYNTHQ_TEST_REDIS_SHARED=1 to keep those keys and delete only the tests' own")
+        queues = sorted(k.decode(errors="replace") for k in keys
+                        if _QUEUE_KEYS.match(k.decode(errors="replace")))
+        if queues:
+            raise pytest.UsageError(
+                f"SYNTHQ_TEST_REDIS={shown} holds synthq's queue keys ({', '.join(queues[:3])}): "
+                "a synthq deployment uses it, and the tests would take its messages; point it "
+                "at an empty database")
+        self.kept = keys
+
+    def clear(self) -> int:
+        """Delete every key the tests made (all but those found at the start); the count."""
+        mine = [k for k in self.client.scan_iter(count=1000) if k not in self.kept]
+        for i in range(0, len(mine), 500):
+            self.client.unlink(*mine[i:i + 500])
+        return len(mine)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+_redis: RedisForTests | None = None
+
+
+def redis_for_tests() -> RedisForTests:
+    """The session's :class:`RedisForTests`, checked on first use."""
+    global _redis
+    if _redis is None:
+        candidate = RedisForTests()
+        candidate.check()
+        _redis = candidate
+    return _redis
+
+
+def _mask_password(url: str) -> str:
+    return re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
 
 #: Short clocks so lease expiry and queue deadlines happen within a test.
 TEST_ENV = {

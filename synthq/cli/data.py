@@ -100,7 +100,7 @@ def retokenize(
     chat_template_kwargs: Annotated[str | None, typer.Option(
         help="JSON object of template variables for tokenizing.")] = None,
     max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
-    reasoning: Annotated[str | None, typer.Option(help="keep or drop.")] = None,
+    reasoning: Annotated[str | None, typer.Option(help="auto, keep or drop.")] = None,
     mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
     examples: Annotated[str | None, typer.Option(help="conversation or per-turn (jobs with "
                         "--regenerate all).")] = None,

@@ -127,6 +127,8 @@ def _print_report(report) -> None:  # type: ignore[no-untyped-def]
     for where, reason in report.skip_examples[:5]:
         console.print(f"  [yellow]skipped {escape(where)}:[/] {escape(reason)}",
                       highlight=False)
+    for line in report.notes:
+        console.print(escape(line), highlight=False)
     for line in report.warnings:
         warn(line)
 
@@ -144,7 +146,7 @@ def enqueue(
     return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
     tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
+    reasoning: ReasoningOpt = "auto", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
     regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
     examples: ExamplesOpt = None, as_json: JsonOpt = False,
@@ -191,7 +193,7 @@ def run(
     return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
     tokenizer: TokenizerOpt = None,
     chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "keep", mask: MaskOpt = None,
+    reasoning: ReasoningOpt = "auto", mask: MaskOpt = None,
     think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
     regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
     examples: ExamplesOpt = None, as_json: JsonOpt = False,
@@ -249,7 +251,7 @@ def run(
     if as_json:
         print(json.dumps(status.to_dict()))
     else:
-        print_status(status)
+        print_status(status, stopped=stop.is_set())
     if stop.is_set():
         raise typer.Exit(130)
     if status.state == "paused" and status.pause_reason:

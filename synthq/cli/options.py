@@ -63,7 +63,8 @@ ChatTemplateOpt = Annotated[Path | None, typer.Option(help="A Jinja chat templat
 MaxSeqLenOpt = Annotated[int, typer.Option(help="Truncate training examples to this many "
                          "tokens.")]
 ReasoningOpt = Annotated[str, typer.Option(help="keep: reasoning_content is rendered into the "
-                         "assistant turn and supervised; drop: left out.")]
+                         "assistant turn and supervised; drop: left out; auto: keep where the "
+                         "template renders reasoning, drop where it removes it.")]
 MaskOpt = Annotated[str | None, typer.Option(help="last_turn: supervise the generated answer; "
                     "all_assistant_turns: also the dataset's earlier assistant turns "
                     "[default: all_assistant_turns with --regenerate all, else last_turn].")]

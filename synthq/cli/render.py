@@ -52,7 +52,9 @@ def job_progress(description: str) -> Iterator[Any]:
         yield update
 
 
-def print_status(status: JobStatus) -> None:
+def print_status(status: JobStatus, *, stopped: bool = False) -> None:
+    """The job's summary. ``stopped``: this `synthq run` was interrupted (Ctrl-C), so the
+    hint is to run it again, not to start a worker."""
     from rich.table import Table
 
     c = status.counts
@@ -64,7 +66,10 @@ def print_status(status: JobStatus) -> None:
     console.print(table)
     if status.pause_reason:
         console.print(f"[yellow]paused by synthq:[/] {escape(status.pause_reason)}")
-    eta = f", ETA {status.eta_s:,.0f} s" if status.eta_s else ""
+    # One ETA: the cost report's projection (calls left × tokens per call ÷ tokens/s,
+    # turns counted) where there is one, else open samples ÷ done/s.
+    remaining = (status.cost or {}).get("remaining_s") or status.eta_s
+    eta = f", ETA {_duration(remaining)}" if remaining else ""
     console.print(f"{status.done_per_s:.2f} done/s over the last minutes{eta}")
     if status.regenerate == "all":
         cut = (f", {status.cut:,} conversations cut where a regenerated tool call did not "
@@ -105,12 +110,27 @@ def print_status(status: JobStatus) -> None:
         console.print("workers: " + ", ".join(
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))
     elif status.open and not status.finished:
-        console.print("[yellow]no live worker[/]: start `synthq worker` (or use `synthq run`)")
+        _no_worker_hint(status, stopped)
     for warning in status.warnings:
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
     if status.finished:
         console.print(f"[green]finished[/]: {c['done']:,} done, {c['failed']:,} failed, "
                       f"{c['skipped']:,} skipped")
+
+
+def _no_worker_hint(status: JobStatus, stopped: bool) -> None:
+    """Why nothing runs, and the command that runs it: embedded jobs have no worker."""
+    from synthq.config import get_settings
+
+    left = f"{status.open:,} samples left"
+    if stopped:
+        console.print(f"[yellow]stopped[/]: {left}; run the same command again (or `synthq "
+                      f"run --job {escape(status.name)}`) to resume")
+    elif get_settings().embedded:
+        console.print(f"[yellow]not running[/]: {left}; `synthq run --job "
+                      f"{escape(status.name)}` resumes it")
+    else:
+        console.print(f"[yellow]no live worker[/]: {left}; start `synthq worker`")
 
 
 def _duration(seconds: float) -> str:
@@ -130,9 +150,7 @@ def cost_line(cost: dict[str, Any]) -> str:
         parts.append(f"${cost['dollars']:,.2f} so far at ${cost['gpu_hour_price']:g}/GPU-h")
     if cost.get("dollars_per_mtok") is not None:
         parts.append(f"${cost['dollars_per_mtok']:,.2f} per 1M tokens")
-    if cost.get("remaining_s"):
-        more = f"{_duration(cost['remaining_s'])} to go"
-        if cost.get("remaining_dollars") is not None:
-            more += f" (≈ ${cost['remaining_dollars']:,.2f} more)"
-        parts.append(more)
+    # The time left is the summary's ETA (print_status): said once, not here again.
+    if cost.get("remaining_s") and cost.get("remaining_dollars") is not None:
+        parts.append(f"≈ ${cost['remaining_dollars']:,.2f} more to finish")
     return "; ".join(parts)

@@ -7,6 +7,7 @@ runs and enqueueing one never load it.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -66,8 +67,9 @@ def train(
         "lm_head are loaded).")] = "online",
     seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
     eval_fraction: Annotated[float, typer.Option(help="Share of the examples held out, never "
-                             "trained on, to measure the served acceptance length (at least "
-                             "50, at most a tenth of the job; 0: no evaluation).")] = 0.02,
+                             "trained on, to measure the served acceptance length; raised to "
+                             "50 examples, but never above a tenth of the job (a job of 200 "
+                             "holds out 20); 0: no evaluation.")] = 0.02,
     eval_every: Annotated[int, typer.Option(help="Measure it every N steps (0: only at the "
                           "end, which always runs).")] = 1000,
     eval_draft_tokens: Annotated[int, typer.Option(help="Draft tokens per verify round in "
@@ -212,11 +214,17 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
         else:
             console.print(line)
 
+    evaluation = _EvalBar(enabled=not as_json)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill`: hand the run back too
     try:
-        state = execute_run(run_id, on_step=on_step, say=say)
+        state = execute_run(run_id, on_step=on_step, say=say, on_eval=evaluation.update)
     except KeyboardInterrupt:
-        raise fail(f"interrupted: rerun `synthq train {info['job']}` to resume run {run_id} "
-                   "from its last checkpoint", code=130) from None
+        evaluation.close()
+        raise fail(f"interrupted: run {run_id} is handed back; rerun `synthq train "
+                   f"{info['job']}` to resume it from its last checkpoint", code=130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    evaluation.close()
     row = _runs(str(run_id), by_run=True)[0]
     if state == "stale":
         raise fail(f"run {run_id} is being trained by {row['worker']}; follow it with "
@@ -230,6 +238,52 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
         console.print(f"run {run_id} done: drafter in {row['checkpoint']}{served}")
     if state != "done":
         raise fail(f"run {run_id} {state}: {row['error'] or 'see `synthq runs`'}", code=1)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+class _EvalBar:
+    """An evaluation's progress: held-out prompts done and the acceptance length so far,
+    as a bar on a terminal, else a line every tenth of the prompts."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.progress: Any = None
+        self.task: Any = None
+
+    def update(self, done: int, total: int, mean: float) -> None:
+        if not self.enabled:
+            return
+        if not console.get().is_terminal:
+            if done == total or done % max(1, total // 10) == 0:
+                console.print(f"evaluating: {done}/{total} held-out prompts, acceptance "
+                              f"length {mean:.2f} so far")
+            return
+        if self.progress is None:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.progress = Progress(TextColumn("[bold]evaluating"), BarColumn(),
+                                     MofNCompleteColumn(), TextColumn("held-out prompts, "
+                                     "acceptance length {task.fields[mean]:.2f}"),
+                                     TimeElapsedColumn(), console=console.get(), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("eval", total=total, mean=mean)
+        self.progress.update(self.task, completed=done, total=total, mean=mean)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:

@@ -154,10 +154,9 @@ def show_sample(
     from rich.markup import escape
 
     source = f" (id {escape(data['source_id'])})" if data["source_id"] is not None else ""
-    plural = "" if data["attempts"] == 1 else "s"
     console.print(f"[bold]sample {sample_id}[/] job {data['job_id']} row "
-                  f"{data['dataset_index'] + 1}{source} — {data['state']}, {data['attempts']} "
-                  f"attempt{plural}, server {escape(str(data['server']))}")
+                  f"{data['dataset_index'] + 1}{source} — {data['state']}, {_calls(data)}, "
+                  f"server {escape(str(data['server']))}")
     if data["error_class"]:
         console.print(f"[red]{data['error_class']}[/]: {escape(str(data['error_message']))}")
     if data["overrides"]:
@@ -218,6 +217,18 @@ def _print_message(m: dict, label: str | None = None) -> None:  # type: ignore[t
     if m.get("role") == "tool" and m.get("tool_call_id"):
         label += escape(f" [{m['tool_call_id']}]")
     console.print(f"{label} {text}")
+
+
+def _calls(data: dict) -> str:  # type: ignore[type-arg]
+    """``3 attempts``; a sample regenerated turn by turn counts its calls over its turns
+    (``attempts`` restarts at each turn, the table below lists every call)."""
+    def n(count: int, word: str) -> str:
+        return f"{count} {word}{'' if count == 1 else 's'}"
+
+    if not data["turn_count"]:
+        return n(data["attempts"], "attempt")
+    turns = {a["turn"] for a in data["attempt_log"]}
+    return f"{n(len(data['attempt_log']), 'call')} over {n(len(turns), 'turn')}"
 
 
 def _print_turns(data: dict) -> None:  # type: ignore[type-arg]

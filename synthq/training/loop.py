@@ -10,8 +10,11 @@ end (``eval_acceptance_length``) → the final drafter in vLLM's layout.
 
 A heartbeat thread renews the run's claim; when it is refused (cancelled, or
 another worker took the run over after this one looked dead) training stops
-without writing. With several GPUs the task starts ``torchrun`` over
-:func:`main`; rank 0 writes to SQL and checkpoints.
+without writing. Ctrl-C hands the claim back at once (the run is pending again),
+and a run whose holder was a process of this host that no longer exists (kill
+-9) is claimed at once, without waiting for its heartbeat to go stale. With
+several GPUs (or ``SYNTHQ_TRAIN_PROCS``, also on the CPU, over gloo) the task
+starts ``torchrun`` over :func:`main`; rank 0 writes to SQL and checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy import select
 
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
@@ -38,6 +42,7 @@ from synthq.errors import UserError
 from synthq.models import Job, TrainingRun
 from synthq.training import states
 from synthq.training.checkpoint import (
+    STEP_PREFIX,
     latest_state,
     plot_metrics,
     prune_states,
@@ -104,19 +109,27 @@ def _heartbeat(ctx: _Ctx, interval: float, stop: threading.Event) -> None:
             log.exception("training run %d: heartbeat failed", ctx.run_id)
 
 
+#: ``on_eval(done, total, mean)``: held-out prompts evaluated so far, of how many, and
+#: the acceptance length over them (the running mean).
+EvalProgress = Callable[[int, int, float], None]
+
+
 def execute_run(run_id: int, *, worker: str | None = None,
                 on_step: Callable[[int, dict[str, Any]], None] | None = None,
-                say: Callable[[str], None] | None = None) -> str:
+                say: Callable[[str], None] | None = None,
+                on_eval: EvalProgress | None = None) -> str:
     """Claim run ``run_id`` and train it to the end. Returns its final state, or
     ``stale`` when another process holds it. Errors end the run ``failed`` with
     the reason; ``on_step(step, record)`` sees each logged step, ``say(line)``
-    the run's notices (the cache size estimate, each evaluation)."""
+    the run's notices (the cache size estimate, each evaluation), ``on_eval`` each
+    held-out prompt of an evaluation. KeyboardInterrupt hands the run back
+    (pending, resumable at once) and is raised again."""
     settings = get_settings()
     token = secrets.token_hex(8)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
     with session_scope() as s:
         if not states.claim(s, run_id, token, worker=worker, now=utcnow(),
-                            lease=settings.train_lease):
+                            lease=settings.train_lease, dead_worker=_dead_local_holder(s, run_id)):
             return "stale"
     ctx = _Ctx(run_id, token)
     stop = threading.Event()
@@ -124,11 +137,19 @@ def execute_run(run_id: int, *, worker: str | None = None,
                                                       stop), daemon=True, name="synthq-train-hb")
     beat.start()
     try:
-        if torch.cuda.device_count() > 1 and not os.environ.get("SYNTHQ_NO_DDP"):
-            _torchrun(ctx)
+        procs = _processes(settings.train_procs)
+        if procs > 1:
+            _torchrun(ctx, procs)
             return _state(run_id)
-        _train(ctx, on_step, say)
+        _train(ctx, on_step, say, on_eval)
         return "done"
+    except KeyboardInterrupt:
+        stop.set()  # no heartbeat after the hand-back
+        beat.join()
+        with session_scope() as s:
+            states.release(s, run_id, token, now=utcnow(),
+                           reason="interrupted; resumes from its last checkpoint")
+        raise
     except _Lost:
         log.warning("training run %d: lost its claim (cancelled or taken over); stopped", run_id)
         return _state(run_id)
@@ -144,6 +165,29 @@ def execute_run(run_id: int, *, worker: str | None = None,
         beat.join()
 
 
+def _processes(configured: int) -> int:
+    """Training processes: SYNTHQ_TRAIN_PROCS, else one per CUDA GPU (SYNTHQ_NO_DDP: one)."""
+    if configured > 0:
+        return configured
+    if os.environ.get("SYNTHQ_NO_DDP"):
+        return 1
+    return max(1, torch.cuda.device_count())
+
+
+def _dead_local_holder(session: Any, run_id: int) -> str | None:
+    """The worker holding ``run_id`` when it is a process of this host that is gone
+    (``host:pid`` with no such pid): its claim can be taken at once. None otherwise
+    (another host's worker, a live process, a worker name of another form)."""
+    held = session.scalar(select(TrainingRun.worker).where(
+        TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
+    host, _, pid = (held or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return None
+    from synthq.workers import pid_alive
+
+    return None if pid_alive(int(pid)) else str(held)
+
+
 def _state(run_id: int) -> str:
     with session_scope() as s:
         run = s.get(TrainingRun, run_id)
@@ -155,17 +199,21 @@ def _fail(ctx: _Ctx, error: str) -> None:
         states.fail(s, ctx.run_id, ctx.token, error=error, now=utcnow())
 
 
-def _torchrun(ctx: _Ctx) -> None:
-    """DDP over every GPU of this machine; this process keeps the claim and heartbeat."""
+def _torchrun(ctx: _Ctx, procs: int) -> None:
+    """DDP over ``procs`` processes (a GPU each with CUDA, else gloo on the CPU); this
+    process keeps the claim and heartbeat."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={torch.cuda.device_count()}", "-m", "synthq.training.loop",
+           f"--nproc_per_node={procs}", "-m", "synthq.training.loop",
            str(ctx.run_id), ctx.token]
     proc = subprocess.Popen(cmd)
-    while proc.poll() is None:
-        if ctx.lost.wait(5):
+    try:
+        while proc.poll() is None:
+            if ctx.lost.wait(1):
+                raise _Lost()
+    finally:  # lost, Ctrl-C, any error: the ranks stop with this process
+        if proc.poll() is None:
             proc.terminate()
             proc.wait()
-            raise _Lost()
     if proc.returncode != 0 and _state(ctx.run_id) == "running":
         raise RuntimeError(f"torchrun exited with status {proc.returncode}")
 
@@ -176,8 +224,10 @@ def main(argv: list[str] | None = None) -> None:
 
     run_id, token = (argv or sys.argv[1:])[:2]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ctx = _Ctx(int(run_id), token, rank=rank, world=world)
     try:
         _train(ctx, None, None)
@@ -274,19 +324,18 @@ def _prepare_data(ctx: _Ctx, run: dict[str, Any], cfg: TrainConfig) -> Path:
     from synthq.export import export_job
 
     data = Path(run["output_dir"]) / "data"
-    if not (data / "manifest.json").is_file():
-        if ctx.rank == 0:
-            export_job(run["job_id"], data, fmt="parquet", include_truncated=True,
-                       allow_stale=True)
-        if ctx.world > 1:
-            import torch.distributed as dist
+    if ctx.rank == 0 and not (data / "manifest.json").is_file():
+        export_job(run["job_id"], data, fmt="parquet", include_truncated=True,
+                   allow_stale=True)
+    if ctx.world > 1:  # every rank, whoever saw the manifest first (else rank 0 waits forever)
+        import torch.distributed as dist
 
-            dist.barrier()
+        dist.barrier()
     return data
 
 
 def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
-           say: Callable[[str], None] | None) -> None:
+           say: Callable[[str], None] | None, on_eval: EvalProgress | None = None) -> None:
     with session_scope() as s:
         row = s.get(TrainingRun, ctx.run_id)
         assert row is not None
@@ -391,7 +440,8 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
             # and measure the served acceptance with the engine instead).
             judge = load_target(run["target"])
         result = acceptance_length(judge, drafter, held_out, cfg.eval_draft_tokens,
-                                   max_new=cfg.eval_max_new, heartbeat=ctx.check)
+                                   max_new=cfg.eval_max_new, heartbeat=ctx.check,
+                                   progress=_eval_progress(ctx.run_id, at, on_eval))
         drafter.train()
         notice(f"step {at}: eval acceptance length {result.mean:.3f} "
                f"({cfg.eval_draft_tokens} draft tokens, {result.rounds} verify rounds on "
@@ -402,7 +452,7 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
     if ctx.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(drafter, device_ids=[device.index])
+        model = DistributedDataParallel(drafter, device_ids=[device.index] if cuda else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else _nullcontext()
     d2t_ids = drafter.draft_to_target
     t2d_dev = drafter.t2d
@@ -453,7 +503,9 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
                                  if evaluated is not None else {}))
                 if ctx.lost.is_set():
                     raise _Lost()
-                if step % cfg.save_every == 0 and step < total and ctx.rank == 0:
+                # The last step too, before the final evaluation: a run stopped during
+                # it resumes there instead of redoing the steps since the last save.
+                if (step % cfg.save_every == 0 or step == total) and ctx.rank == 0:
                     path = save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
                                       {"run_id": ctx.run_id})
                     prune_states(ckpts, cfg.keep_checkpoints)
@@ -471,16 +523,32 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
             metrics[-1]["eval_accept"] = final_accept
         if on_step and metrics:
             on_step(step, metrics[-1])
-    save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(), {"run_id": ctx.run_id})
-    prune_states(ckpts, cfg.keep_checkpoints)
+    if not (ckpts / f"{STEP_PREFIX}{step:08d}").is_dir():  # e.g. a run of 0 steps
+        save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
+                   {"run_id": ctx.run_id})
+        prune_states(ckpts, cfg.keep_checkpoints)
     final = save_drafter(out / "final", drafter, cfg.to_dict())
-    plot_metrics(metrics, final / "metrics.png", f"run {ctx.run_id} ({run['job']})")
+    title = f"run {ctx.run_id} ({run['job']})"
+    plot_metrics(metrics, out / "metrics.png", title)  # redrawn with the final evaluation
+    plot_metrics(metrics, final / "metrics.png", title)
     with session_scope() as s:
         if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
                              step=step, metrics=metrics,
                              **({"eval_acceptance_length": eval_accept}
                                 if eval_accept is not None else {})):
             raise _Lost()
+
+
+def _eval_progress(run_id: int, at: int, on_eval: EvalProgress | None) -> EvalProgress:
+    """Each held-out prompt to ``on_eval``, and to the log every tenth of them (a worker's
+    evaluation is not silent for minutes either)."""
+    def progress(done: int, total: int, mean: float) -> None:
+        if on_eval is not None:
+            on_eval(done, total, mean)
+        if done == total or done % max(1, total // 10) == 0:
+            log.info("training run %d: step %d evaluation: %d/%d held-out prompts, acceptance "
+                     "length %.3f so far", run_id, at, done, total, mean)
+    return progress
 
 
 class _nullcontext:

@@ -111,31 +111,35 @@ class Acceptance:
 
 @torch.no_grad()
 def acceptance_length(target: Any, drafter: Eagle3Drafter, examples: Sequence[Any], k: int,
-                      max_new: int = 256, heartbeat: Callable[[], None] | None = None
+                      max_new: int = 256, heartbeat: Callable[[], None] | None = None,
+                      progress: Callable[[int, int, float], None] | None = None
                       ) -> Acceptance:
     """Served acceptance length on held-out examples: each example's prompt (its
     tokens before the first supervised one) is continued by greedy draft-and-verify
     against the target, ``k`` draft tokens a round, for as many tokens as the
     example's own answer (at most ``max_new``) or until EOS. Not an estimate from
-    training accuracies: the drafter drafts from its own previous tokens."""
+    training accuracies: the drafter drafts from its own previous tokens.
+    ``progress(done, total, mean so far)`` after each example."""
     eos = eos_ids(target)
     rounds = tokens = 0
     was_training = drafter.training
     drafter.eval()
     try:
-        for ex in examples:
+        for done, ex in enumerate(examples, 1):
             ids = [int(t) for t in ex.input_ids]
             first = next((i for i, m in enumerate(ex.loss_mask) if m), len(ids))
             if first < 2:  # the drafter needs one prefix position with a next token
                 first = 2
             n = min(max_new, len(ids) - first)
-            if n < 1:
-                continue
-            _, lengths = speculative_generate(target, drafter, ids[:first], n, k=k, eos=eos)
-            rounds += len(lengths)
-            tokens += sum(lengths)
+            if n >= 1:
+                _, lengths = speculative_generate(target, drafter, ids[:first], n, k=k,
+                                                  eos=eos)
+                rounds += len(lengths)
+                tokens += sum(lengths)
             if heartbeat is not None:
                 heartbeat()
+            if progress is not None:
+                progress(done, len(examples), tokens / rounds if rounds else 1.0)
     finally:
         drafter.train(was_training)
     return Acceptance(mean=tokens / rounds if rounds else 1.0, rounds=rounds, tokens=tokens)

@@ -9,8 +9,12 @@ naming its allowed sources; the process that trains a run holds a random
 
     pending ──claim──▶ running ──finish──▶ done
        ▲                 │ │
-       └──stale sweep────┘ └──fail──▶ failed
+       ├──stale sweep────┤ └──fail──▶ failed
+       └──release────────┘ (the holder stops: Ctrl-C)
     (pending/running ──cancel──▶ cancelled)
+
+A running run is claimed again at once, not after the lease, when its holder is a
+process on the claiming host that no longer exists (``dead_worker``: kill -9).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from synthq.enums import RunState
 from synthq.models import TrainingRun
 
 __all__ = ["RunState", "OPEN", "create", "claim", "progress", "finish", "fail", "cancel",
-           "sweep_stale"]
+           "release", "sweep_stale"]
 
 
 #: States in which a run still has work to do.
@@ -46,13 +50,18 @@ def create(session: Session, *, job_id: int, trigger: str, target: str,
 
 
 def claim(session: Session, run_id: int, token: str, *, worker: str, now: datetime,
-          lease: float) -> bool:
-    """pending → running, or a running run whose heartbeat is older than ``lease`` seconds."""
+          lease: float, dead_worker: str | None = None) -> bool:
+    """pending → running, or a running run whose heartbeat is older than ``lease`` seconds,
+    or one still held by ``dead_worker`` (a process the caller knows is gone)."""
     stale = and_(TrainingRun.state == RunState.RUNNING,
                  TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
+    sources = [TrainingRun.state == RunState.PENDING, stale]
+    if dead_worker is not None:
+        sources.append(and_(TrainingRun.state == RunState.RUNNING,
+                            TrainingRun.worker == dead_worker))
     result = session.execute(
         update(TrainingRun)
-        .where(TrainingRun.id == run_id, or_(TrainingRun.state == RunState.PENDING, stale))
+        .where(TrainingRun.id == run_id, or_(*sources))
         .values(state=RunState.RUNNING, claim=token, worker=worker, heartbeat_at=now,
                 started_at=now, updated_at=now, error=None)
         .execution_options(synchronize_session=False))
@@ -96,6 +105,18 @@ def fail(session: Session, run_id: int, token: str | None, *, error: str, now: d
     result = session.execute(
         update(TrainingRun).where(TrainingRun.id == run_id, cond)
         .values(state=RunState.FAILED, error=error, claim=None, finished_at=now, updated_at=now)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def release(session: Session, run_id: int, token: str, *, reason: str, now: datetime) -> bool:
+    """running → pending: the holder stops (Ctrl-C) and hands the run back at once, so
+    the next ``synthq train`` (or a worker) resumes it from its last checkpoint."""
+    result = session.execute(
+        update(TrainingRun)
+        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
+               TrainingRun.claim == token)
+        .values(state=RunState.PENDING, claim=None, error=reason, updated_at=now)
         .execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 

@@ -97,7 +97,8 @@ def test_enqueue_refuses_a_tokenizer_that_cannot_work(pg: str, dataset: Path,
 
     missing = synthq(*enqueue_args(dataset, "--tokenizer", str(tmp_path / "nope")), check=False)
     assert missing.returncode == 2 and "nope: no such directory" in missing.stderr
-    keep = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3()), check=False)
+    keep = synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3(), "--reasoning", "keep"),
+                  check=False)
     assert keep.returncode == 2 and "drops reasoning" in " ".join(keep.stderr.split())
     assert json.loads(synthq("jobs", "--json").stdout) == []  # nothing was created
     ok = json.loads(synthq(*enqueue_args(dataset, "--tokenizer", ct.deepseek_v3(),

@@ -251,15 +251,13 @@ def at_0015(request: pytest.FixtureRequest, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A database at the head; the settings point at it. (The test takes it back to 0015
     with its rows: rows written by today's models need today's columns.)"""
-    from support import TEST_ENV, _reset_process_state, fresh_pg_database
+    from support import TEST_ENV, _reset_process_state, fresh_pg_database, pg_database
 
     from synthq.migrate import upgrade
 
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
-            import os
-
-            url = stack.enter_context(fresh_pg_database(f"synthq_test_backfill_{os.getpid()}"))
+            url = stack.enter_context(fresh_pg_database(pg_database("backfill_")))
         else:
             url = f"sqlite:///{tmp_path / 'backfill.db'}"
         upgrade(url)

@@ -133,7 +133,7 @@ def test_parquet_shards_read_back_with_datasets(
     assert on_disk["tokenizer_hash"] is None and on_disk["chat_template_hash"] is None
     assert on_disk["settings"]["tokenize_version"] == 1
     assert on_disk["settings"]["model"] == "sim-model"
-    assert on_disk["settings"]["reasoning"] == "keep"
+    assert on_disk["settings"]["reasoning"] == "auto"  # made without enqueue: unresolved
     assert on_disk["job"]["id"] == job_id
     assert on_disk["synthq_version"] and on_disk["created_at"].endswith("+00:00")
 

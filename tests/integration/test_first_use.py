@@ -370,5 +370,52 @@ def test_11_the_readme_says_how_tests_run_and_what_finished_means() -> None:
     readme = (REPO / "README.md").read_text()
     assert "### Running the tests" in readme
     for fact in ("SYNTHQ_TEST_PG", "SYNTHQ_TEST_REDIS", "synthq_test_<pid>", "database 15",
+                 "SYNTHQ_TEST_PG_PREFIX", "SYNTHQ_TEST_REDIS_SHARED", "never flushed", "806 s",
                  "finished ──samples added", "SYNTHQ_DEMO_PORT", "torch"):
         assert fact in readme, fact
+
+
+def test_11_the_tests_touch_only_their_own_redis_keys(tmp_path: Path) -> None:
+    """On a Redis of this test's own (a second database on it, used as given): a
+    database holding someone's keys is refused in one line, a shared one keeps them,
+    and clearing deletes the tests' keys only, in that database only."""
+    import shutil
+
+    from support import RedisForTests
+
+    from synthq.testing.chaos import PrivateRedis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server")
+    server = PrivateRedis(tmp_path)
+    try:
+        theirs = server.client()
+        theirs.set("someones-key", "1")
+        other_db = server.url.rsplit("/", 1)[0] + "/3"
+        theirs.set("beside", "1")  # database 0: another database of the same server
+        keys = RedisForTests(other_db)
+        keys.client.set("someones-key", "1")
+        with pytest.raises(pytest.UsageError, match=r"holds 1 key \(someones-key\) that the "
+                           r"tests did not make.*SYNTHQ_TEST_REDIS_SHARED=1"):
+            keys.check(shared=False)
+        keys.check(shared=True)
+        keys.client.set("made-by-a-test", "1")
+        keys.client.rpush("generate", "a message")
+        assert keys.clear() == 2
+        assert sorted(keys.client.keys()) == [b"someones-key"]
+        assert sorted(theirs.keys()) == [b"beside", b"someones-key"]
+        keys.client.rpush("generate", "a deployment's message")
+        with pytest.raises(pytest.UsageError, match="holds synthq's queue keys \\(generate\\)"):
+            keys.check(shared=True)
+        keys.close()
+    finally:
+        server.kill()
+
+
+def test_11_no_test_flushes_redis() -> None:
+    """Flushing empties keys the tests did not make (FLUSHALL: every database)."""
+    import re
+
+    flush = re.compile(r"\.flush(db|all)\(|[\"']FLUSH(ALL|DB)[\"']", re.IGNORECASE)
+    for path in (REPO / "tests").rglob("*.py"):
+        assert not flush.search(path.read_text()), path
