@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from synthq import errors
+from synthq.jobspec import BY_NAME
 
 __all__ = [
     "TokenizeSettings",
@@ -59,8 +60,9 @@ __all__ = [
     "PROBE_CONVERSATION",
 ]
 
-REASONING_MODES = ("keep", "drop")
-MASK_MODES = ("last_turn", "all_assistant_turns")
+# Declared with the job settings (synthq.jobspec).
+REASONING_MODES = BY_NAME["reasoning"].choices
+MASK_MODES = BY_NAME["mask"].choices
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "synthq-probe-7f3a"
