@@ -385,13 +385,17 @@ def job_name(given: str | None, source: str) -> str:
 
 def build(values: Mapping[str, Any], *, source: str = "") -> Any:
     """The :class:`synthq.enqueue.JobSpec` of ``values`` (API form: objects as dicts, the
-    chat template as text), each setting checked first. ``source``: the dataset, whose
+    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared). ``source``: the dataset, whose
     file name names a job given no name."""
     from synthq.enqueue import JobSpec, inflight_settings
 
     given = {k: v for k, v in values.items() if k in BY_NAME}
-    merged = {s.name: given.get(s.name, s.default) for s in SETTINGS}
-    v = check_values(merged)
+    v = {s.name: given.get(s.name, s.default) for s in SETTINGS}
+    # What the JobSpec is made from is checked here; the rest by JobSpec.check, in its order
+    # (the name, the model and the servers first), once the spec is made.
+    for s in SETTINGS:
+        if s.field == "" or s.type in (list, dict):
+            v[s.name] = check(s, v[s.name])
     sampling: dict[str, Any] = {}
     fields: dict[str, Any] = {}
     for s in SETTINGS:
@@ -412,4 +416,6 @@ def build(values: Mapping[str, Any], *, source: str = "") -> Any:
         name=job_name(v["name"], source), servers=[u.rstrip("/") for u in v["servers"]],
         sampling=sampling, extra_body=body, chat_template_kwargs=kwargs,
         **inflight_settings(v["inflight"], v["max_inflight"], v["min_inflight"]))
-    return JobSpec(**fields)
+    spec = JobSpec(**fields)
+    spec.check()
+    return spec
