@@ -385,8 +385,8 @@ def job_name(given: str | None, source: str) -> str:
 
 def build(values: Mapping[str, Any], *, source: str = "") -> Any:
     """The :class:`synthq.enqueue.JobSpec` of ``values`` (API form: objects as dicts, the
-    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared). ``source``: the dataset, whose
-    file name names a job given no name."""
+    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared).
+    ``source``: the dataset, whose file name names a job given no name."""
     from synthq.enqueue import JobSpec, inflight_settings
 
     given = {k: v for k, v in values.items() if k in BY_NAME}

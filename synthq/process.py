@@ -119,7 +119,10 @@ def lease_seconds(job: Job) -> float:
     """A running sample's lease: the worker gives up on a silent server after the
     stall timeout, and the lease outlives that by a margin, so a live worker never
     loses it."""
-    return min(job.stall_timeout, job.total_timeout) + get_settings().lease_margin
+    # Bounded (a job stored before its timeouts were): now + the lease must stay a date, or
+    # one job's value would fail the dispatch of every job.
+    return min(job.stall_timeout, job.total_timeout, jobspec.MAX_SECONDS) + \
+        get_settings().lease_margin
 
 
 # -- pieces ---------------------------------------------------------------------------
