@@ -121,12 +121,11 @@ def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = Fa
 @app.command()
 @with_settings(mode="optional")
 def run(
-    settings: dict[str, Any],
     dataset: Annotated[str | None, typer.Option("--dataset", "-d", help="JSONL/Parquet file "
                        "or directory, or a Hugging Face dataset id (`name[:split]`). Without "
                        "-d/-s/-m, `--job NAME` resumes a stored job with its stored "
                        "settings.")] = None,
-    as_json: JsonOpt = False,
+    *, settings: dict[str, Any], as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 

@@ -24,7 +24,6 @@ from synthq.errors import UserError
 @with_settings([s.name for s in jobspec.SETTINGS if s.requeue], mode="requeue")
 def requeue(
     job: JobArg,
-    settings: dict[str, Any],
     failed: Annotated[bool, typer.Option("--failed", help="Requeue failed samples "
                       "(the default when nothing else is given).")] = False,
     error_class: Annotated[list[str] | None, typer.Option("--class", help="Only failures of "
@@ -38,6 +37,7 @@ def requeue(
                      "on; done samples keep their answers.")] = None,
     server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Send the job's "
                       "remaining work to these servers from now on. Repeatable.")] = None,
+    *, settings: dict[str, Any],
 ) -> None:
     """Move failed samples back to pending with a fresh attempt budget.
 

@@ -23,8 +23,6 @@ from synthq.jobspec import Setting
 
 DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="JSONL/Parquet file or "
                        "directory, or a Hugging Face dataset id (`name[:split]`).")]
-ChatTemplateOpt = Annotated[Path | None, typer.Option(help="A Jinja chat template file that "
-                            "overrides the tokenizer's own.", exists=True, dir_okay=False)]
 
 _TYPES: dict[type, Any] = {int: int, float: float, bool: bool, str: str, list: list[str],
                            dict: str}
@@ -42,17 +40,20 @@ def _unescape(text: str) -> str:
 
 def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     """The command parameter of setting ``s``. ``mode``: ``create`` (its declared default),
-    ``optional`` (required ones may be left out), ``requeue`` (None: unchanged)."""
+    ``optional`` (required ones may be left out), ``requeue`` or ``retokenize`` (None: the
+    job's stays)."""
     kind = Path if s.cli == "file" else _TYPES[s.type]
     default: Any = s.default
     if s.cli == "escapes":
         default = _escaped(default)
     required = s.required and mode == "create"
-    if mode == "requeue" or (s.required and mode != "create"):
+    changes = mode in ("requeue", "retokenize")  # None: the job's stays
+    if changes or (s.required and mode != "create"):
         default = None
     help_text = (s.requeue_help if mode == "requeue" and s.requeue_help else s.help)
     # What holds when the option is not given, where that is no value of its own.
-    omitted = "the job's" if mode == "requeue" and s.requeue == "sample" else s.omitted
+    omitted = ("the job's" if mode == "retokenize" or mode == "requeue" and
+               s.requeue == "sample" else s.omitted)
     if default is None and omitted:
         help_text += f" [default: {omitted}]"
     if s.type is not bool and (default is None or s.required):
@@ -63,7 +64,7 @@ def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     if s.cli == "file":
         info.update(exists=True, dir_okay=False)
     flags = s.flags or ("--" + s.name.replace("_", "-"),)
-    if s.type is bool and mode == "requeue":
+    if s.type is bool and changes:
         flags = tuple(f for f in flags if f.startswith("--"))
     annotation = Annotated[kind, typer.Option(*flags, **info)]  # type: ignore[valid-type]
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY,
@@ -75,18 +76,18 @@ def with_settings(names: Iterable[str] | None = None, *, mode: str = "create",
                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command an option per declared setting (``names``: these only).
 
-    The command's own parameters come first, then the settings' options, then
-    its ``as_json``; it receives the settings' values as one dict, ``settings``.
+    The options take the place of the command's parameter ``settings`` (in --help
+    too), which receives their values as one dict.
     """
-    chosen = [s for s in jobspec.SETTINGS if names is None or s.name in names]
+    chosen = list(jobspec.SETTINGS) if names is None else [jobspec.BY_NAME[n] for n in names]
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
-               if p.name != "settings"]
-        tail = [p for p in own if p.name == "as_json"]
-        head = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p not in tail]
-        params = [*head, *(option(s, mode=mode) for s in chosen),
-                  *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in tail)]
+        params: list[inspect.Parameter] = []
+        for p in inspect.signature(fn, eval_str=True).parameters.values():
+            if p.name == "settings":
+                params += [option(s, mode=mode) for s in chosen]
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
 
         @functools.wraps(fn)
         def command(**values: Any) -> Any:
