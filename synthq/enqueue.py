@@ -141,7 +141,7 @@ class JobSpec:
     #: False: one non-streamed call per sample (no stall clock, no partial progress).
     stream: bool = jobspec.default("stream")
     #: A streamed answer longer than this fails as ``response_too_large``.
-    max_response_bytes: int = 4 << 20
+    max_response_bytes: int = jobspec.default("max_response_bytes")
     dataset: str = ""
     # Tokenization (synthq.tokenize); no tokenizer means none.
     tokenizer: str | None = None
@@ -193,10 +193,9 @@ class JobSpec:
             value = (self.sampling.get(s.key) if path.startswith("sampling.")
                      else getattr(self, path))
             jobspec.check(s, value)
-        # The stored forms of --inflight N|auto (inflight_settings), and a column's INTEGER.
+        # The stored forms of --inflight N|auto (inflight_settings).
         for flag, value, high in (("--inflight", self.inflight_limit, MAX_INFLIGHT),
-                                  ("--min-inflight", self.min_inflight, MAX_INFLIGHT),
-                                  ("--max-response-bytes", self.max_response_bytes, 1 << 30)):
+                                  ("--min-inflight", self.min_inflight, MAX_INFLIGHT)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= high:
                 raise UserError(f"{flag} must be 1 to {high:,}, got {value!r}")
         if self.inflight_auto and self.min_inflight > self.inflight_limit:

@@ -172,6 +172,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_hour_price", float, None, "Dollars per GPU-hour: status shows dollars "
             "spent, $/1M generated tokens and the projected cost.", low=0, high=999_999,
             must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE"),
+    Setting("max_response_bytes", int, 4 << 20, "Bytes of answer after which a call fails "
+            "as response_too_large.", low=1, high=1 << 30),
     Setting("keep_truncated", bool, False, "Keep answers cut by max_tokens "
             "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",)),
     Setting("stream", bool, True, "Stream answers (a stall clock: a silent server is caught "
