@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -16,7 +16,8 @@ def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
     """A pydantic field of setting ``s``: its type, default and description, its bounds
     and choices shown in the schema. The values are checked by synthq.jobspec.check (in
     :meth:`JobSettings.to_spec` and the requeue), as the CLI's are, with the same message."""
-    kind: Any = {list: list[str], dict: dict[str, Any]}.get(s.type, s.type)
+    kinds: dict[type, Any] = {list: list[str], dict: dict[str, Any]}
+    kind: Any = kinds.get(s.type, s.type)
     if s.name == "inflight":
         kind = int | Literal["auto"]
     extra: dict[str, Any] = {}
@@ -36,7 +37,7 @@ def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
         return kind | None, Field(None, description=description, json_schema_extra=extra)
     if s.required:
         return kind, Field(description=description, json_schema_extra=extra,
-                           **({"min_length": 1} if s.type is list else {}))
+                           min_length=1 if s.type is list else None)
     if s.type is dict:
         return kind, Field(default_factory=dict, description=description,
                            json_schema_extra=extra)
@@ -46,6 +47,8 @@ def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
 
 class _JobSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    if TYPE_CHECKING:  # a field of each setting is added by create_model below
+        id_field: str | None
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options (both through
@@ -53,10 +56,13 @@ class _JobSettings(BaseModel):
         return cast(JobSpec, jobspec.build(self.model_dump(), source=default_name))
 
 
-#: Generation and tokenization settings, as `synthq enqueue` takes them (synthq.jobspec).
-JobSettings = create_model(  # type: ignore[call-overload]
-    "JobSettings", __base__=_JobSettings, __doc__="Generation and tokenization settings, as "
-    "`synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
+if TYPE_CHECKING:  # the fields are made at import; a type checker sees the base
+    JobSettings = _JobSettings
+else:
+    #: Generation and tokenization settings, as `synthq enqueue` takes them (synthq.jobspec).
+    JobSettings = create_model(
+        "JobSettings", __base__=_JobSettings, __doc__="Generation and tokenization settings, "
+        "as `synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
 
 
 class JobCreate(JobSettings):
@@ -170,9 +176,12 @@ class _RequeueRequest(BaseModel):
 
 #: A requeue: which samples, and the settings of the requeued samples only (stored per
 #: sample) or of the job from now on (its in-flight limit), as `synthq requeue` takes them.
-RequeueRequest = create_model(  # type: ignore[call-overload]
-    "RequeueRequest", __base__=_RequeueRequest,
-    **{s.name: _field(s, requeue=True) for s in jobspec.SETTINGS if s.requeue})
+if TYPE_CHECKING:
+    RequeueRequest = _RequeueRequest
+else:
+    RequeueRequest = create_model(
+        "RequeueRequest", __base__=_RequeueRequest,
+        **{s.name: _field(s, requeue=True) for s in jobspec.SETTINGS if s.requeue})
 
 
 class RequeueResult(BaseModel):
