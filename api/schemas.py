@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
@@ -10,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from synthq import jobspec
 from synthq.enqueue import JobSpec
 from synthq.jobspec import Setting
+from synthq.query import SampleRow
 
 
 def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
@@ -99,58 +99,11 @@ class EnqueueResult(BaseModel):
     bad_rows: list[RowError] = Field(default_factory=list)
 
 
-class JobSummary(BaseModel):
-    id: int
-    name: str
-    state: str
-    model: str
-    created_at: datetime
-    counts: dict[str, int]
+# The job list's items are synthq.query.JobSummary itself.
 
 
-class WorkerPublic(BaseModel):
-    name: str
-    capacity: int
-    inflight: int
-    heartbeat_at: datetime
-    started_at: datetime
-
-
-class JobDetail(BaseModel):
-    id: int
-    name: str
-    state: str
-    model: str
-    total: int
-    counts: dict[str, int]
-    open: int
-    finished: bool
-    done_per_s: float
-    eta_s: float | None
-    failures: dict[str, int]
-    retrying: dict[str, int]
-    calls: dict[str, int]
-    inflight: dict[str, int]
-    servers: list[str]
-    unhealthy: dict[str, str | None]
-    tokenizer: str | None
-    tokenize_version: int
-    stale_examples: int
-    num_tokens: int
-    num_supervised: int
-    workers: list[WorkerPublic]
-    #: Each server's in-flight limit: limit, auto, reason of its last change, floor, cap,
-    #: history ``[[unix time, limit, tok/s, done/s], ...]``.
-    limits: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    #: The cost report: busy_s, gpu_hours, tokens, tokens_per_s, dollars,
-    #: dollars_per_mtok, remaining_s, remaining_dollars, servers.
-    cost: dict[str, Any] = Field(default_factory=dict)
-    regenerate: str = "last"
-    turns_done: int = 0
-    turns_total: int = 0
-    cut: int = 0
-    #: Why synthq paused the job itself (a server URL without /v1); None otherwise.
-    pause_reason: str | None = None
+# A job's status is synthq.status.JobStatus itself (the record `synthq status --json`
+# prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 
 class JobStateChange(BaseModel):
@@ -188,80 +141,15 @@ class RequeueResult(BaseModel):
     requeued: int
 
 
-class SamplePublic(BaseModel):
-    id: int
-    dataset_index: int
-    source_id: str | None
-    state: str
-    attempts: int
-    server: str | None
-    error_class: str | None
-    error_message: str | None
-    finish_reason: str | None
-    completion_tokens: int | None
-    num_tokens: int | None
-    num_supervised: int | None
-    updated_at: datetime
-
-
 class SamplePage(BaseModel):
-    items: list[SamplePublic]
+    #: Each sample as synthq.query.SampleRow (one record, no copy to keep in step).
+    items: list[SampleRow]
     #: Pass as ``after`` for the next page; null on the last one.
     next_after: int | None
 
 
-class AttemptPublic(BaseModel):
-    id: int
-    server: str
-    worker: str | None
-    started_at: datetime
-    ended_at: datetime | None
-    outcome: str | None
-    error_message: str | None
-    latency_s: float | None
-    ttft_s: float | None
-    completion_tokens: int | None
-    turn: int | None = None
-
-
-class MaskSegmentPublic(BaseModel):
-    supervised: bool
-    tokens: int
-    text: str | None
-
-
-class SampleDetailPublic(BaseModel):
-    id: int
-    job_id: int
-    job_name: str
-    dataset_index: int
-    source_id: str | None
-    state: str
-    attempts: int
-    server: str | None
-    error_class: str | None
-    error_message: str | None
-    prompt: list[dict[str, Any]] | None
-    response_content: str | None
-    reasoning_content: str | None
-    finish_reason: str | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    num_tokens: int | None
-    num_supervised: int | None
-    tokenize_version: int | None
-    created_at: datetime
-    finished_at: datetime | None
-    attempt_log: list[AttemptPublic]
-    mask: list[MaskSegmentPublic]
-    tools: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    turn: int = 0
-    turn_count: int | None = None
-    turns: list[dict[str, Any]] | None = None
-    cut_at_turn: int | None = None
-    cut_reason: str | None = None
-    overrides: dict[str, Any] | None = None
+# One sample in full is synthq.query.SampleDetail itself (what `synthq sample --json`
+# prints), the response model of GET /api/samples/{id}.
 
 
 class ExportRequest(BaseModel):

@@ -134,6 +134,7 @@ def main() -> None:
     with Bench("api_hostile", redis_db=args.redis_db) as b:
         port = free_port()
         env = {**b.child_env(), "SYNTHQ_API_TOKEN": TOKEN, "SYNTHQ_API_HIDE_TORCH": "1",
+               "SYNTHQ_ALLOWED_SERVERS": "127.0.0.1",
                "PYTHONPATH": args.repo}
         api = Proc([args.python, "-m", "uvicorn", "--app-dir", args.repo, "api.app:app",
                     "--port", str(port),

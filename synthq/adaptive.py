@@ -72,6 +72,7 @@ from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState
 from synthq.limits import START, current_limits, start_limit  # read without SQLAlchemy
 from synthq.models import Attempt, Job, Sample, Server
+from synthq.secrets import safe_url
 
 if TYPE_CHECKING:
     import httpx
@@ -543,7 +544,7 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
             _save(s, url, now, target, applied, stored, decision.state, history[-HISTORY:])
             decisions[url] = decision
             if reason:
-                log.info("server %s: limit %s", url, reason)
+                log.info("server %s: limit %s", safe_url(url), reason)
     return decisions
 
 

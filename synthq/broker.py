@@ -16,12 +16,39 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "send"]
+__all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "send",
+           "transport_options", "redis_options"]
 
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
 TOKENIZE_ROUTE = {"queue": "tokenize", "exchange": "", "routing_key": "tokenize"}
 TRAIN_ROUTE = {"queue": "train", "exchange": "", "routing_key": "train"}
+
+
+def transport_options() -> dict[str, Any]:
+    """kombu's Redis transport options for every synthq broker connection: socket and
+    connect timeouts, TCP keepalives, redis-py's health check (and kombu's own check of
+    the BRPOP connection), a timed-out command retried once on a fresh connection. A
+    Redis that stops answering without closing the connection (a failover, a NAT or a
+    proxy that lost its upstream) then costs seconds, not the whole run."""
+    from synthq.config import get_settings
+
+    s = get_settings()
+    return {"socket_timeout": s.broker_socket_timeout,
+            "socket_connect_timeout": s.broker_connect_timeout,
+            "socket_keepalive": True,
+            "health_check_interval": s.broker_health_check_interval,
+            "retry_on_timeout": True}
+
+
+def redis_options() -> dict[str, Any]:
+    """The same limits for Celery's Redis result backend (``redis_*`` settings), should
+    one be configured: synthq itself ignores results."""
+    t = transport_options()
+    return {"redis_socket_timeout": t["socket_timeout"],
+            "redis_socket_connect_timeout": t["socket_connect_timeout"],
+            "redis_socket_keepalive": True, "redis_retry_on_timeout": True,
+            "redis_backend_health_check_interval": t["health_check_interval"]}
 
 
 @lru_cache(maxsize=1)
@@ -32,7 +59,8 @@ def _client() -> Any:
 
     app = Celery("synthq-client", broker=get_settings().broker_url)
     app.conf.update(task_serializer="json", accept_content=["json"], task_ignore_result=True,
-                    task_send_sent_event=True)
+                    task_send_sent_event=True, broker_transport_options=transport_options(),
+                    **redis_options())
     return app
 
 

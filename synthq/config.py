@@ -64,6 +64,37 @@ class Settings(BaseSettings):
     #: may open under load. Threads wait for a free one; transactions are short.
     db_pool_size: int = 8
     db_max_overflow: int = 16
+    #: PostgreSQL connections of every synthq process: TCP keepalives (an idle
+    #: connection is probed after ``db_keepalive_idle`` s, every
+    #: ``db_keepalive_interval`` s, and dropped after ``db_keepalive_count`` unanswered
+    #: probes), ``tcp_user_timeout`` (data sent and not acknowledged for that many
+    #: seconds drops the connection) and the connect timeout: a peer that vanished
+    #: (a half-open connection) costs seconds, not forever.
+    db_keepalive_idle: int = 10
+    db_keepalive_interval: int = 3
+    db_keepalive_count: int = 3
+    db_tcp_user_timeout: float = 20.0
+    db_connect_timeout: int = 10
+    #: The service processes' sessions (generation workers, beat, ``synthq run``),
+    #: set on the server: a statement may run ``db_statement_timeout`` s and wait
+    #: ``db_lock_timeout`` s for a lock, and a transaction left idle for
+    #: ``db_idle_in_transaction_timeout`` s is ended by the server (a dead worker's
+    #: session must not hold the dispatch lock for good). Such a process also gives
+    #: up on any answer after ``db_statement_timeout`` + ``db_answer_margin`` s: a
+    #: connection whose answers stopped (stranded by a proxy or a NAT) is dropped and
+    #: the transaction retried on a fresh one. 0 turns a limit off.
+    db_statement_timeout: float = 20.0
+    db_lock_timeout: float = 10.0
+    db_idle_in_transaction_timeout: float = 20.0
+    db_answer_margin: float = 5.0
+    #: Redis (broker), every connection: a command waits ``broker_socket_timeout`` s for
+    #: its answer (a publish on a dead connection fails instead of hanging the beat tick
+    #: or the refill), a connect ``broker_connect_timeout`` s; TCP keepalives on; and a
+    #: worker's BRPOP connection silent for its timeout plus ``broker_health_check_interval``
+    #: s is dropped and made again (kombu): a half-open broker costs seconds.
+    broker_socket_timeout: float = 10.0
+    broker_connect_timeout: float = 5.0
+    broker_health_check_interval: int = 10
     #: Training runs: seconds without a heartbeat before a running run counts as
     #: orphaned (its worker died) and is handed to another worker, which resumes
     #: it from its last checkpoint; and seconds a pending run waits before its
@@ -74,6 +105,11 @@ class Settings(BaseSettings):
     gpu_hour_price: float | None = defaults.GPU_HOUR_PRICE
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).
     api_key: str = "EMPTY"
+    #: Hosts the API's users may name as servers, and the only ones the workers send
+    #: ``api_key`` to: ``host[:port]`` patterns, comma-separated (``vllm-*.internal:8000,
+    #: 10.0.0.*``; see synthq.secrets.parse_server_patterns). Empty: the API accepts no
+    #: server URL, and the workers send the key to every server (only the CLI names them).
+    allowed_servers: str = ""
 
     @field_validator("database_url")
     @classmethod
@@ -92,6 +128,28 @@ class Settings(BaseSettings):
         if url and not url.startswith(("redis://", "rediss://")):
             raise ValueError(f"SYNTHQ_BROKER_URL must be a redis:// URL, got {url!r}")
         return url
+
+    @field_validator("allowed_servers")
+    @classmethod
+    def _check_allowed_servers(cls, text: str) -> str:
+        from synthq.secrets import parse_server_patterns
+
+        parse_server_patterns(text)  # a malformed entry stops the service at start
+        return text
+
+    @property
+    def allowed_server_patterns(self) -> tuple[tuple[str, str | None], ...]:
+        from synthq.secrets import parse_server_patterns
+
+        return parse_server_patterns(self.allowed_servers)
+
+    def sends_key_to(self, url: str) -> bool:
+        """Whether a worker sends ``api_key`` to the server ``url``: a host of
+        ``allowed_servers``, or any when that is empty."""
+        from synthq.secrets import server_allowed
+
+        patterns = self.allowed_server_patterns
+        return not patterns or server_allowed(url, patterns)
 
     @model_validator(mode="after")
     def _default_db(self) -> Settings:

@@ -10,37 +10,32 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from synthq.clock import utcnow
+from synthq.secrets import safe_url
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry",
-           "disk_full", "database_location", "CLAIM_PATH_ATTEMPTS"]
+           "disk_full", "database_location", "CLAIM_PATH_ATTEMPTS", "service_process",
+           "pg_connect_args"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
-
-def safe_url(text: str) -> str:
-    """``text`` with any password in a database or broker URL replaced by ``***``."""
-    return _PASSWORD.sub(r"\1***@", text)
-
-
-_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", re.I)
 
 
 def _make_engine(url: str) -> Engine:
@@ -75,9 +70,132 @@ def _make_engine(url: str) -> Engine:
     settings = get_settings()
     # No pre-ping: it costs a round trip per checkout (14 % of a worker's CPU);
     # a dead pooled connection fails its statement instead, which
-    # with_db_retry retries on a fresh one.
-    return create_engine(url, pool_size=settings.db_pool_size,
-                         max_overflow=settings.db_max_overflow, pool_recycle=1800)
+    # with_db_retry retries on a fresh one (and SQLAlchemy then recycles every
+    # connection of the pool older than that failure).
+    engine = create_engine(url, pool_size=settings.db_pool_size,
+                           max_overflow=settings.db_max_overflow, pool_recycle=1800,
+                           connect_args=pg_connect_args(service=_service["on"]))
+    # Every time synthq writes is the database's (synthq.clock): each new connection
+    # reads the server's clock.
+    event.listen(engine, "connect", _calibrate)
+    answer_timeout = _answer_timeout() if _service["on"] else None
+    if answer_timeout:
+        guarded = _guarded_connection(answer_timeout)
+
+        @event.listens_for(engine, "do_connect")
+        def _connect(_dialect, _record, cargs, cparams):  # type: ignore[no-untyped-def]
+            return guarded.connect(*cargs, **cparams)
+
+    return engine
+
+
+def _calibrate(dbapi_conn: Any, _record: Any) -> None:
+    """Set this process's clock on the server's (``clock_timestamp()``, read at the middle
+    of the round trip): leases, heartbeats and retry times that other machines compare
+    must not depend on this machine's clock."""
+    from datetime import UTC, datetime
+
+    from synthq import clock
+
+    started = time.monotonic()
+    wall = datetime.now(UTC)
+    cur = dbapi_conn.cursor()
+    try:
+        cur.execute("SELECT clock_timestamp()")
+        (server_now,) = cur.fetchone()
+    finally:
+        cur.close()
+    ended = time.monotonic()
+    dbapi_conn.rollback()  # the SELECT opened a transaction; the pool hands it out idle
+    half = (ended - started) / 2
+    clock.calibrate(server_now, started + half, wall + timedelta(seconds=half))
+
+
+#: Whether this process is a service process (a generation worker, beat, ``synthq run``):
+#: its PostgreSQL sessions get the statement, lock and idle-transaction limits.
+_service = {"on": False}
+
+
+def service_process(on: bool = True) -> None:
+    """Mark this process as one of synthq's services (see ``db_statement_timeout``): the
+    engines made from now on carry the server-side limits and the client's answer
+    deadline. The engines made before are closed, so that none lacks them."""
+    if _service["on"] != on:
+        _service["on"] = on
+        dispose_engines()
+
+
+def _seconds_ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+def pg_connect_args(*, service: bool) -> dict[str, object]:
+    """libpq connection parameters for every synthq PostgreSQL connection: TCP keepalives,
+    ``tcp_user_timeout``, a connect timeout and, for a service process, the server-side
+    statement, lock and idle-transaction timeouts (``options``). A URL's own query
+    parameters override these (libpq takes the later value)."""
+    from synthq.config import get_settings
+
+    s = get_settings()
+    args: dict[str, object] = {
+        "keepalives": 1, "keepalives_idle": s.db_keepalive_idle,
+        "keepalives_interval": s.db_keepalive_interval,
+        "keepalives_count": s.db_keepalive_count,
+        "tcp_user_timeout": _seconds_ms(s.db_tcp_user_timeout),
+        "connect_timeout": s.db_connect_timeout,
+    }
+    if service:
+        # The server's own keepalives too: it ends a session whose client vanished.
+        options = {"statement_timeout": _seconds_ms(s.db_statement_timeout),
+                   "lock_timeout": _seconds_ms(s.db_lock_timeout),
+                   "idle_in_transaction_session_timeout":
+                       _seconds_ms(s.db_idle_in_transaction_timeout),
+                   "tcp_keepalives_idle": s.db_keepalive_idle,
+                   "tcp_keepalives_interval": s.db_keepalive_interval,
+                   "tcp_keepalives_count": s.db_keepalive_count,
+                   "tcp_user_timeout": _seconds_ms(s.db_tcp_user_timeout)}
+        args["options"] = " ".join(f"-c {k}={v}" for k, v in options.items())
+    return args
+
+
+def _answer_timeout() -> float | None:
+    """Seconds a service process waits for any answer of the database: no statement may
+    run longer than ``statement_timeout`` on the server, so a longer silence means the
+    connection is dead (None: no deadline)."""
+    from synthq.config import get_settings
+
+    s = get_settings()
+    if s.db_statement_timeout <= 0:
+        return None
+    return s.db_statement_timeout + max(0.0, s.db_answer_margin)
+
+
+def _guarded_connection(deadline: float) -> type:
+    """A psycopg connection class whose every wait for the server ends after ``deadline``
+    seconds: the connection is then closed and the wait raises OperationalError, which
+    SQLAlchemy takes for a disconnect (the pool drops it) and :func:`with_db_retry` and
+    the writer retry on a fresh connection.
+
+    TCP keepalives cannot see this failure: a proxy, a NAT or a load balancer that
+    stops forwarding still acknowledges every packet, so the socket looks healthy
+    while no answer will ever come (the chaos run's "half-open" PostgreSQL)."""
+    import psycopg
+    from psycopg import errors as pg_errors
+
+    class Guarded(psycopg.Connection):  # type: ignore[type-arg]
+        def wait(self, gen: Any, interval: float = 0.1,
+                 timeout: float | None = None) -> Any:
+            if timeout is not None:  # a wait of psycopg's own with its own limit
+                return super().wait(gen, interval=interval, timeout=timeout)
+            try:
+                return super().wait(gen, interval=interval, timeout=deadline)
+            except pg_errors._WaitTimeout as exc:
+                self.pgconn.finish()  # never reuse it: its answer may still come, late
+                raise psycopg.OperationalError(
+                    f"the database did not answer within {deadline:.0f} s; the connection "
+                    "was dropped (it looks half-open)") from exc
+
+    return Guarded
 
 
 def _sqlite_folder(db: Path) -> None:
@@ -114,10 +232,13 @@ def get_engine(url: str | None = None) -> Engine:
 
 def dispose_engines() -> None:
     """Close every pooled connection (after fork, or at the end of a test)."""
+    from synthq import clock
+
     with _lock:
         for engine in _engines.values():
             engine.dispose()
         _engines.clear()
+    clock.reset()  # the next connection sets it again (tests switch databases)
 
 
 @contextmanager

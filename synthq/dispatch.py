@@ -38,7 +38,7 @@ from synthq.enums import INFLIGHT, JobState, SampleState
 from synthq.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
-           "server_is_down", "active_servers"]
+           "server_is_down", "active_servers", "adopt_stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +408,37 @@ def _claim_locally(s: Session, local: LocalClaim, batches: list[list[Dispatched]
                                  lease_until=now + timedelta(seconds=lease),
                                  worker=local.worker, now=now)
     return claimed, [b for b in left if b]
+
+
+def adopt_stale(local: LocalClaim, *, older_than: float) -> int:
+    """Claim for ``local.worker`` up to ``local.room`` samples queued more than
+    ``older_than`` seconds ago whose message never arrived; returns how many.
+
+    The dispatcher queues only into live workers' free slots, so a queued sample is
+    claimed within moments of its message; one still queued while this worker has
+    free slots was carried by a message that is stuck or lost (a half-open broker
+    connection). SQL is the truth: the claim is the usual compare-and-set on the
+    sample's id and token, so a message that does arrive later finds it taken."""
+    if local.room <= 0:
+        return 0
+    with session_scope() as s:
+        now = utcnow()
+        rows = s.execute(
+            select(Sample.id, Sample.claim, Sample.job_id)
+            .where(Sample.state == SampleState.QUEUED,
+                   Sample.queued_at < now - timedelta(seconds=older_than))
+            .order_by(Sample.queued_at).limit(local.room)
+            .with_for_update(of=Sample, skip_locked=True)).all()
+        if not rows:
+            return 0
+        lease = max(local.lease(s, job_id) for _, _, job_id in rows)
+        claimed = states.claim_batch(s, [(i, tok) for i, tok, _ in rows if tok],
+                                     new_token=secrets.token_hex(16),
+                                     lease_until=now + timedelta(seconds=lease),
+                                     worker=local.worker, now=now)
+    if claimed:
+        local.start(claimed)
+    return len(claimed)
 
 
 #: When this process's sweeps last succeeded, since when without a gap, and whether

@@ -26,7 +26,7 @@ from synthq import states
 from synthq.adaptive import START_TICK_SECONDS, in_slow_start
 from synthq.adaptive import tick as adapt
 from synthq.config import get_settings
-from synthq.db import database_location, disk_full, session_scope, utcnow
+from synthq.db import database_location, disk_full, service_process, session_scope, utcnow
 from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
 from synthq.enums import INFLIGHT, JobState
 from synthq.errors import DiskFull, UserError
@@ -60,6 +60,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
     """Process job ``job_id`` until no sample is pending, queued or running."""
     settings = get_settings()
     stop = stop or threading.Event()
+    service_process()  # PostgreSQL: the hot path's limits and the answer deadline
     with session_scope() as s:
         job = s.get(Job, job_id)
         if job is None:

@@ -157,6 +157,8 @@ class JobSpec:
     regenerate: str = jobspec.default("regenerate")
     #: ``drop`` or ``keep``: earlier regenerated turns sent with their reasoning_content.
     history_reasoning: str = jobspec.default("history_reasoning")
+    #: ``conversation`` or ``per-turn`` (synthq.examples); None: chosen at enqueue.
+    examples: str | None = None
 
     def __post_init__(self) -> None:
         if self.mask is None:
@@ -288,7 +290,9 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     job = session.scalar(select(Job).where(Job.name == spec.name))
     now = utcnow()
     if job is None:
-        job = states.create_job(session, asdict(spec), key_version=KEY_VERSION, now=now)
+        values = asdict(spec)
+        values["examples"] = spec.examples or "conversation"
+        job = states.create_job(session, values, key_version=KEY_VERSION, now=now)
         if job is not None:
             return job, True, []
         # Another enqueue created it a moment ago: treat it as found.
@@ -305,7 +309,7 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     from synthq.tokenize import TokenizeSettings
 
     theirs, ours = TokenizeSettings.from_job(job), spec.tokenize_settings()
-    if theirs != ours:
+    if theirs != ours or (spec.examples or "conversation") != job.examples:
         raise UserError(
             f"job {spec.name!r} exists with other tokenization settings; change them with "
             f"`synthq retokenize {spec.name} ...` (no new generation), or pick another --job")
@@ -581,19 +585,30 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
         raise UserError("--id-field is empty")
     spec.dataset = source
     tokenize = spec.tokenize_settings()
+    chat = None
     if tokenize is not None:
         # Load it now: a tokenizer or template that cannot work (one that loses
         # characters in a round trip, too) is an error here, not a failure of
         # every sample.
         from synthq.tokenize import get_chat_tokenizer
 
-        get_chat_tokenizer(tokenize)
+        chat = get_chat_tokenizer(tokenize)
+    with session_scope() as s:
+        known, examples = s.execute(select(Job.key_version, Job.examples)
+                                    .where(Job.name == spec.name)).one_or_none() or (None, None)
+    from synthq.examples import choose
+
+    # An existing job keeps its own; a new one is chosen now, before any call.
+    note = None
+    if spec.examples is None and examples is not None:
+        spec.examples = examples
+    else:
+        spec.examples, note = choose(spec.examples, regenerate=spec.regenerate,
+                                     mask=spec.mask, tokenizer=chat)
     spec.check()  # the timeout below the broker's visibility timeout too (synthq.jobspec)
     from synthq.dataset import DatasetError
 
     # The rows are read under the job's prompt rule: an existing job's own.
-    with session_scope() as s:
-        known = s.scalar(select(Job.key_version).where(Job.name == spec.name))
     try:
         rows = iter_rows(source, max_chars=max_chars, id_field=id_field,
                          key_version=known or KEY_VERSION, regenerate=spec.regenerate)
@@ -611,6 +626,8 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                            updated_settings=changed, key_version=key_version)
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
+    if note is not None and created:
+        report.warnings.append(note)
     _warn_unread(source, report)
     if changed:
         report.warnings.append(f"job {spec.name}: its live settings changed: "

@@ -52,6 +52,8 @@ __all__ = [
     "NoSupervisedTokens",
     "OVERLOAD_CALLS_PER_ATTEMPT",
     "TOKENIZATION_CLASSES",
+    "RETOKENIZABLE",
+    "retokenizable",
     "RETRYABLE_CLASSES",
     "PERMANENT_CLASSES",
 ]
@@ -207,6 +209,21 @@ OVERLOAD_CALLS_PER_ATTEMPT = 4
 #: example is missing, so `retokenize` (not a new generation) repairs them.
 TOKENIZATION_CLASSES = frozenset({"boundary_unstable", "mask_mismatch", "no_supervised_tokens",
                                   "invalid_input"})
+
+#: The samples `retokenize` works on, of those whose response is stored: state → the
+#: error classes it needs there (None: any). The one rule: ``synthq.retokenize``
+#: selects by it in SQL, ``synthq.status`` counts by it (:func:`retokenizable`).
+RETOKENIZABLE: dict[str, frozenset[str] | None] = {
+    "done": None, "failed": TOKENIZATION_CLASSES, "skipped": TOKENIZATION_CLASSES}
+
+
+def retokenizable(state: str, error_class: str | None) -> bool:
+    """Whether `retokenize` works on a sample in ``state`` with ``error_class`` whose
+    response is stored (:data:`RETOKENIZABLE`)."""
+    if state not in RETOKENIZABLE:
+        return False
+    classes = RETOKENIZABLE[state]
+    return classes is None or error_class in classes
 
 RETRYABLE_CLASSES = frozenset(
     c.error_class for c in (TimeoutError_, StalledError, ConnectionFailed, RateLimited, ServerError)

@@ -235,6 +235,13 @@ class Executor:
             if not isinstance(exc, DiskFull):
                 log.warning("could not unregister worker %s", self.name)
         self.writer.close(timeout)
+        waits = self.writer.wait_figures()
+        if waits["answers"]:
+            # What a kill -9 would have cost: answers in hand, not yet committed.
+            log.info("writer: %d answers waited for their commit: median %.1f ms, p95 %.1f "
+                     "ms, p99 %.1f ms, max %.1f ms (%d commits)", waits["answers"],
+                     waits["p50_ms"], waits["p95_ms"], waits["p99_ms"], waits["max_ms"],
+                     self.writer.commits)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         self._tokenize_pool.shutdown(wait=False)
@@ -248,8 +255,12 @@ class Executor:
             # gets connections at once instead of waiting on a full pool.
             if client is not None:
                 self._retired.append(client)
+            # The key goes only to the hosts SYNTHQ_ALLOWED_SERVERS lists (when set):
+            # a server named by a user of the API must not receive it.
+            settings = get_settings()
+            key = settings.api_key if settings.sends_key_to(url) else "EMPTY"
             client = self._clients[url] = InferenceClient(
-                url, api_key=get_settings().api_key, max_connections=limit)
+                url, api_key=key, max_connections=limit)
         return client
 
     async def _run(self, claimed: list[states.Claimed], jobs: dict[int, Any], *,

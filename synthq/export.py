@@ -9,13 +9,23 @@ Layout of an export directory::
       manifest.json                 counts, shards, token totals, tokenizer, settings
 
 Parquet columns (``datasets.load_dataset("parquet", data_files="OUT/*.parquet")``):
-``id`` (string: synthq's sample id), ``source_id`` (string or null: the dataset
-row's own id), ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 0/1, as
-long as ``input_ids``), ``conversations`` (list<struct<role, content,
-reasoning_content>>: the prompt messages, then the generated assistant answer).
-JSONL is SpecForge's layout: ``{"id", "source_id", "conversations": [{"role",
-"content"}, ...]}``, the answer's reasoning under ``reasoning_content`` when the
-job keeps reasoning. SpecForge reads ``conversations`` and ignores the rest.
+one row per training example (:mod:`synthq.examples`): a sample's, or with
+``--examples per-turn`` one per regenerated turn. ``id`` (string: synthq's
+sample id; ``ID:TURN`` for a per-turn example), ``source_id`` (string or null:
+the dataset row's own id), ``input_ids`` (list<int32>), ``loss_mask``
+(list<int8>, 0/1, as long as ``input_ids``), ``conversations``
+(list<struct<role, content, reasoning_content, tool_calls, tool_call_id,
+finish_reason>>: the messages the example was tokenized from, each generated
+answer with its ``finish_reason``), ``tools`` (the row's tool definitions, JSON
+text of the OpenAI list), ``tool_choice`` (JSON text), ``finish_reason`` (the
+supervised turn's), ``turn`` (per-turn examples: which turn, else null).
+JSONL is SpecForge's and speculators' layout: ``{"id", "source_id",
+"conversations": [{"role", "content"}, ...], "finish_reason"}``, plus ``"tools":
+[...]`` (a list, as both read it) and ``"tool_choice"`` when the row has tools,
+``"turn"`` for a per-turn example, and ``"finish_reasons"`` (one per generated
+turn) for a whole conversation of several; the answers' reasoning under
+``reasoning_content`` when the job keeps reasoning. SpecForge reads
+``conversations`` (and ``tools``) and ignores the rest.
 
 Rows are streamed with keyset pagination (``id > last ORDER BY id LIMIT BATCH``),
 one Parquet row group per page, so memory does not grow with the job. On
@@ -48,8 +58,10 @@ from sqlalchemy.orm import Session
 import synthq
 from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
+from synthq.examples import Example, build, exported, split
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids, unpack_mask
+from synthq.secrets import safe_keys
 from synthq.states import SampleState
 
 __all__ = ["FORMATS", "Manifest", "export_job", "check_options", "tokenizer_fingerprint",
@@ -65,22 +77,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Job columns recorded in the manifest: what produced the data.
 SETTINGS = ("model", "max_tokens", "sampling", "extra_body", "keep_truncated", "tokenizer",
             "chat_template_kwargs", "max_seq_len", "reasoning", "think_open", "think_close",
-            "mask", "tokenize_version", "regenerate", "history_reasoning")
+            "mask", "tokenize_version", "regenerate", "history_reasoning", "examples")
 
 
 def parquet_schema() -> Any:
     import pyarrow as pa
 
-    # tool_calls: the OpenAI list as JSON text (arguments may be any JSON).
+    # tool_calls: the OpenAI list as JSON text (arguments may be any JSON). finish_reason:
+    # a generated answer's (null for the dataset's messages).
     message = pa.struct([("role", pa.string()), ("content", pa.string()),
                          ("reasoning_content", pa.string()), ("tool_calls", pa.string()),
-                         ("tool_call_id", pa.string())])
+                         ("tool_call_id", pa.string()), ("finish_reason", pa.string())])
     return pa.schema([("id", pa.string()), ("source_id", pa.string()),
                       ("input_ids", pa.list_(pa.int32())),
                       ("loss_mask", pa.list_(pa.int8())),
                       ("conversations", pa.list_(message)),
-                      # The row's {"tools": [...], "tool_choice": ...} as JSON text, or null.
-                      ("tools", pa.string())])
+                      # The row's tool definitions (the OpenAI list) as JSON text, or null.
+                      ("tools", pa.string()),
+                      # The row's tool_choice as JSON text ("auto", {...}), or null.
+                      ("tool_choice", pa.string()),
+                      # The supervised turn's finish_reason ("length": cut at max_tokens,
+                      # supervised without an end marker); the last turn's for a whole
+                      # conversation.
+                      ("finish_reason", pa.string()),
+                      # The regenerated turn of a per-turn example (0-based), else null.
+                      ("turn", pa.int32())])
 
 
 @dataclass
@@ -93,7 +114,7 @@ class Manifest:
     settings: dict[str, Any]
     #: Samples of the job per state (all of them, not only the exported ones).
     counts: dict[str, int]
-    #: Rows written.
+    #: Rows written: training examples (one per sample, or per regenerated turn).
     exported: int
     #: Done samples left out, by reason (``stale``: not tokenized at the job's current
     #: tokenize_version, with --allow-stale; ``truncated``: with --exclude-truncated).
@@ -120,6 +141,10 @@ class Manifest:
     #: ...): ``[{"overrides": {...}, "samples": n}]``; rows on the job's settings are
     #: not listed.
     overrides: list[dict[str, Any]] = field(default_factory=list)
+    #: Samples the rows come from (``exported`` is larger with per-turn examples).
+    samples: int = 0
+    #: The job's ``--examples``: ``conversation`` or ``per-turn`` (synthq.examples).
+    examples: str = "conversation"
     synthq_version: str = synthq.__version__
     created_at: str = field(default_factory=lambda: utcnow().isoformat())
 
@@ -241,6 +266,8 @@ class _Plan:
     reasoning: bool  # put reasoning_content into the answer
     include_truncated: bool
     regenerate_all: bool = False  # conversations regenerated turn by turn
+    per_turn: bool = False  # one example per regenerated turn
+    history_reasoning: str = "drop"
 
     def filters(self) -> list[Any]:
         conds: list[Any] = [Sample.job_id == self.job_id, Sample.state == SampleState.DONE]
@@ -255,6 +282,7 @@ def _columns(plan: _Plan) -> list[Any]:
     cols: list[Any] = [Sample.id, Sample.source_id, Sample.prompt, Sample.response_content,
                        Sample.num_tokens, Sample.num_supervised, Sample.tools, Sample.tool_calls,
                        Sample.turns, Sample.cut_at_turn, Sample.cut_reason, Sample.overrides,
+                       Sample.finish_reason, Sample.examples,
                        (Sample.input_ids.is_not(None)
                         & (Sample.tokenize_version == plan.version)).label("current")]
     if plan.reasoning:
@@ -281,46 +309,72 @@ def _pages(sessions: Callable[[], AbstractContextManager[Session]],
         last = rows[-1].id
 
 
-def _message(m: dict[str, Any], reasoning: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content")}
-    if reasoning and m.get("reasoning_content"):
-        out["reasoning_content"] = m["reasoning_content"]
-    if m.get("tool_calls"):
-        out["tool_calls"] = m["tool_calls"]
-    if m.get("tool_call_id"):
-        out["tool_call_id"] = m["tool_call_id"]
+def _examples(row: Any, plan: _Plan) -> list[Example]:
+    """The row's examples (:func:`synthq.examples.build`), those it was tokenized into."""
+    built = build(row.prompt or [], content=row.response_content or "",
+                  reasoning=row.reasoning_content if plan.reasoning else None,
+                  tool_calls=row.tool_calls, finish_reason=row.finish_reason,
+                  answers=row.turns if plan.regenerate_all and row.turns else None,
+                  tools=row.tools, per_turn=plan.per_turn,
+                  history_reasoning=plan.history_reasoning)
+    if row.examples:  # tokenized per turn: the turns that kept a supervised token
+        by_turn = {e.turn: e for e in built}
+        return [by_turn[int(e["turn"])] for e in row.examples]
+    return built
+
+
+def _example_id(row: Any, example: Example) -> str:
+    return str(row.id) if example.turn is None else f"{row.id}:{example.turn}"
+
+
+def _tool_fields(tools: dict[str, Any] | None) -> tuple[list[Any] | None, Any]:
+    """The row's tool definitions (a list, as SpecForge and speculators read them) and
+    its tool_choice, from ``samples.tools``."""
+    if not tools:
+        return None, None
+    return tools.get("tools"), tools.get("tool_choice")
+
+
+def _record(row: Any, example: Example, plan: _Plan) -> dict[str, Any]:
+    """One JSONL line."""
+    # Messages keep the keys they had (a JSON reader infers one struct for them); the
+    # finish reasons are row fields: the supervised turn's, and with several generated
+    # turns in one example, each one's.
+    out: dict[str, Any] = {"id": _example_id(row, example), "source_id": row.source_id,
+                           "conversations": exported(example, reasoning=plan.reasoning,
+                                                     finish=False),
+                           "finish_reason": example.finish_reason}
+    if example.turn is None and len(example.generated) > 1:
+        out["finish_reasons"] = example.finish_reasons
+    definitions, choice = _tool_fields(row.tools)
+    if definitions:
+        out["tools"] = definitions
+    if choice is not None:
+        out["tool_choice"] = choice
+    if example.turn is not None:
+        out["turn"] = example.turn
     return out
 
 
-def _conversation(row: Any, plan: _Plan) -> list[dict[str, Any]]:
-    if plan.regenerate_all and row.turns:
-        from synthq.turns import regenerated
-
-        return [_message(m, plan.reasoning) for m in regenerated(row.prompt or [], row.turns)]
-    messages = [_message(m, False) for m in row.prompt or []]
-    answer: dict[str, Any] = {"role": "assistant", "content": row.response_content or ""}
-    if plan.reasoning and row.reasoning_content:
-        answer["reasoning_content"] = row.reasoning_content
-    if row.tool_calls:
-        answer["tool_calls"] = row.tool_calls
-    return [*messages, answer]
-
-
 def _parquet_message(m: dict[str, Any]) -> dict[str, Any]:
-    out = {"reasoning_content": None, "tool_call_id": None, **m}
+    out = {"reasoning_content": None, "tool_call_id": None, "finish_reason": None, **m}
     out["tool_calls"] = json.dumps(m["tool_calls"], ensure_ascii=False) if m.get(
         "tool_calls") else None
     return out
 
 
-def _tokens(row: Any) -> tuple[np.ndarray, np.ndarray]:
+def _tokens(row: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The row's examples' ids and masks (several: ``samples.examples``)."""
     ids = unpack_ids(row.input_ids)
     assert ids is not None  # the query selects tokenized rows only
     n = len(ids)
     if len(row.loss_mask or b"") != (n + 7) // 8 or (row.num_tokens not in (None, n)):
         raise UserError(f"sample {row.id}: its loss mask or num_tokens does not match its "
                         f"{n} input_ids; run `synthq retokenize` on the job")
-    return ids, unpack_mask(row.loss_mask, n)
+    try:
+        return split(ids, unpack_mask(row.loss_mask, n), row.examples)
+    except ValueError as exc:
+        raise UserError(f"sample {row.id}: {exc}; run `synthq retokenize` on the job") from exc
 
 
 # --- writing ----------------------------------------------------------------------------
@@ -385,20 +439,39 @@ def _table(rows: list[Any], plan: _Plan) -> Any:
     """One page as a pyarrow Table (list columns built from flat numpy buffers)."""
     import pyarrow as pa
 
-    ids, masks = zip(*(_tokens(r) for r in rows), strict=True)
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    pairs: list[tuple[Any, Example]] = []
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for r in rows:
+        tokens = _tokens(r)
+        examples = _examples(r, plan)
+        if len(tokens) != len(examples):
+            raise UserError(f"sample {r.id}: {len(tokens)} tokenized examples for "
+                            f"{len(examples)} built; run `synthq retokenize` on the job")
+        pairs += [(r, e) for e in examples]
+        ids += [t[0] for t in tokens]
+        masks += [t[1] for t in tokens]
+    offsets = np.zeros(len(pairs) + 1, dtype=np.int32)
     np.cumsum([len(i) for i in ids], out=offsets[1:])
     schema = parquet_schema()
-    conversations = [[_parquet_message(m) for m in _conversation(r, plan)] for r in rows]
+    conversations = [[_parquet_message(m) for m in exported(e, reasoning=plan.reasoning)]
+                     for _, e in pairs]
+    tools = [_tool_fields(r.tools) for r, _ in pairs]
+
+    def text(value: Any) -> str | None:
+        return None if value is None else json.dumps(value, ensure_ascii=False)
+
     return pa.Table.from_arrays([
-        pa.array([str(r.id) for r in rows], pa.string()),
-        pa.array([r.source_id for r in rows], pa.string()),
+        pa.array([_example_id(r, e) for r, e in pairs], pa.string()),
+        pa.array([r.source_id for r, _ in pairs], pa.string()),
         pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids), pa.int32())),
         pa.ListArray.from_arrays(pa.array(offsets),
                                  pa.array(np.concatenate(masks).astype(np.int8), pa.int8())),
         pa.array(conversations, schema.field("conversations").type),
-        pa.array([json.dumps(r.tools, ensure_ascii=False) if r.tools else None for r in rows],
-                 pa.string()),
+        pa.array([text(d) if d else None for d, _ in tools], pa.string()),
+        pa.array([text(c) for _, c in tools], pa.string()),
+        pa.array([e.finish_reason for _, e in pairs], pa.string()),
+        pa.array([e.turn for _, e in pairs], pa.int32()),
     ], schema=schema)
 
 
@@ -472,7 +545,9 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
             plan = _Plan(job_id=job.id, job_name=job.name, version=job.tokenize_version,
                          tokenized=fmt == "parquet", reasoning=job.reasoning == "keep",
                          include_truncated=include_truncated,
-                         regenerate_all=job.regenerate == "all")
+                         regenerate_all=job.regenerate == "all",
+                         per_turn=job.regenerate == "all" and job.examples == "per-turn",
+                         history_reasoning=job.history_reasoning)
             info = {"id": job.id, "name": job.name, "dataset": job.dataset}
             has_tokenizer = bool(job.tokenizer)
             settings = {k: getattr(job, k) for k in SETTINGS}
@@ -484,6 +559,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
 
             open_ = sum(counts.get(x, 0) for x in ("pending", "queued", "running"))
             cost = job_cost(s, job, remaining=open_, store=False).to_dict()  # read-only
+            cost["servers"] = safe_keys(cost["servers"])  # a server URL may hold a password
             done = [Sample.job_id == job.id, Sample.state == SampleState.DONE]
             truncated = 0 if include_truncated else s.scalar(
                 select(func.count()).where(*done, Sample.finish_reason == "length")) or 0
@@ -506,7 +582,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
         tmp.chmod(0o777 & ~umask)
         shards = _Shards(tmp, fmt, shard_size)
         try:
-            written = tokens = supervised = 0
+            written = samples = tokens = supervised = 0
             cut: dict[str, Any] = {"samples": 0, "reasons": {}}
             overridden: dict[str, int] = {}
             for rows in _pages(sessions, plan):
@@ -522,16 +598,19 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
                 tokens += sum(r.num_tokens or 0 for r in current)
                 supervised += sum(r.num_supervised or 0 for r in current)
                 if plan.tokenized:
-                    shards.write(_table(rows, plan))
+                    table = _table(rows, plan)
+                    shards.write(table)
+                    written += table.num_rows
                 else:
-                    shards.write([{"id": str(r.id), "source_id": r.source_id,
-                                   "conversations": _conversation(r, plan),
-                                   **({"tools": r.tools} if r.tools else {})} for r in rows])
-                written += len(rows)
+                    records = [_record(r, e, plan) for r in rows for e in _examples(r, plan)]
+                    shards.write(records)
+                    written += len(records)
+                samples += len(rows)
                 if progress:
-                    progress(written, total)
+                    progress(samples, total)
             manifest = Manifest(
                 format=fmt, job=info, settings=settings, counts=counts, exported=written,
+                samples=samples, examples=settings["examples"],
                 excluded={"stale": stale, "truncated": truncated}, shards=shards.finish(),
                 num_tokens=tokens if has_tokenizer else None,
                 num_supervised=supervised if has_tokenizer else None, cost=cost, cut=cut,

@@ -380,7 +380,11 @@ class InferenceClient:
         body.update(model=request.model, messages=request.messages,
                     max_tokens=request.max_tokens, **more)
         if request.tools:
+            # The row's tool_choice, else "auto" with tools (what vLLM defaults to, and
+            # what speculators sends): a server whose default differs calls the same.
             body.update(request.tools)
+            if body.get("tools") and "tool_choice" not in request.tools:
+                body["tool_choice"] = "auto"
         return json.dumps(body).encode()
 
     @asynccontextmanager

@@ -216,6 +216,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("history_reasoning", str, "drop", "With --regenerate all: drop: earlier turns are "
             "sent with their content only; keep: with their reasoning_content too.",
             choices=("drop", "keep")),
+    Setting("examples", str, None, "With --regenerate all: conversation: one training "
+            "example per conversation, masked per --mask; per-turn: one per regenerated turn, "
+            "its history as sent and its answer supervised.",
+            choices=("conversation", "per-turn"),
+            omitted="per-turn where the template cannot mask several turns at once (tried at "
+            "enqueue), else conversation"),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

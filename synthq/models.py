@@ -148,6 +148,10 @@ class Job(Base):
     #: ``last``: regenerate the last assistant turn; ``all``: every assistant turn,
     #: each on the regenerated history (synthq.turns).
     regenerate: Mapped[str] = mapped_column(String(8), default="last", server_default="last")
+    #: ``conversation``: one training example per sample; ``per-turn``: with
+    #: regenerate=all, one per regenerated turn (synthq.examples).
+    examples: Mapped[str] = mapped_column(String(16), default="conversation",
+                                          server_default="conversation")
     #: ``drop``: earlier regenerated turns are sent with their content only; ``keep``:
     #: with their reasoning_content too.
     history_reasoning: Mapped[str] = mapped_column(String(8), default="drop",
@@ -251,6 +255,10 @@ class Sample(Base):
     loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)
     num_tokens: Mapped[int | None] = mapped_column(Integer)
     num_supervised: Mapped[int | None] = mapped_column(Integer)
+    #: Several examples in ``input_ids``/``loss_mask`` (jobs with examples=per-turn),
+    #: concatenated in this order: ``[{"turn", "tokens", "supervised"}, ...]``; None:
+    #: one example (synthq.examples).
+    examples: Mapped[list[dict[str, Any]] | None] = mapped_column(JsonType, nullable=True)
     #: The job's tokenize_version this result was computed at.
     tokenize_version: Mapped[int | None] = mapped_column(Integer)
     #: The row's ``{"tools": [...], "tool_choice": ...}``, sent with every call (None: no tools).
@@ -408,6 +416,10 @@ class Worker(Base):
     inflight: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime]
     heartbeat_at: Mapped[datetime]
+    #: Seconds this process's wall clock ran ahead of the database's at its last
+    #: heartbeat (negative: behind). synthq's times are the database's either way
+    #: (synthq.clock); ``status`` names a machine whose clock is off.
+    clock_skew: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class TrainingRun(Base):

@@ -32,12 +32,13 @@ from sqlalchemy.orm import Session
 from synthq import errors, jobspec, states, turns
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
+from synthq.enums import SampleState
+from synthq.examples import tokenization_failure, tokenize_sample
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
 from synthq.models import Attempt, Job
-from synthq.packing import pack_ids, pack_mask, unpack_ids
+from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
-from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 from synthq.writer import Writer
 
 __all__ = ["Outcome", "run_claimed", "process_sample", "tokenize_response", "get_job",
@@ -160,31 +161,8 @@ def _multi(job: Any, c: Claimed) -> bool:
     return job.regenerate == "all" and bool(c.turn_count)
 
 
-def tokenize_response(job: Job, prompt: list[dict[str, Any]], content: str,
-                      reasoning: str | None, server_ids: list[int] | None, *,
-                      tool_calls: list[dict[str, Any]] | None = None,
-                      tools: dict[str, Any] | None = None,
-                      answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The example's columns for one response; raises a tokenization error class.
-
-    ``answers``: the sample was regenerated turn by turn; ``prompt`` is the dataset's
-    whole conversation and the example is the regenerated one (synthq.turns).
-    """
-    settings = TokenizeSettings.from_job(job)
-    assert settings is not None
-    tok = get_chat_tokenizer(settings)
-    if answers is not None:
-        messages = [tok.place_reasoning(m) for m in turns.regenerated(prompt, answers)]
-    else:
-        messages = tok.conversation(prompt, content, reasoning, tool_calls)
-    definitions = (tools or {}).get("tools")
-    result = tok.tokenize(messages, tools=definitions) if definitions else tok.tokenize(messages)
-    mismatch = None
-    if server_ids is not None:
-        mismatch = list(server_ids) != result.completion_ids
-    return dict(input_ids=pack_ids(result.input_ids), loss_mask=pack_mask(result.loss_mask),
-                num_tokens=len(result.input_ids), num_supervised=result.num_supervised,
-                tokenize_version=job.tokenize_version, token_mismatch=mismatch)
+#: The example's columns for one response (kept under its old name for callers).
+tokenize_response = tokenize_sample
 
 
 def _stored(c: Claimed) -> ChatResult | None:
@@ -276,13 +254,18 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         call.calling = False
         return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
     call.calling = False
+    # From here the answer is paid for: its wait for the commit is measured from now.
+    answered = time.monotonic()
     if not multi:
-        return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
-    return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool)
+        return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
+                             since=answered)
+    return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
+                            since=answered)
 
 
 async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
-                     writer: Writer, tokenize_pool: ThreadPool) -> Outcome:
+                     writer: Writer, tokenize_pool: ThreadPool, *,
+                     since: float | None = None) -> Outcome:
     """A turn of a conversation regenerated turn by turn has its answer: store it and
     send the sample back for its next turn, or finish it after its last (or a cut)."""
     answer = _answer(result)
@@ -295,50 +278,52 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
         if reason is None:
             won = await _write(writer, c, lambda s, now: states.advance_turn(
                 s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
-                attempt=attempt))
+                attempt=attempt), since=since)
             return Outcome.TURN if won else Outcome.LOST
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
-                         extra=extra)
+                         extra=extra, since=since)
 
 
 async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
                   writer: Writer, tokenize_pool: ThreadPool, *,
                   answers: list[dict[str, Any]] | None = None,
-                  extra: dict[str, Any] | None = None) -> Outcome:
-    """Store the response, tokenize it if the job says so, and mark the sample."""
+                  extra: dict[str, Any] | None = None, since: float | None = None) -> Outcome:
+    """Store the response, tokenize it if the job says so, and mark the sample. ``since``:
+    when a new answer arrived (its first write makes it durable)."""
     columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns))
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since)
         return Outcome.DONE if won else Outcome.LOST
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns)):
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since):
         return Outcome.LOST
     loop = asyncio.get_running_loop()
     try:
         example = await loop.run_in_executor(tokenize_pool, lambda: tokenize_response(
             job, c.prompt, result.content, result.reasoning_content,
             result.completion_token_ids, tool_calls=result.tool_calls, tools=c.tools,
-            answers=answers))
-    except errors.PermanentError as exc:
+            answers=answers, finish_reason=result.finish_reason))
+    except Exception as exc:  # noqa: BLE001 - recorded on the sample, never looped on
+        if not isinstance(exc, errors.PermanentError):
+            log.exception("sample %s: tokenization crashed", c.sample_id)
         return await _tokenization_failed(c, exc, writer)
-    except Exception as exc:  # a bug or a tokenizer surprise: fail it, never loop on it
-        log.exception("sample %s: tokenization crashed", c.sample_id)
-        return await _tokenization_failed(c, errors.InvalidInput(
-            f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000]), writer)
     won = await _write(writer, c, lambda s, now: states.complete(
         s, c.sample_id, c.token, now=now, **example))
     return Outcome.DONE if won else Outcome.LOST
 
 
-async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool]) -> bool:
+async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
+                 since: float | None = None) -> bool:
     """A write of this sample's; one the database refuses (not a transient error, e.g.
-    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead."""
+    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead.
+    ``since``: the write makes an answer that arrived then durable (measured)."""
     try:
-        return bool(await writer.write(fn))
+        return bool(await writer.write(fn, since=since) if since is not None
+                    else await writer.write(fn))
     except errors.DiskFull:
         raise  # nothing can be written: the sample is not at fault
     except Exception as exc:  # noqa: BLE001 - recorded on the sample
@@ -351,15 +336,14 @@ async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], b
             now=now)))
 
 
-async def _tokenization_failed(c: Claimed, exc: errors.PermanentError, writer: Writer) -> Outcome:
-    """No example: skipped when truncation left nothing to learn, else failed.
-
-    The response stays stored either way; ``synthq retokenize`` can retry.
-    """
-    skip = isinstance(exc, errors.NoSupervisedTokens)
+async def _tokenization_failed(c: Claimed, exc: BaseException, writer: Writer) -> Outcome:
+    """No example: the sample is skipped or failed (synthq.examples.tokenization_failure)."""
+    state, error = tokenization_failure(exc)
+    skip = state == SampleState.SKIPPED
     transition = states.skip if skip else states.fail
     won = await _write(writer, c, lambda s, now: transition(
-        s, c.sample_id, c.token, error_class=exc.error_class, error_message=str(exc), now=now))
+        s, c.sample_id, c.token, error_class=error.error_class, error_message=str(error),
+        now=now))
     if not won:
         return Outcome.LOST
     return Outcome.SKIPPED if skip else Outcome.FAILED

@@ -28,7 +28,7 @@ from synthq.enums import INFLIGHT, SampleState
 from synthq.models import Attempt, CallCount, Job, Sample, SampleCount, Server, Worker
 from synthq.packing import unpack_ids, unpack_mask
 
-__all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail",
+__all__ = ["JobSummary", "list_jobs", "SampleRow", "list_samples", "SampleDetail", "AttemptDetail",
            "sample_detail", "mask_segments", "done_per_minute", "MetricsSnapshot",
            "metrics_snapshot", "LATENCY_BUCKETS", "TTFT_BUCKETS"]
 
@@ -95,13 +95,14 @@ def list_samples(session: Session, job_id: int, *, state: str | None = None,
                Sample.completion_tokens, Sample.num_tokens, Sample.num_supervised,
                Sample.updated_at)
         .where(*conds).order_by(Sample.id).limit(limit + 1)).all()
-    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], r[7], r[8], r[9],
-                      r[10], r[11], r[12]) for r in rows[:limit]]
+    page = [SampleRow(r[0], r[1], r[2], str(r[3]), r[4], _url(r[5]), r[6], _url(r[7]), r[8],
+                      r[9], r[10], r[11], r[12]) for r in rows[:limit]]
     return page, (page[-1].id if len(rows) > limit else None)
 
 
-def _url(url: str | None) -> str | None:
-    return safe_url(url) if url else url
+def _url(text: str | None) -> str | None:
+    """A URL (or a message that may hold one) with its password masked."""
+    return safe_url(text) if text else text
 
 
 @dataclass
@@ -115,7 +116,27 @@ class MaskSegment:
 
 
 @dataclass
+class AttemptDetail:
+    """One call of a sample to a server (a row of ``attempts``), as it is shown."""
+
+    id: int
+    server: str
+    worker: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+    error_message: str | None
+    latency_s: float | None
+    ttft_s: float | None
+    completion_tokens: int | None
+    turn: int | None = None
+
+
+@dataclass
 class SampleDetail:
+    """One sample in full: what ``GET /api/samples/{id}`` answers (its response model is
+    this class) and what `synthq sample --json` prints. Server URLs are masked."""
+
     id: int
     job_id: int
     job_name: str
@@ -137,7 +158,7 @@ class SampleDetail:
     tokenize_version: int | None
     created_at: datetime
     finished_at: datetime | None
-    attempt_log: list[dict[str, Any]] = field(default_factory=list)
+    attempt_log: list[AttemptDetail] = field(default_factory=list)
     #: The example's tokens in runs of supervised / not supervised.
     mask: list[MaskSegment] = field(default_factory=list)
     #: The row's tools and the answer's tool calls (None: none).
@@ -168,19 +189,19 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
     detail = SampleDetail(
         id=smp.id, job_id=smp.job_id, job_name=job.name, dataset_index=smp.dataset_index,
         source_id=smp.source_id, state=str(smp.state), attempts=smp.attempts,
-        server=_url(smp.server), error_class=smp.error_class, error_message=smp.error_message,
+        server=_url(smp.server), error_class=smp.error_class,
+        error_message=_url(smp.error_message),
         prompt=smp.prompt, response_content=smp.response_content,
         reasoning_content=smp.reasoning_content, finish_reason=smp.finish_reason,
         prompt_tokens=smp.prompt_tokens, completion_tokens=smp.completion_tokens,
         num_tokens=smp.num_tokens, num_supervised=smp.num_supervised,
         tokenize_version=smp.tokenize_version, created_at=smp.created_at,
         finished_at=smp.finished_at,
-        attempt_log=[{"id": a.id, "server": _url(a.server), "worker": a.worker,
-                      "started_at": a.started_at, "ended_at": a.ended_at, "outcome": a.outcome,
-                      "error_message": a.error_message, "latency_s": a.latency_s,
-                      "ttft_s": a.ttft_s, "completion_tokens": a.completion_tokens,
-                      "turn": a.turn}
-                     for a in attempts],
+        attempt_log=[AttemptDetail(
+            id=a.id, server=safe_url(a.server), worker=a.worker, started_at=a.started_at,
+            ended_at=a.ended_at, outcome=a.outcome, error_message=_url(a.error_message),
+            latency_s=a.latency_s, ttft_s=a.ttft_s, completion_tokens=a.completion_tokens,
+            turn=a.turn) for a in attempts],
         tools=smp.tools, tool_calls=smp.tool_calls, turn=smp.turn or 0,
         turn_count=smp.turn_count, turns=smp.turns, cut_at_turn=smp.cut_at_turn,
         cut_reason=smp.cut_reason, overrides=smp.overrides or None)

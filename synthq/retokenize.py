@@ -25,9 +25,10 @@ from synthq import errors, states
 from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
 from synthq.errors import UserError
+from synthq.examples import choose, tokenization_failure, tokenize_sample
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
-from synthq.process import effective, tokenize_response
+from synthq.process import effective
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["configure", "stale_query", "stale_ids", "count_stale", "retokenize_batch",
@@ -38,13 +39,11 @@ _HAS_RESPONSE = Sample.response_content.is_not(None)
 
 
 def _eligible(job_id: int) -> Any:
-    """Samples retokenize can work on (:func:`synthq.status.retokenizable` says the same
-    of one sample's state and error class: keep the two alike)."""
-    return and_(
-        Sample.job_id == job_id, _HAS_RESPONSE,
-        or_(Sample.state == SampleState.DONE,
-            and_(Sample.state.in_([SampleState.FAILED, SampleState.SKIPPED]),
-                 Sample.error_class.in_(errors.TOKENIZATION_CLASSES))))
+    """Samples retokenize can work on: :data:`synthq.errors.RETOKENIZABLE` in SQL."""
+    return and_(Sample.job_id == job_id, _HAS_RESPONSE, or_(*(
+        Sample.state == state if classes is None
+        else and_(Sample.state == state, Sample.error_class.in_(sorted(classes)))
+        for state, classes in errors.RETOKENIZABLE.items())))
 
 
 def stale_query(job_id: int, version: int) -> Any:
@@ -56,7 +55,7 @@ def stale_query(job_id: int, version: int) -> Any:
 def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
     """Apply tokenization ``changes`` to ``job``, check they work, bump the version."""
     fields = {"tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
-              "mask"}
+              "mask", "examples"}
     unknown = set(changes) - fields
     if unknown:
         raise UserError(f"cannot change {sorted(unknown)} by retokenizing")
@@ -68,7 +67,10 @@ def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
         chat_template_kwargs=json.dumps(merged["chat_template_kwargs"] or {}, sort_keys=True),
         max_seq_len=merged["max_seq_len"], reasoning=merged["reasoning"], mask=merged["mask"],
         think_open=job.think_open, think_close=job.think_close)
-    get_chat_tokenizer(settings)  # raises a clear error if it cannot work
+    chat = get_chat_tokenizer(settings)  # raises a clear error if it cannot work
+    if "examples" in changes or "mask" in changes:  # refused where every sample would fail
+        choose(merged["examples"], regenerate=job.regenerate, mask=merged["mask"],
+               tokenizer=chat)
     for name, value in changes.items():
         setattr(job, name, value)
     job.tokenize_version += 1
@@ -108,33 +110,32 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         s.expunge(job)
         rows = s.execute(
             select(Sample.id, Sample.prompt, Sample.response_content, Sample.reasoning_content,
-                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turns,
-                   Sample.overrides)
+                   Sample.finish_reason, Sample.completion_token_ids, Sample.tool_calls,
+                   Sample.tools, Sample.turns, Sample.overrides)
             .where(Sample.id.in_(sample_ids), stale_query(job_id, job.tokenize_version))
         ).all()
     result = BatchResult(unchanged=len(sample_ids) - len(rows))
     updates: list[tuple[int, dict[str, Any]]] = []
-    for sid, prompt, content, reasoning, server_ids, tool_calls, tools, answers, overrides \
-            in rows:
+    for sid, prompt, content, reasoning, finish, server_ids, tool_calls, tools, answers, \
+            overrides in rows:
         ids = unpack_ids(server_ids)
         try:
             # A sample requeued with its own chat_template_kwargs was generated with
             # them: its example is rendered with them too, as the worker did.
-            values = tokenize_response(effective(job, overrides), prompt or [], content or "",
-                                       reasoning, ids.tolist() if ids is not None else None,
-                                       tool_calls=tool_calls, tools=tools,
-                                       answers=answers if job.regenerate == "all" else None)
+            values = tokenize_sample(effective(job, overrides), prompt or [], content or "",
+                                     reasoning, ids.tolist() if ids is not None else None,
+                                     tool_calls=tool_calls, tools=tools,
+                                     answers=answers if job.regenerate == "all" else None,
+                                     finish_reason=finish)
             values.update(state=SampleState.DONE, error_class=None, error_message=None)
             result.done += 1
-        except Exception as exc:  # noqa: BLE001 - recorded on the sample, like the worker does
-            if not isinstance(exc, errors.PermanentError):
-                exc = errors.InvalidInput(f"tokenization crashed: {type(exc).__name__}: {exc}")
-            skip = isinstance(exc, errors.NoSupervisedTokens)
-            values = dict(state=SampleState.SKIPPED if skip else SampleState.FAILED,
-                          error_class=exc.error_class, error_message=str(exc), input_ids=None,
-                          loss_mask=None, num_tokens=None, num_supervised=None,
-                          tokenize_version=job.tokenize_version, token_mismatch=None)
-            if skip:
+        except Exception as exc:  # noqa: BLE001 - recorded on the sample, as the worker does
+            state, error = tokenization_failure(exc)
+            values = dict(state=state, error_class=error.error_class, error_message=str(error),
+                          input_ids=None, loss_mask=None, num_tokens=None, num_supervised=None,
+                          tokenize_version=job.tokenize_version, token_mismatch=None,
+                          examples=None)
+            if state == SampleState.SKIPPED:
                 result.skipped += 1
             else:
                 result.failed += 1

@@ -387,7 +387,8 @@ def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
 _ANSWER_COLUMNS = ("response_content", "reasoning_content", "finish_reason", "prompt_tokens",
                    "completion_tokens", "prompt_token_ids", "completion_token_ids", "tool_calls",
                    "repairs", "input_ids", "loss_mask", "num_tokens", "num_supervised",
-                   "tokenize_version", "token_mismatch", "cut_at_turn", "cut_reason")
+                   "tokenize_version", "token_mismatch", "cut_at_turn", "cut_reason",
+                   "examples")
 
 
 def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),

@@ -15,14 +15,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from synthq.clock import utcnow
+from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
 from synthq.enums import INFLIGHT, SampleState
-from synthq.errors import TOKENIZATION_CLASSES
+from synthq.errors import retokenizable
 from synthq.health import unhealthy
 from synthq.limits import current_limits, start_limit
+from synthq.secrets import safe_keys, safe_url
 from synthq.sqlread import Reader, read_json, read_optional_time, reader_of
 from synthq.workers import live
 
@@ -161,23 +162,22 @@ class JobStatus:
     cut: int = 0
     #: Why synthq paused the job itself (None: not paused, or paused by a user).
     pause_reason: str | None = None
+    #: Samples not yet in a final state (pending, queued, running); and whether none is.
+    open: int = 0
+    finished: bool = True
+    #: Things an operator should fix that stop nothing (a worker's clock is off).
+    warnings: list[str] = field(default_factory=list)
 
-    @property
-    def open(self) -> int:
-        """Samples not yet in a final state."""
+    def __post_init__(self) -> None:
         c = self.counts
-        return sum(c.get(s, 0) for s in (SampleState.PENDING, SampleState.QUEUED,
-                                          SampleState.RUNNING))
-
-    @property
-    def finished(self) -> bool:
-        return self.open == 0
+        self.open = sum(c.get(s, 0) for s in (SampleState.PENDING, SampleState.QUEUED,
+                                               SampleState.RUNNING))
+        self.finished = self.open == 0
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["open"] = self.open
-        data["finished"] = self.finished
-        return data
+        """The record as JSON-ready data: what `synthq status --json` prints and what
+        ``GET /api/jobs/{job}`` answers (its response model is this class)."""
+        return asdict(self)
 
 
 def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
@@ -203,15 +203,6 @@ def server_limits(db: Session | Reader, job: StatusJob, *, history: bool = True
 
 def _by_key(rows: Iterable[tuple[Any, Any]]) -> dict[str, int]:
     return {str(key) if key is not None else "unknown": int(n) for key, n in rows}
-
-
-def retokenizable(state: str, error_class: str | None) -> bool:
-    """Whether ``synthq retokenize`` works on a sample in ``state`` with ``error_class``
-    whose response is stored (what ``synthq.retokenize._eligible`` selects in SQL): what
-    ``status`` counts from the counters."""
-    return state == SampleState.DONE or (
-        state in (SampleState.FAILED, SampleState.SKIPPED)
-        and error_class in TOKENIZATION_CLASSES)
 
 
 def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
@@ -266,8 +257,16 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.unhealthy = unhealthy(reader, job.servers)
     status.workers = [
         {"name": w.name, "capacity": w.capacity, "inflight": w.inflight,
-         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1)}
+         "heartbeat_at": w.heartbeat_at.isoformat(), "started_at": w.started_at.isoformat(),
+         "heartbeat_age_s": round((now - w.heartbeat_at).total_seconds(), 1),
+         "clock_skew_s": None if w.clock_skew is None else round(w.clock_skew, 1)}
         for w in live(reader, now=now, timeout=settings.worker_timeout)]
+    status.warnings += [
+        f"worker {w['name']}: its clock is {abs(w['clock_skew_s']):.0f} s "
+        f"{'ahead of' if w['clock_skew_s'] > 0 else 'behind'} the database's (synthq uses "
+        "the database's time; fix the machine's clock: its logs are off)"
+        for w in status.workers
+        if w["clock_skew_s"] is not None and abs(w["clock_skew_s"]) >= SKEW_WARNING_S]
     status.limits = server_limits(reader, job, history=cost)
     if cost:
         status.cost = job_cost(reader, job, remaining=status.open, now=now,
@@ -282,4 +281,17 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         status.num_tokens = sum(c.tokens for c in done)
         status.num_supervised = sum(c.supervised for c in done)
         status.token_mismatches = sum(c.mismatches for c in done)
+    return _masked(status)
+
+
+def _masked(status: JobStatus) -> JobStatus:
+    """``status`` with every server URL's password masked: a status is only ever shown
+    (CLI, ``--json``, the API, the job page), and a URL may carry a password."""
+    status.servers = [safe_url(u) for u in status.servers]
+    status.inflight = safe_keys(status.inflight)
+    status.unhealthy = {safe_url(k): v and safe_url(v) for k, v in status.unhealthy.items()}
+    status.limits = safe_keys(status.limits)
+    status.pause_reason = status.pause_reason and safe_url(status.pause_reason)
+    if status.cost:
+        status.cost["servers"] = safe_keys(status.cost.get("servers") or {})
     return status

@@ -39,7 +39,7 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -79,9 +79,27 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
                                      "```\nDone — “quoted” text."},
 )
 
+#: Two questions, each answered with reasoning: what :meth:`ChatTokenizer.multi_turn_unstable`
+#: renders to see whether earlier turns render the same once later ones follow.
+MULTI_TURN_PROBE: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4.", "reasoning_content": "Two plus two is four."},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "6.", "reasoning_content": "Three plus three is six."},
+)
+
 
 class TokenizerSetupError(errors.UserError):
     """The tokenizer or template cannot be used; raised at enqueue, not per sample."""
+
+
+def _cannot_render(exc: Exception) -> TokenizerSetupError:
+    """The probe render failed: the budget's own line (synthq.sandbox), else why."""
+    from synthq.sandbox import TemplateLimitError
+
+    if isinstance(exc.__cause__, TemplateLimitError):
+        return TokenizerSetupError(str(exc.__cause__))
+    return TokenizerSetupError(f"the chat template cannot render a conversation: {exc}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +169,7 @@ class ChatTokenizer:
         except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
             raise TokenizerSetupError(
                 f"cannot load tokenizer {settings.tokenizer!r}: {type(exc).__name__}: "
-                f"{str(exc)[:500]}") from exc
+                f"{' '.join(str(exc).split())[:500]}") from exc
         if not getattr(self.tok, "is_fast", False):
             raise TokenizerSetupError(f"tokenizer {settings.tokenizer!r} is not a fast "
                                       "tokenizer; character offsets need one (tokenizer.json)")
@@ -170,8 +188,15 @@ class ChatTokenizer:
         self._empty_think = re.compile(
             r"\s*" + re.escape(settings.think_open.strip()) + r"\s*"
             + re.escape(settings.think_close.strip()) + r"\s*")
-        self._check_round_trip()
-        self.reasoning_field = self._probe_reasoning()
+        # Every render under synthq's size and time budget (synthq.sandbox): a template
+        # is code from a user or a Hub repository. The probes get a short clock, so a
+        # hostile template is refused at enqueue within seconds.
+        from synthq.sandbox import PROBE_SECONDS, install, limits
+
+        install()
+        with limits(seconds=PROBE_SECONDS):
+            self._check_round_trip()
+            self.reasoning_field = self._probe_reasoning()
         self._decode_ids = self._span_decoder()
         #: Set when the tokenizer is a plain byte-level BPE (see :meth:`_byte_level`):
         #: the backend to encode with and each id's bytes; else ``None``.
@@ -183,11 +208,15 @@ class ChatTokenizer:
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
+        from synthq.sandbox import TemplateLimitError
+
         extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             text = self.tok.apply_chat_template(
                 [dict(m) for m in messages], chat_template=self.template, tokenize=False,
                 add_generation_prompt=generation_prompt, **extra, **self.kwargs)
+        except TemplateLimitError as exc:  # over synthq's budget (synthq.sandbox)
+            raise errors.InvalidInput(str(exc)) from exc
         except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
             raise errors.InvalidInput(f"the chat template refused this conversation: "
                                       f"{exc}") from exc
@@ -201,8 +230,7 @@ class ChatTokenizer:
                                              "reasoning_content": _PROBE}],
                                      generation_prompt=False)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
-            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
-                                      f"{exc}") from exc
+            raise _cannot_render(exc) from exc
         if _PROBE in with_field:
             return True
         if self.settings.reasoning == "keep":
@@ -217,13 +245,29 @@ class ChatTokenizer:
                     "--chat-template that renders reasoning")
         return False
 
+    def multi_turn_unstable(self) -> str | None:
+        """Why this template cannot supervise several assistant turns of one conversation
+        at once (None: it can), found by tokenizing :data:`MULTI_TURN_PROBE`.
+
+        A template that rewrites history (Qwen3's drops the reasoning of turns before
+        the last question, and writes an empty think block only into the last turn)
+        renders a turn one way while it is the last and another once a turn follows:
+        every such sample would fail ``boundary_unstable``.
+        """
+        messages = [self.place_reasoning(m) for m in MULTI_TURN_PROBE]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        try:
+            self.tokenize(messages, turns=turns)
+        except errors.BoundaryUnstable as exc:
+            return str(exc)
+        return None
+
     def _check_round_trip(self) -> None:
         """Refuse a tokenizer whose decode(encode(text)) is not the text."""
         try:
             text = self.render(PROBE_CONVERSATION, generation_prompt=False)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
-            raise TokenizerSetupError(f"the chat template cannot render a conversation: "
-                                      f"{exc}") from exc
+            raise _cannot_render(exc) from exc
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         back = str(self.tok.decode(ids, skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False))
@@ -244,11 +288,10 @@ class ChatTokenizer:
                      tool_calls: Sequence[Mapping[str, Any]] | None = None
                      ) -> list[dict[str, Any]]:
         """The prompt plus the generated answer, reasoning placed per the settings."""
-        answer: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            answer["tool_calls"] = [dict(c) for c in tool_calls]
-        if reasoning:
-            answer["reasoning_content"] = reasoning
+        from synthq.turns import answer_message
+
+        answer = answer_message({"content": content, "reasoning_content": reasoning,
+                                 "tool_calls": tool_calls}, reasoning=True)
         return [dict(m) for m in prompt] + [self.place_reasoning(answer)]
 
     def place_reasoning(self, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -268,7 +311,8 @@ class ChatTokenizer:
     # -- spans and mask ------------------------------------------------------------
 
     def _span(self, messages: Sequence[Mapping[str, Any]], i: int, full: str,
-              tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[int, int]:
+              tools: Sequence[Mapping[str, Any]] | None = None, *,
+              cut: bool = False) -> tuple[int, int]:
         prefix = self.render(messages[:i], generation_prompt=True, tools=tools)
         # Through the last message is the whole conversation: rendered already.
         through = full if i == len(messages) - 1 else \
@@ -291,7 +335,9 @@ class ChatTokenizer:
             if length > stripped - start:
                 break
             if through[stripped - length:stripped] in markers:
-                end = stripped
+                # A turn cut at max_tokens ends where the target stopped: the template
+                # closes it with a marker the target never wrote, never supervised.
+                end = stripped - length if cut else stripped
                 break
         # An empty think block in front of the answer was written by the template.
         empty = self._empty_think.match(through, start, end)
@@ -300,26 +346,35 @@ class ChatTokenizer:
         return start, end
 
     def tokenize(self, messages: Sequence[Mapping[str, Any]],
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> Tokenized:
+                 tools: Sequence[Mapping[str, Any]] | None = None, *,
+                 turns: Sequence[int] | None = None,
+                 cut: Collection[int] = ()) -> Tokenized:
         """Render, tokenize once, mask, truncate and self-check one conversation.
+
+        ``turns``: the indices of the assistant messages to supervise (None: the
+        settings' mask). ``cut``: indices of turns cut at max_tokens, supervised
+        without the end-of-turn marker the template closes them with.
 
         ``tools`` (the row's function definitions) go to the template's ``tools=``
         argument, so a turn's tool-call tokens render, and are supervised, as the
         target writes them.
         """
-        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-        if not turns:
+        assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not assistant:
             raise errors.InvalidInput("the conversation has no assistant turn")
-        if self.settings.mask == "last_turn":
-            turns = turns[-1:]
+        if turns is None:
+            turns = assistant[-1:] if self.settings.mask == "last_turn" else assistant
+        elif not turns or any(i not in assistant for i in turns):
+            raise errors.InvalidInput(f"turns {list(turns)} are not assistant messages")
+        turns = list(turns)
         full = self.render(messages, generation_prompt=False, tools=tools)
-        spans = [self._span(messages, i, full, tools) for i in turns]
+        spans = [self._span(messages, i, full, tools, cut=i in cut) for i in turns]
 
         if self._fast is not None:
             ids, mask, completion_ids, truncated = self._mask_byte_level(full, spans)
         else:
             ids, mask, completion_ids, truncated = self._mask_offsets(full, spans)
-        if self.has_generation_blocks and not tools:
+        if self.has_generation_blocks and not tools and not cut:
             self._cross_check(messages, ids, mask, turns)
         limit = self.settings.max_seq_len
         ids, mask = ids[:limit], mask[:limit]
@@ -537,8 +592,7 @@ class ChatTokenizer:
         their_ids = np.asarray(out["input_ids"], dtype=np.int32)
         if their_ids.shape != ids.shape or not np.array_equal(their_ids, ids):
             return  # tokenized with special tokens added: masks are not comparable
-        if self.settings.mask == "last_turn" and len(turns) < sum(
-                1 for m in messages if m.get("role") == "assistant"):
+        if len(turns) < sum(1 for m in messages if m.get("role") == "assistant"):
             # Only the last turn is ours: compare from its first supervised token on.
             first = int(np.flatnonzero(mask)[0]) if mask.any() else len(mask)
             theirs = theirs.copy()

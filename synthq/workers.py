@@ -41,22 +41,28 @@ class WorkerInfo:
     inflight: int
     heartbeat_at: datetime
     started_at: datetime
+    #: Seconds its wall clock ran ahead of the database's (synthq.clock.skew).
+    clock_skew: float | None = None
 
 
 def heartbeat(session: Session, name: str, *, capacity: int, inflight: int, now: datetime) -> None:
-    """Insert or refresh this process's row."""
+    """Insert or refresh this process's row. ``now`` is the database's time
+    (synthq.clock); the row also carries how far this machine's wall clock is off it."""
     from sqlalchemy.dialects.postgresql import insert as pg_insert
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+    from synthq.clock import skew
     from synthq.models import Worker
 
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     host, _, rest = name.partition(":")
     pid = int(rest.split(":", 1)[0]) if rest.split(":", 1)[0].isdigit() else os.getpid()
+    off = skew()
     stmt = insert(Worker).values(name=name, host=host, pid=pid, capacity=capacity,
-                                 inflight=inflight, started_at=now, heartbeat_at=now)
+                                 inflight=inflight, started_at=now, heartbeat_at=now,
+                                 clock_skew=off)
     session.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={
-        "capacity": capacity, "inflight": inflight, "heartbeat_at": now}))
+        "capacity": capacity, "inflight": inflight, "heartbeat_at": now, "clock_skew": off}))
 
 
 def unregister(session: Session, name: str) -> None:
@@ -70,11 +76,11 @@ def unregister(session: Session, name: str) -> None:
 def live(db: Session | Reader, *, now: datetime, timeout: float) -> list[WorkerInfo]:
     """Workers that heart-beat within ``timeout`` seconds."""
     rows = reader_of(db).rows(
-        "SELECT name, capacity, inflight, heartbeat_at, started_at FROM workers "
+        "SELECT name, capacity, inflight, heartbeat_at, started_at, clock_skew FROM workers "
         "WHERE heartbeat_at >= :since ORDER BY started_at",
         {"since": now - timedelta(seconds=timeout)})
-    return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started))
-            for name, capacity, inflight, beat, started in rows]
+    return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started), off)
+            for name, capacity, inflight, beat, started, off in rows]
 
 
 def free_capacity(session: Session, *, now: datetime, timeout: float) -> int:

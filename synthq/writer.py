@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from datetime import datetime
@@ -73,6 +74,11 @@ class Writer:
         self.disk_full_level = disk_full_level
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[tuple[Write, Future[Any]] | None] = queue.SimpleQueue()
+        #: Monotonic time each answer's write was due from (its answer's arrival), by its
+        #: future; and the seconds each waited for its commit (the last 100,000). A
+        #: kill -9 loses every answer in that window, to be paid for again.
+        self._since: dict[Future[Any], float] = {}
+        self.commit_waits: deque[float] = deque(maxlen=100_000)
         self._thread = threading.Thread(target=self._run, name="synthq-writer", daemon=True)
         self._thread.start()
         #: Transactions committed and writes in them (for benchmarks and tests).
@@ -82,14 +88,30 @@ class Writer:
         self.disk_full: str | None = None
         self._abandoned = threading.Event()
 
-    def submit(self, write: Write) -> Future[Any]:
+    def submit(self, write: Write, *, since: float | None = None) -> Future[Any]:
+        """Queue ``write``; ``since``: the monotonic time an answer it makes durable arrived
+        (its wait for the commit is measured from there, :meth:`wait_figures`)."""
         future: Future[Any] = Future()
+        if since is not None:
+            self._since[future] = since
         self._queue.put((write, future))
         return future
 
-    async def write(self, write: Write) -> Any:
+    async def write(self, write: Write, *, since: float | None = None) -> Any:
         """Submit from the event loop and wait for the commit."""
-        return await asyncio.wrap_future(self.submit(write))
+        return await asyncio.wrap_future(self.submit(write, since=since))
+
+    def wait_figures(self) -> dict[str, float]:
+        """How long answers waited for their commit: count, median, p95, p99, max (ms)."""
+        waits = sorted(self.commit_waits)
+        if not waits:
+            return {"answers": 0}
+
+        def at(q: float) -> float:
+            return round(1000 * waits[min(len(waits) - 1, int(q * len(waits)))], 1)
+
+        return {"answers": len(waits), "p50_ms": at(0.5), "p95_ms": at(0.95),
+                "p99_ms": at(0.99), "max_ms": round(1000 * waits[-1], 1)}
 
     def abandon(self) -> None:
         """Stop holding writes for a full disk: they fail now (the process is stopping,
@@ -124,7 +146,7 @@ class Writer:
             except Exception as exc:  # a bug: fail this batch's writes, keep the thread
                 log.exception("writer: batch of %d writes failed", len(batch))
                 for _, future in batch:
-                    _resolve(future, exc=exc)
+                    self._fail(future, exc)
 
     def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         deadline = time.monotonic() + self.retry_seconds
@@ -146,7 +168,7 @@ class Writer:
                         error = DiskFull(database_location())
                         error.__cause__ = exc
                         for _, future in batch:
-                            _resolve(future, exc=error)
+                            self._fail(future, error)
                         return
                 elif not _transient(exc):
                     self._one_by_one(batch)
@@ -155,7 +177,7 @@ class Writer:
                     log.error("writer: database unreachable for %.0f s; dropping %d writes",
                               self.retry_seconds, len(batch))
                     for _, future in batch:
-                        _resolve(future, exc=exc)
+                        self._fail(future, exc)
                     return
                 if not full:
                     log.warning("writer: transient database error (%s); retrying %d writes "
@@ -168,9 +190,24 @@ class Writer:
                 self.disk_full = None
             self.commits += 1
             self.writes += len(batch)
+            self._measure(batch)
             for (_, future), result in zip(batch, results, strict=True):
                 _resolve(future, result)
             return
+
+    def _fail(self, future: Future[Any], exc: BaseException) -> None:
+        self._since.pop(future, None)
+        _resolve(future, exc=exc)
+
+    def _measure(self, batch: list[tuple[Write, Future[Any]]]) -> None:
+        """Each answer's wait for its commit, just committed."""
+        if not self._since:
+            return
+        now = time.monotonic()
+        for _, future in batch:
+            since = self._since.pop(future, None)
+            if since is not None:
+                self.commit_waits.append(now - since)
 
     @staticmethod
     def _transaction(writes: list[Write]) -> list[Any]:
@@ -187,8 +224,9 @@ class Writer:
                 if _transient(exc):  # the database went away meanwhile: the normal path
                     self._commit([(write, future)])
                     continue
-                _resolve(future, exc=exc)
+                self._fail(future, exc)
             else:
                 self.commits += 1
                 self.writes += 1
+                self._measure([(write, future)])
                 _resolve(future, result[0])

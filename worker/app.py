@@ -18,7 +18,14 @@ from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from synthq.broker import CONTROL_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE
+from synthq.broker import (
+    CONTROL_ROUTE,
+    GENERATE_ROUTE,
+    TOKENIZE_ROUTE,
+    TRAIN_ROUTE,
+    redis_options,
+    transport_options,
+)
 from synthq.config import get_settings
 
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
@@ -172,7 +179,10 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     # Redelivery of unacknowledged messages: above the longest call (the
     # default total timeout is 30 min). Rows, not messages, carry retries.
-    broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+    # Timeouts and keepalives: a half-open Redis must not freeze a worker or beat.
+    broker_transport_options={"visibility_timeout": settings.visibility_timeout,
+                              **transport_options()},
+    **redis_options(),
     broker_connection_retry_on_startup=True,
     task_ignore_result=True,
     task_serializer="json",
@@ -206,5 +216,22 @@ def _setup_logs(logger: Any = None, **_: Any) -> None:
 @signals.beat_init.connect
 def _quiet_beat(**_: Any) -> None:
     """Beat sends only the dispatch tick: no task-sent event for it (Flower's list is
-    for generation and tokenization)."""
+    for generation and tokenization). Beat is a service process (the dispatch lock)."""
+    from synthq.db import service_process
+
     app.conf.task_send_sent_event = False
+    service_process()
+
+
+@signals.celeryd_init.connect
+def _service_worker(options: dict[str, Any] | None = None, **_: Any) -> None:
+    """A generation worker's sessions get the statement, lock and idle-transaction limits
+    and the answer deadline (``db_statement_timeout``); a training worker's do not (its
+    export and checkpoints may hold long statements)."""
+    from synthq.db import service_process
+
+    queues = (options or {}).get("queues") or []
+    if isinstance(queues, str):
+        queues = queues.split(",")
+    if set(queues) != {"train"}:
+        service_process()

@@ -15,7 +15,14 @@ from sqlalchemy.exc import DBAPIError
 from synthq import states
 from synthq.config import get_settings
 from synthq.db import disk_full, safe_url, session_scope, utcnow
-from synthq.dispatch import Dispatched, active_servers, database_trouble, dispatch, sweep
+from synthq.dispatch import (
+    Dispatched,
+    active_servers,
+    adopt_stale,
+    database_trouble,
+    dispatch,
+    sweep,
+)
 from synthq.executor import Executor
 from synthq.health import probe_due
 from synthq.retokenize import retokenize_batch
@@ -43,10 +50,15 @@ class _Refill:
     The samples for this process's own free slots are claimed in the dispatch's
     transaction and started here (no broker round trip, no second transaction);
     the rest go to the broker for the other workers.
+
+    With no poke for ``idle`` seconds while this process has free slots, it looks
+    in SQL for samples queued that long whose message never came (a half-open
+    Redis connection, a lost message) and claims them itself: SQL is the truth.
     """
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, interval: float = 0.005, idle: float | None = None) -> None:
         self.interval = interval
+        self.idle = idle
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -61,6 +73,15 @@ class _Refill:
                                                  daemon=True)
                 self._thread.start()
         self._wake.set()
+
+    def watch(self) -> None:
+        """Start the thread without a dispatch (it then looks every ``idle`` s)."""
+        with self._lock:
+            if self._stopped or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._thread = threading.Thread(target=self._run, name="synthq-refill",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 0.0) -> None:
         """No refill starts from now on; wait up to ``timeout`` s for the one under way.
@@ -78,13 +99,39 @@ class _Refill:
         if thread is not None and thread is not threading.current_thread() and timeout > 0:
             thread.join(timeout)
 
+    def _idle_seconds(self) -> float:
+        if self.idle is not None:
+            return self.idle
+        return max(1.0, 2 * get_settings().heartbeat_interval)
+
+    def _adopt(self) -> None:
+        """Idle with free slots: claim what SQL says was queued and never delivered."""
+        with _executor_lock:
+            mine = _executor
+        local = mine.local_claim() if mine is not None else None
+        if local is None:
+            return
+        try:
+            adopted = adopt_stale(local, older_than=self._idle_seconds())
+        except Exception as exc:  # the next idle round tries again; never stop refilling
+            if not _outage(exc):
+                log.exception("claiming undelivered samples failed")
+            return
+        if adopted:
+            log.warning("%d samples were queued with this worker's slots free and no "
+                        "message came (is the broker reachable?): claimed them from SQL",
+                        adopted)
+
     def _run(self) -> None:
         failures = 0
         while True:
-            self._wake.wait()
+            poked = self._wake.wait(self._idle_seconds())
             self._wake.clear()
             if self._stopped:
                 return
+            if not poked:
+                self._adopt()
+                continue
             try:
                 with _executor_lock:
                     mine = _executor if get_settings().local_refill else None
@@ -129,6 +176,7 @@ def executor() -> Executor:
             capacity = get_settings().worker_capacity or _capacity or 1
             _executor = Executor(capacity, on_finished=refill.poke)
             log.info("synthq worker %s: capacity %d", _executor.name, capacity)
+            refill.watch()  # its slots are free: its refill watches them from now on
         return _executor
 
 

@@ -9,7 +9,6 @@ import re
 import shutil
 import tempfile
 import zlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -22,22 +21,18 @@ from api.schemas import (
     EnqueueResult,
     ErrorBody,
     JobCreate,
-    JobDetail,
     JobSettings,
     JobStateChange,
-    JobSummary,
     RequeueRequest,
     RequeueResult,
     RowError,
 )
 from synthq import query, service
-from synthq.config import get_settings
-from synthq.db import safe_url, session_scope, utcnow
+from synthq.db import safe_url, session_scope
 from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.enums import JobState
 from synthq.errors import UserError
-from synthq.status import job_status
-from synthq.workers import live
+from synthq.status import JobStatus, job_status
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 
@@ -45,6 +40,10 @@ ERRORS: dict[int | str, dict[str, object]] = {
     404: {"model": ErrorBody, "description": "No such job."},
     422: {"model": ErrorBody, "description": "Invalid input."},
 }
+#: Creating a job: also 403 for a server outside SYNTHQ_ALLOWED_SERVERS.
+CREATE_ERRORS: dict[int | str, dict[str, object]] = {
+    **ERRORS, 403: {"model": ErrorBody, "description": "A server outside "
+                    "SYNTHQ_ALLOWED_SERVERS."}}
 
 
 def _result(r: EnqueueReport, bad: list[tuple[int, str]]) -> EnqueueResult:
@@ -55,7 +54,7 @@ def _result(r: EnqueueReport, bad: list[tuple[int, str]]) -> EnqueueResult:
         bad_rows=[RowError(row=i, reason=reason) for i, reason in bad])
 
 
-_JOB_LIST = TypeAdapter(list[JobSummary])
+_JOB_LIST = TypeAdapter(list[query.JobSummary])
 
 
 def _job_list_json() -> bytes:
@@ -64,7 +63,7 @@ def _job_list_json() -> bytes:
     return _JOB_LIST.dump_json(_JOB_LIST.validate_python(jobs, from_attributes=True))
 
 
-@router.get("", response_model=list[JobSummary], summary="List jobs")
+@router.get("", response_model=list[query.JobSummary], summary="List jobs")
 async def list_jobs(request: Request) -> Response:
     # Identical lists at once share one query (api.coalesce); a change through the API
     # shows on the next read, one made elsewhere within 1 s.
@@ -87,6 +86,31 @@ def _hf_source(hf: str) -> str:
     return hf
 
 
+#: A Hugging Face model id: ``name`` or ``owner/name`` (no split, no revision).
+HF_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?$")
+
+
+def _tokenizer_source(data_dir: Path, tokenizer: str | None) -> str | None:
+    """``tokenizer`` as the API may load it: a Hub model id, or a folder inside the data
+    directory (made absolute); never another path of the server (``/etc``, ``~``, ``..``),
+    which transformers would open and parse. Confined as ``hf_dataset`` and ``path`` are."""
+    if tokenizer is None:
+        return None
+    root = data_dir.expanduser()
+    if HF_MODEL_ID.match(tokenizer) and ".." not in tokenizer and \
+            not os.path.lexists(tokenizer) and not os.path.lexists(root / tokenizer):
+        return tokenizer
+    try:
+        path = service.data_path(data_dir, tokenizer)
+    except UserError:
+        raise HTTPException(422, "tokenizer must be a Hugging Face model id (name or "
+                            "owner/name) or a folder inside the data directory") from None
+    if not path.is_dir():
+        raise HTTPException(422, "tokenizer must be a folder (holding tokenizer.json), not a "
+                            "file")
+    return str(path)
+
+
 def _scrub(message: str, *paths: tuple[str, str]) -> str:
     """An error message without the server's own paths (temp folders, data directory)."""
     for path, shown in (*paths, (os.getcwd() + os.sep, "")):
@@ -94,11 +118,22 @@ def _scrub(message: str, *paths: tuple[str, str]) -> str:
     return safe_url(message)
 
 
+def check_servers(servers: list[str]) -> None:
+    """403 for a server outside SYNTHQ_ALLOWED_SERVERS (before anything is sent to it)."""
+    from synthq.config import get_settings
+    from synthq.secrets import refused_servers
+
+    why = refused_servers(servers, get_settings().allowed_server_patterns)
+    if why is not None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, why)
+
+
 def _check_model(spec: JobSpec) -> list[str]:
     """The CLI's model check: a server that lists its models but not this one is a 422."""
     from synthq.health import check_model
 
     spec.check()
+    check_servers(spec.servers)  # before the probe: the API host fetches nothing else
     return check_model(spec.servers, spec.model)
 
 
@@ -111,7 +146,7 @@ def _created(report: EnqueueReport, bad: list[tuple[int, str]], warnings: list[s
 
 
 @router.post("", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
-             responses=ERRORS, summary="Create a job (or add to one) from a server-side "
+             responses=CREATE_ERRORS, summary="Create a job (or add to one) from a server-side "
              "path or a Hugging Face dataset")
 def create_job(body: JobCreate, settings: SettingsDep) -> Response:
     if body.path is not None:
@@ -120,6 +155,7 @@ def create_job(body: JobCreate, settings: SettingsDep) -> Response:
         source = _hf_source(str(body.hf_dataset))
     name = Path(source.rstrip("/")).name.split(".")[0]
     spec = body.to_spec(name)
+    spec.tokenizer = _tokenizer_source(settings.data_dir, spec.tokenizer)
     warnings = _check_model(spec)
     root = str(settings.data_dir.expanduser().resolve())
     try:
@@ -130,7 +166,8 @@ def create_job(body: JobCreate, settings: SettingsDep) -> Response:
 
 
 @router.post("/upload", response_model=EnqueueResult, status_code=status.HTTP_201_CREATED,
-             responses={**ERRORS, 413: {"model": ErrorBody, "description": "File too large."}},
+             responses={**CREATE_ERRORS, 413: {"model": ErrorBody,
+                                               "description": "File too large."}},
              summary="Create a job (or add to one) from an uploaded JSONL or Parquet file")
 def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .json, .gz) or "
                                                  "Parquet file.")],
@@ -144,6 +181,7 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
     filename = Path(file.filename or "upload.jsonl").name
     suffix = _upload_suffix(filename)
     job_spec = job_settings.to_spec(filename.split(".")[0])
+    job_spec.tokenizer = _tokenizer_source(settings.data_dir, job_spec.tokenizer)
     warnings = _check_model(job_spec)
     limit = settings.api_upload_max_bytes
     settings.uploads_dir.mkdir(parents=True, exist_ok=True)
@@ -200,21 +238,11 @@ def _upload_suffix(filename: str) -> str:
                         ".parquet")
 
 
-@router.get("/{job}", response_model=JobDetail, responses=ERRORS,
+@router.get("/{job}", response_model=JobStatus, responses=ERRORS,
             summary="Counts per state, done/s, ETA, failures, calls, load, workers")
-def get_job(job: JobDep, session: SessionDep) -> JobDetail:
-    st = job_status(session, job)
-    workers = live(session, now=utcnow(), timeout=get_settings().worker_timeout)
-    data = st.to_dict()
-    data["servers"] = [safe_url(s) for s in data["servers"]]
-    data["inflight"] = {safe_url(k): v for k, v in data["inflight"].items()}
-    data["unhealthy"] = {safe_url(k): v and safe_url(v) for k, v in data["unhealthy"].items()}
-    data["limits"] = {safe_url(k): v for k, v in data["limits"].items()}
-    if data["cost"]:
-        data["cost"]["servers"] = {safe_url(k): v for k, v in data["cost"]["servers"].items()}
-    return JobDetail(**{k: v for k, v in data.items() if k in JobDetail.model_fields
-                        and k != "workers"},
-                     workers=[asdict(w) for w in workers])
+def get_job(job: JobDep, session: SessionDep) -> JobStatus:
+    # The record `synthq status --json` prints, as it is (its URLs masked there).
+    return job_status(session, job)
 
 
 def _set_state(ref: str, target: JobState) -> JobStateChange:

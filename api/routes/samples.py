@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from api.deps import JobDep, SessionDep
 from api.routes.jobs import ERRORS
-from api.schemas import SampleDetailPublic, SamplePage, SamplePublic
+from api.schemas import SamplePage
 from synthq import query
 from synthq.enums import SampleState
 
@@ -30,15 +29,15 @@ def list_samples(
     items, next_after = query.list_samples(session, job.id, state=state,
                                            error_class=error_class, server=server,
                                            after=after, limit=limit)
-    return SamplePage(items=[SamplePublic(**asdict(i)) for i in items], next_after=next_after)
+    return SamplePage(items=items, next_after=next_after)
 
 
-@router.get("/api/samples/{sample_id}", response_model=SampleDetailPublic,
+@router.get("/api/samples/{sample_id}", response_model=query.SampleDetail,
             responses={404: ERRORS[404]},
             summary="One sample: prompt, answer, reasoning, attempts, tokens, mask runs")
 def get_sample(sample_id: Annotated[int, Path(ge=1, le=2**62)],
-               session: SessionDep) -> SampleDetailPublic:
+               session: SessionDep) -> query.SampleDetail:
     detail = query.sample_detail(session, sample_id)
     if detail is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no sample {sample_id}")
-    return SampleDetailPublic.model_validate(detail.to_dict())
+    return detail  # the record `synthq sample --json` prints

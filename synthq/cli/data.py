@@ -83,7 +83,10 @@ def export(
         return
     tokens = (f", {manifest.num_tokens:,} tokens ({manifest.num_supervised:,} supervised)"
               if manifest.num_tokens is not None else "")
-    console.print(f"exported {manifest.exported:,} samples to {escape(out)} in "
+    what = (f"{manifest.exported:,} examples (one per regenerated turn) of "
+            f"{manifest.samples:,} samples" if manifest.examples == "per-turn"
+            else f"{manifest.exported:,} samples")
+    console.print(f"exported {what} to {escape(out)} in "
                   f"{len(manifest.shards)} {fmt} shard(s){tokens}")
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
@@ -92,7 +95,7 @@ def export(
 
 #: The tokenization settings a retokenize may change (synthq.jobspec declares them).
 RETOKENIZE = ("tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
-              "mask")
+              "mask", "examples")
 
 
 @app.command()

@@ -106,6 +106,8 @@ def print_status(status: JobStatus) -> None:
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))
     elif status.open and not status.finished:
         console.print("[yellow]no live worker[/]: start `synthq worker` (or use `synthq run`)")
+    for warning in status.warnings:
+        console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
     if status.finished:
         console.print(f"[green]finished[/]: {c['done']:,} done, {c['failed']:,} failed, "
                       f"{c['skipped']:,} skipped")

@@ -139,6 +139,10 @@ def simulate(
                                "the whole conversation it was asked on.")] = False,
     record_requests: Annotated[bool, typer.Option(help="Keep every request for "
                                "`GET /sim/requests`.")] = False,
+    tool_calls: Annotated[bool, typer.Option(help="Answer a request that offers tools and "
+                          "ends with a user turn by calling one (the one tool_choice names, "
+                          "else the first): try the tool path with a dataset that has "
+                          "tools.")] = False,
 ) -> None:
     """Serve a simulated OpenAI-compatible model: a TEST AND DEMO tool, not a model.
 
@@ -173,6 +177,6 @@ def simulate(
                        retry_after=retry_after, seed=seed, knee=knee,
                        knee_falloff=knee_falloff, vllm_metrics=vllm_metrics,
                        history_answers=history_answers, record_requests=record_requests,
-                       **rates)  # type: ignore[arg-type]
+                       tool_calls=tool_calls, **rates)  # type: ignore[arg-type]
     err.print(f"simulator (test/demo tool) on http://{host}:{port}/v1, model {model!r}")
     serve(config, host=host, port=port)

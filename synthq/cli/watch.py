@@ -131,29 +131,25 @@ def show_sample(
 
     Example: `synthq sample 42`
     """
+    from dataclasses import asdict
+
     from rich.table import Table
-    from sqlalchemy import select
 
     from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.query import sample_detail
 
     try:
         ensure_db()
     except UserError as exc:
         raise fail(str(exc)) from None
     with session_scope() as s:
-        smp = s.get(Sample, sample_id)
-        if smp is None:
-            raise fail(f"no sample {sample_id}")
-        attempts = s.scalars(select(Attempt).where(Attempt.sample_id == sample_id)
-                             .order_by(Attempt.id)).all()
-        data = {c.name: getattr(smp, c.name) for c in Sample.__table__.columns
-                if c.name not in ("prompt_token_ids", "completion_token_ids", "input_ids",
-                                  "loss_mask")}
-        data["attempt_log"] = [{c.name: getattr(a, c.name) for c in Attempt.__table__.columns}
-                               for a in attempts]
+        detail = sample_detail(s, sample_id)
+    if detail is None:
+        raise fail(f"no sample {sample_id}")
+    # The record GET /api/samples/{id} answers (synthq.query.SampleDetail), URLs masked.
+    data = asdict(detail)
     if as_json:
-        print(json.dumps(data, default=str))
+        print(json.dumps(data, default=_iso))
         return
     from rich.markup import escape
 
@@ -183,7 +179,15 @@ def show_sample(
     if data["response_content"] is not None:
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
-    if data["num_tokens"] is not None:
+    if data["num_tokens"] is not None and data["examples"]:
+        # Per-turn examples (synthq.examples): their ids lie one after another.
+        console.print(f"examples: {len(data['examples'])}, one per regenerated turn, "
+                      f"{data['num_tokens']} tokens and {data['num_supervised']} supervised "
+                      f"in all (tokenize_version {data['tokenize_version']})")
+        for e in data["examples"]:
+            console.print(f"  turn {e['turn'] + 1}: {e['tokens']} tokens, {e['supervised']} "
+                          "supervised")
+    elif data["num_tokens"] is not None:
         console.print(f"example: {data['num_tokens']} tokens, {data['num_supervised']} "
                       f"supervised (tokenize_version {data['tokenize_version']})")
     table = Table("#", "turn", "server", "started", "outcome", "latency s", "ttft s", "tokens",
@@ -196,6 +200,11 @@ def show_sample(
                       f"{a['ttft_s']:.2f}" if a["ttft_s"] is not None else "",
                       str(a["completion_tokens"] or ""), escape((a["error_message"] or "")[:80]))
     console.print(table)
+
+
+def _iso(value: Any) -> str:
+    """A datetime as the API writes it (ISO 8601); anything else as its text."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
 def _print_message(m: dict, label: str | None = None) -> None:  # type: ignore[type-arg]

@@ -279,10 +279,10 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def beat(self) -> Proc:
+    def beat(self, **env: str) -> Proc:
         cmd = [sys.executable, "-m", "celery", "-A", "worker.app", "beat", "-l", "INFO",
                "--schedule", str(self.tmp / "beat-schedule")]
-        proc = Proc(cmd, self.child_env(), self.tmp / "beat.log", name="beat")
+        proc = Proc(cmd, self.child_env(**env), self.tmp / "beat.log", name="beat")
         self.procs.append(proc)
         return proc
 

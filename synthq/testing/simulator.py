@@ -28,8 +28,9 @@ on. With ``record_requests`` on, ``GET /sim/requests`` returns every request's
 messages, max_tokens, tools and tool_choice. Tools: a request carrying
 ``tools`` whose last message is a user message holding ``[[sim-call:NAME]]``
 (or ``[[sim-call:A,B]]``, one call each) is answered with those tool calls
-(``finish_reason`` ``tool_calls``); a request ending with tool results gets a
-text answer.
+(``finish_reason`` ``tool_calls``); with ``tool_calls`` on (``synthq simulate
+--tool-calls``) every such request calls one offered function, no directive
+needed. A request ending with tool results gets a text answer.
 
 Run it from another process (it blocks)::
 
@@ -190,6 +191,10 @@ class SimConfig:
     """Start every answer with :func:`conversation_tag` of the whole request history."""
     record_requests: bool = False
     """Keep each request's messages, max_tokens, tools, tool_choice for ``GET /sim/requests``."""
+    tool_calls: bool = False
+    """Answer a request that offers tools and ends with a user message by calling one
+    (the function ``tool_choice`` names, else the first; none with ``"none"``), with no
+    ``[[sim-call:...]]`` directive needed; a request ending with tool results gets text."""
 
     def __post_init__(self) -> None:
         """Reject settings the simulator cannot honour."""
@@ -317,6 +322,10 @@ class _ChatRequest:
     messages: list[dict[str, Any]] = field(default_factory=list)
     #: Function names a ``[[sim-call:...]]`` directive asks to call (tools given).
     calls: list[str] = field(default_factory=list)
+    #: The function a ``tool_calls`` simulator calls without a directive: the one
+    #: ``tool_choice`` names, else the first offered (tools given, last message a user's,
+    #: ``tool_choice`` not ``"none"``); None otherwise.
+    offered: str | None = None
 
 
 @dataclass
@@ -382,10 +391,12 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
     calls: list[str] = []
+    offered = None
     if body.get("tools") and messages[-1].get("role") == "user":
         match = _CALL_RE.search(texts[-1])
         if match:
             calls = [n for n in match.group(1).split(",") if n]
+        offered = _offered(body)
     return _ChatRequest(
         last_user=user_texts[-1] if user_texts else texts[-1],
         prompt_text="\n".join(f"{m.get('role')}:{t}" for m, t in zip(messages, texts, strict=True)),
@@ -397,7 +408,23 @@ def _parse_chat_request(raw: bytes) -> _ChatRequest:
         model=body.get("model") if isinstance(body.get("model"), str) else None,
         messages=messages,
         calls=calls,
+        offered=offered,
     )
+
+
+def _offered(body: dict[str, Any]) -> str | None:
+    """The function a request's ``tool_choice`` lets the simulator call (see _ChatRequest)."""
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name")
+        if isinstance(named, str):
+            return named
+    tools = body.get("tools")
+    first = tools[0] if isinstance(tools, list) and tools and isinstance(tools[0], dict) else {}
+    name = (first.get("function") or {}).get("name")
+    return name if isinstance(name, str) and name else None
 
 
 def conversation_tag(messages: Sequence[dict[str, Any]]) -> str:
@@ -586,11 +613,13 @@ class _Simulator:
         if self.config.history_answers and content:
             content[0] = conversation_tag(request.messages)
         calls: list[dict[str, Any]] = []
-        if request.calls and finish == "stop":
+        names = request.calls or ([request.offered] if self.config.tool_calls
+                                  and request.offered else [])
+        if names and finish == "stop":
             tag = conversation_tag(request.messages)
             calls = [{"id": f"call_{tag}_{i}", "type": "function",
                       "function": {"name": name, "arguments": json.dumps({"q": tag, "n": i})}}
-                     for i, name in enumerate(request.calls)]
+                     for i, name in enumerate(names)]
             content, finish = [], "tool_calls"
         return _Plan(
             fault,

@@ -23,6 +23,18 @@ def _reset_api() -> None:
     api_settings.cache_clear()
 
 
+@pytest.fixture(autouse=True)
+def allowed_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The API accepts no server URL unless SYNTHQ_ALLOWED_SERVERS lists its host: the
+    tests' servers (the simulator, unreachable ports) are all on this machine."""
+    from synthq.config import get_settings
+
+    monkeypatch.setenv("SYNTHQ_ALLOWED_SERVERS", "127.0.0.1,localhost")
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
 @pytest.fixture
 def api_env(pg: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("SYNTHQ_API_TOKEN", TOKEN)

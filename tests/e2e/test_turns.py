@@ -150,7 +150,8 @@ def test_tool_conversations_last_turn_are_sent_whole_with_tools(
     assert exported.returncode == 0, exported.stderr
     lines = [json.loads(line) for line in (out / "data-00000-of-00001.jsonl").read_text()
              .splitlines()]
-    assert all(line["tools"] == {"tools": WEATHER, "tool_choice": "auto"} for line in lines)
+    # The layout SpecForge and speculators read: the list, tool_choice beside it.
+    assert all(line["tools"] == WEATHER and line["tool_choice"] == "auto" for line in lines)
 
 
 def test_tool_conversations_every_turn_attach_results_or_cut(

@@ -279,7 +279,8 @@ def test_jsonl_export_loads_into_specforge_features(
     job_id = job_factory(rows=rows).job_id
     with session_scope() as s:
         s.execute(update(Sample).values(state="done", response_content="an answer ✓",
-                                        reasoning_content="kept out: reasoning off"))
+                                        reasoning_content="kept out: reasoning off",
+                                        finish_reason="stop"))
         s.execute(update(Job).values(reasoning="drop"))
     export_job(job_id, tmp_path / "out", fmt="jsonl")
 
@@ -289,6 +290,7 @@ def test_jsonl_export_loads_into_specforge_features(
         "source_id": datasets.Value("string"),
         "conversations": datasets.List({"role": datasets.Value("string"),
                                         "content": datasets.Value("string")}),
+        "finish_reason": datasets.Value("string"),
     })
     files = str(tmp_path / "out" / "*.jsonl")
     inferred = datasets.load_dataset("json", data_files=files, split="train",
@@ -299,7 +301,8 @@ def test_jsonl_export_loads_into_specforge_features(
     batch = typed[:]
     # build_eagle3_dataset pops these two and hands any other column to its parser.
     conversations, _ = batch.pop("conversations"), batch.pop("id")
-    assert set(batch) == {"source_id"} and batch["source_id"] == ["src-0", None]
+    assert set(batch) == {"source_id", "finish_reason"} and batch["source_id"] == ["src-0", None]
+    assert batch["finish_reason"] == ["stop", "stop"]
     assert conversations[0] == [msg("system", "s"), msg("user", "q0"), msg("assistant", "a"),
                                 msg("user", "q1"), msg("assistant", "an answer ✓")]
     assert conversations[1] == [msg("user", "only question"), msg("assistant", "an answer ✓")]

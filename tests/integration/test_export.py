@@ -97,7 +97,8 @@ def test_parquet_shards_read_back_with_datasets(
                                  cache_dir=str(tmp_path / "hf-cache"))
     assert data.num_rows == 7
     assert set(data.column_names) == {"id", "source_id", "input_ids", "loss_mask",
-                                      "conversations", "tools"}
+                                      "conversations", "tools", "tool_choice",
+                                      "finish_reason", "turn"}
     assert data["source_id"] == [None] * 7  # these rows had no id of their own
     assert data["id"] == [str(i) for i in sorted(done)]  # id order across shards
     for row in data:
@@ -111,6 +112,8 @@ def test_parquet_shards_read_back_with_datasets(
         assert conv[-1]["role"] == "assistant"
         assert conv[-1]["content"] == columns["response_content"]
         assert conv[-1]["reasoning_content"] == columns.get("reasoning_content")
+        assert conv[-1]["finish_reason"] == row["finish_reason"] == "stop"
+        assert row["turn"] is None
 
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk == manifest.to_dict()
@@ -145,10 +148,11 @@ def test_jsonl_round_trip_and_reasoning_setting(
              for line in (tmp_path / "j" / shard["file"]).read_text().splitlines()]
     assert len(lines) == 7 == manifest.exported
     for obj in lines:
-        assert set(obj) == {"id", "source_id", "conversations"}
+        assert set(obj) == {"id", "source_id", "conversations", "finish_reason"}
         columns = done[int(obj["id"])]
         assert obj["conversations"][:-1] == columns["prompt"]
         answer = {"role": "assistant", "content": columns["response_content"]}
+        assert obj["finish_reason"] == "stop"
         if "reasoning_content" in columns:
             answer["reasoning_content"] = columns["reasoning_content"]
         assert obj["conversations"][-1] == answer

@@ -17,6 +17,7 @@ stored. Then again 30 s later (the fold is fresh: read, not written) and
 
 from __future__ import annotations
 
+import os
 import secrets
 import sqlite3
 from collections.abc import Iterator
@@ -248,3 +249,65 @@ def test_sqlite_times_are_written_as_sqlalchemy_writes_them(
         (created,) = conn.execute("SELECT created_at FROM jobs").fetchone()
     conn.close()
     assert read_time(created).strftime(SQLITE_TIME) == created
+
+
+def test_postgres_fast_status_equals_the_ordinary_one(
+        pg: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL `synthq status` reads through psycopg alone (issue 24: 6-14 s per
+    `status --json` on a loaded machine, nearly all of it importing SQLAlchemy and
+    pydantic-settings): the same status as the ordinary path, figure by figure. The
+    rich job is built once and the database copied, so each path stores its own fold."""
+    import subprocess
+    import sys
+
+    from sqlalchemy import create_engine, text
+
+    from synthq.db import dispose_engines
+
+    now = utcnow()
+    _build(now)
+    dispose_engines()
+    copy = pg.rsplit("/", 1)[0] + "/" + pg.rsplit("/", 1)[1] + "_fastcopy"
+    admin = create_engine(pg.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        name = copy.rsplit("/", 1)[1]
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg.rsplit("/", 1)[1]}"'))
+    try:
+        for key in [k for k in os.environ if k.startswith("SYNTHQ_")]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("SYNTHQ_DATABASE_URL", pg)
+        _reset_process_state()
+        with session_scope() as s:
+            slow = job_status(s, find_job(s, "rich"), now=now).to_dict()
+        dispose_engines()
+        monkeypatch.setenv("SYNTHQ_DATABASE_URL", copy)
+        monkeypatch.setenv("SYNTHQ_BROKER_URL", "redis://127.0.0.1:6379/0")
+        assert fast.eligible()
+        quick_status = fast.job_status("rich", now=now)
+        assert quick_status is not None, "the fast path declined"
+        quick = quick_status.to_dict()
+        for key in slow:
+            assert quick[key] == slow[key], key
+        assert slow["cost"]["busy_s"] > 0 and slow["workers"]
+        # Not for it: another setting (validated by the ordinary path), an unknown job.
+        assert fast.job_status("no-such-job") is None
+        monkeypatch.setenv("SYNTHQ_HEARTBEAT_INTERVAL", "1")
+        assert not fast.eligible() and fast.job_status("rich") is None
+        monkeypatch.delenv("SYNTHQ_HEARTBEAT_INTERVAL")
+        # The command itself loads neither SQLAlchemy nor pydantic-settings.
+        probe = ("import sys, runpy; sys.argv = ['synthq', 'status', 'rich', '--json']\n"
+                 "try:\n    runpy.run_module('synthq.cli', run_name='__main__')\n"
+                 "except SystemExit:\n    pass\n"
+                 "print('LOADED', 'sqlalchemy' in sys.modules, 'pydantic_settings' in "
+                 "sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env={**os.environ}, timeout=120)
+        assert '"name": "rich"' in out.stdout, out.stderr
+        assert "LOADED False False" in out.stdout, out.stdout[-500:] + out.stderr
+    finally:
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{copy.rsplit("/", 1)[1]}" '
+                              "WITH (FORCE)"))
+        admin.dispose()
