@@ -2,93 +2,67 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from synthq.enqueue import JobSpec, inflight_settings
+from synthq import jobspec
+from synthq.enqueue import JobSpec
+from synthq.jobspec import Setting
 from synthq.query import SampleRow
 
 
-class JobSettings(BaseModel):
-    """Generation and tokenization settings, as `synthq enqueue` takes them."""
+def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
+    """A pydantic field of setting ``s``: its type, default and description, its bounds
+    and choices shown in the schema. The values are checked by synthq.jobspec.check (in
+    :meth:`JobSettings.to_spec` and the requeue), as the CLI's are, with the same message."""
+    kinds: dict[type, Any] = {list: list[str], dict: dict[str, Any]}
+    kind: Any = kinds.get(s.type, s.type)
+    if s.name == "inflight":
+        kind = int | Literal["auto"]
+    extra: dict[str, Any] = {}
+    if s.choices:
+        extra["enum"] = list(s.choices)
+    if s.low is not None:
+        extra["exclusiveMinimum" if s.low_open else "minimum"] = s.low
+    if s.high is not None:
+        extra["maximum"] = s.high
+    if s.max_len is not None:
+        extra["maxLength"] = s.max_len
+    description = (s.requeue_help if requeue and s.requeue_help else s.help).replace("`", "")
+    if requeue or s.default is None and not s.required:
+        omitted = "the job's" if requeue and s.requeue == "sample" else s.omitted
+        if omitted:
+            description += f" [default: {omitted}]"
+        return kind | None, Field(None, description=description, json_schema_extra=extra)
+    if s.required:
+        return kind, Field(description=description, json_schema_extra=extra,
+                           min_length=1 if s.type is list else None)
+    if s.type is dict:
+        return kind, Field(default_factory=dict, description=description,
+                           json_schema_extra=extra)
+    default = int(s.default) if s.name == "inflight" else s.default
+    return kind, Field(default, description=description, json_schema_extra=extra)
 
+
+class _JobSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-    name: str | None = Field(None, description="Job name [default: the dataset's file name]. "
-                             "The same name and settings again adds to the job.")
-    model: str = Field(description="Model name the servers serve.")
-    servers: list[str] = Field(min_length=1, description="Base URLs of OpenAI-compatible "
-                               "servers, e.g. http://vllm:8000/v1.")
-    max_tokens: int = 4096
-    temperature: float | None = None
-    top_p: float | None = None
-    timeout: float = Field(1800.0, description="Total seconds one call may take.")
-    stall_timeout: float = 300.0
-    max_attempts: int = 5
-    backoff_base: float = 2.0
-    backoff_cap: float = 300.0
-    inflight: int | Literal["auto"] = Field(64, description="Most requests in flight per "
-                                            "server, or `auto` (adaptive, per server).")
-    max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap per "
-                                     "server [default: 256].")
-    min_inflight: int | None = Field(None, description="With inflight=auto: the floor per "
-                                     "server [default: 4].")
-    gpus: int = Field(1, description="GPUs behind each server (cost report).")
-    gpu_hour_price: float | None = Field(None, description="Dollars per GPU-hour [default: "
-                                         "SYNTHQ_GPU_HOUR_PRICE].")
-    keep_truncated: bool = False
-    stream: bool = Field(True, description="Stream answers (stall clock). False: one plain "
-                         "call per sample, less CPU, the total timeout only.")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    return_token_ids: bool = False
-    id_field: str | None = None
-    tokenizer: str | None = Field(None, description="The target's tokenizer (path or id).")
-    chat_template: str | None = Field(None, description="Chat template text overriding the "
-                                      "tokenizer's own.")
-    max_seq_len: int = 4096
-    reasoning: Literal["auto", "keep", "drop"] = "auto"
-    mask: Literal["last_turn", "all_assistant_turns"] | None = Field(
-        None, description="[default: all_assistant_turns with regenerate=all, else last_turn]")
-    think_open: str = "<think>\n"
-    think_close: str = "\n</think>\n\n"
-    regenerate: Literal["last", "all"] = Field("last", description="last: regenerate the last "
-                                               "assistant turn; all: every assistant turn, "
-                                               "each on the regenerated history.")
-    history_reasoning: Literal["drop", "keep"] = Field(
-        "drop", description="regenerate=all: send earlier turns' reasoning_content too (keep).")
-    examples: Literal["conversation", "per-turn"] | None = Field(
-        None, description="regenerate=all: one training example per conversation, or one per "
-        "regenerated turn [default: per-turn where the template cannot mask several turns "
-        "at once, else conversation].")
+    if TYPE_CHECKING:  # a field of each setting is added by create_model below
+        id_field: str | None
 
     def to_spec(self, default_name: str) -> JobSpec:
-        """The JobSpec `synthq enqueue` would make from the same options."""
-        sampling: dict[str, Any] = {}
-        if self.temperature is not None:
-            sampling["temperature"] = self.temperature
-        if self.top_p is not None:
-            sampling["top_p"] = self.top_p
-        body = dict(self.extra_body)
-        if self.chat_template_kwargs:
-            body["chat_template_kwargs"] = self.chat_template_kwargs
-        if self.return_token_ids:
-            body["return_token_ids"] = True
-        return JobSpec(
-            name=self.name or default_name or "job", model=self.model,
-            servers=[s.rstrip("/") for s in self.servers], max_tokens=self.max_tokens,
-            sampling=sampling, extra_body=body, total_timeout=self.timeout,
-            stall_timeout=self.stall_timeout, max_attempts=self.max_attempts,
-            backoff_base=self.backoff_base, backoff_cap=self.backoff_cap,
-            **inflight_settings(self.inflight, self.max_inflight, self.min_inflight),
-            gpus=self.gpus, gpu_hour_price=self.gpu_hour_price,
-            keep_truncated=self.keep_truncated, stream=self.stream,
-            tokenizer=self.tokenizer, chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs, max_seq_len=self.max_seq_len,
-            reasoning=self.reasoning, mask=self.mask, think_open=self.think_open,
-            think_close=self.think_close, regenerate=self.regenerate,
-            history_reasoning=self.history_reasoning, examples=self.examples)
+        """The JobSpec `synthq enqueue` would make from the same options (both through
+        synthq.jobspec.build, which checks each value)."""
+        return cast(JobSpec, jobspec.build(self.model_dump(), source=default_name))
+
+
+if TYPE_CHECKING:  # the fields are made at import; a type checker sees the base
+    JobSettings = _JobSettings
+else:
+    #: Generation and tokenization settings, as `synthq enqueue` takes them (synthq.jobspec).
+    JobSettings = create_model(
+        "JobSettings", __base__=_JobSettings, __doc__="Generation and tokenization settings, "
+        "as `synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
 
 
 class JobCreate(JobSettings):
@@ -160,32 +134,28 @@ class JobStateChange(BaseModel):
     state: str
 
 
-class RequeueRequest(BaseModel):
+class _RequeueRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     classes: list[str] = Field(default_factory=list, description="Only failures of these "
                                "classes (timeout, server_error, ...).")
     sample_ids: list[int] = Field(default_factory=list, max_length=10_000,
                                   description="Only these samples (at most 10,000 a call).")
-    inflight: int | Literal["auto"] | None = Field(None, description="The servers' in-flight "
-                                                   "limit from now on: a number or `auto`.")
-    max_inflight: int | None = Field(None, description="With inflight=auto: the hard cap.")
-    min_inflight: int | None = Field(None, description="With inflight=auto: the floor.")
-    # Settings of the requeued samples only (stored per sample), as `synthq requeue` takes them.
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    timeout: float | None = Field(None, description="Total seconds one call may take.")
-    stall_timeout: float | None = None
-    max_attempts: int | None = None
-    extra_body: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
-    def overrides(self) -> dict[str, Any]:
-        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    total_timeout=self.timeout, stall_timeout=self.stall_timeout,
-                    max_attempts=self.max_attempts, extra_body=self.extra_body,
-                    chat_template_kwargs=self.chat_template_kwargs)
+    def settings(self) -> dict[str, Any]:
+        """The requeue's settings given (synthq.jobspec.requeue_settings checks them)."""
+        return {k: v for k, v in self.model_dump().items()
+                if k in jobspec.BY_NAME and v is not None}
+
+
+#: A requeue: which samples, and the settings of the requeued samples only (stored per
+#: sample) or of the job from now on (its in-flight limit), as `synthq requeue` takes them.
+if TYPE_CHECKING:
+    RequeueRequest = _RequeueRequest
+else:
+    RequeueRequest = create_model(
+        "RequeueRequest", __base__=_RequeueRequest,
+        **{s.name: _field(s, requeue=True) for s in jobspec.SETTINGS if s.requeue})
 
 
 class RequeueResult(BaseModel):

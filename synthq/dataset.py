@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from synthq.jobspec import BY_NAME
+
 __all__ = [
     "ID_FIELDS",
     "KEY_VERSION",
@@ -116,7 +118,7 @@ _ROLE_ALIASES: dict[str, str] = {
 }
 
 #: ``--regenerate`` modes: the last assistant turn, or every one on regenerated history.
-REGENERATE_MODES = ("last", "all")
+REGENERATE_MODES = BY_NAME["regenerate"].choices  # declared in synthq.jobspec
 
 # Conversation-list fields, in order of precedence.
 _LIST_FIELDS = ("messages", "conversations", "conversation")

@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from synthq import states
+from synthq import jobspec, states
 from synthq.dataset import (
     KEY_VERSION,
     MAX_ROW_CHARS,
@@ -56,7 +56,7 @@ BATCH_BYTES = 64 << 20
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MIN_INFLIGHT = 4
 #: The most requests in flight per server any setting may ask for.
-MAX_INFLIGHT = 100_000
+MAX_INFLIGHT = jobspec.MAX_INFLIGHT
 
 
 def inflight_settings(inflight: str | int, max_inflight: int | None = None,
@@ -121,43 +121,42 @@ class JobSpec:
     name: str
     model: str
     servers: list[str]
-    max_tokens: int = 4096
+    # The defaults are the declared ones (synthq.jobspec).
+    max_tokens: int = jobspec.default("max_tokens")
     sampling: dict[str, Any] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
-    total_timeout: float = 1800.0
-    stall_timeout: float = 300.0
-    max_attempts: int = 5
-    backoff_base: float = 2.0
-    backoff_cap: float = 300.0
-    inflight_limit: int = 64
+    total_timeout: float = jobspec.default("timeout")
+    stall_timeout: float = jobspec.default("stall_timeout")
+    max_attempts: int = jobspec.default("max_attempts")
+    backoff_base: float = jobspec.default("backoff_base")
+    backoff_cap: float = jobspec.default("backoff_cap")
+    inflight_limit: int = int(jobspec.default("inflight"))
     #: ``--inflight auto``: inflight_limit is then the hard cap (``--max-inflight``).
     inflight_auto: bool = False
-    min_inflight: int = 4
+    min_inflight: int = DEFAULT_MIN_INFLIGHT
     #: GPUs behind each server, and the price of a GPU-hour (cost report).
-    gpus: int = 1
+    gpus: int = jobspec.default("gpus")
     gpu_hour_price: float | None = None
-    keep_truncated: bool = False
+    keep_truncated: bool = jobspec.default("keep_truncated")
     #: False: one non-streamed call per sample (no stall clock, no partial progress).
-    stream: bool = True
+    stream: bool = jobspec.default("stream")
     #: A streamed answer longer than this fails as ``response_too_large``.
-    max_response_bytes: int = 4 << 20
+    max_response_bytes: int = jobspec.default("max_response_bytes")
     dataset: str = ""
     # Tokenization (synthq.tokenize); no tokenizer means none.
     tokenizer: str | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_seq_len: int = 4096
-    #: ``auto`` (keep where the template renders reasoning, else drop: resolved at
-    #: enqueue, the job stores the result), ``keep`` or ``drop``.
-    reasoning: str = "auto"
+    max_seq_len: int = jobspec.default("max_seq_len")
+    reasoning: str = jobspec.default("reasoning")
     #: None: ``all_assistant_turns`` with ``regenerate="all"``, else ``last_turn``.
     mask: str | None = None
-    think_open: str = "<think>\n"
-    think_close: str = "\n</think>\n\n"
+    think_open: str = jobspec.default("think_open")
+    think_close: str = jobspec.default("think_close")
     #: ``last`` or ``all`` (every assistant turn, each on the regenerated history).
-    regenerate: str = "last"
+    regenerate: str = jobspec.default("regenerate")
     #: ``drop`` or ``keep``: earlier regenerated turns sent with their reasoning_content.
-    history_reasoning: str = "drop"
+    history_reasoning: str = jobspec.default("history_reasoning")
     #: ``conversation`` or ``per-turn`` (synthq.examples); None: chosen at enqueue.
     examples: str | None = None
 
@@ -187,52 +186,28 @@ class JobSpec:
                                 "http://localhost:8000/v1")
         if len(set(self.servers)) != len(self.servers):
             raise UserError("the same --server is given twice")
-        positive = {"--max-tokens": self.max_tokens, "--timeout": self.total_timeout,
-                    "--stall-timeout": self.stall_timeout, "--max-attempts": self.max_attempts,
-                    "--inflight": self.inflight_limit, "--backoff-cap": self.backoff_cap,
-                    "--max-response-bytes": self.max_response_bytes,
-                    "--min-inflight": self.min_inflight, "--gpus": self.gpus}
-        for flag, value in positive.items():
-            if not value > 0:
-                raise UserError(f"{flag} must be positive, got {value}")
+        # Each declared setting's type, bounds and choices (synthq.jobspec), as a front
+        # end checks them; then what relates settings to each other.
+        for s in jobspec.SETTINGS:
+            if s.field == "" or s.name == "name":
+                continue
+            path = s.field or s.name
+            value = (self.sampling.get(s.key) if path.startswith("sampling.")
+                     else getattr(self, path))
+            jobspec.check(s, value)
+        # The stored forms of --inflight N|auto (inflight_settings).
+        for flag, value, high in (("--inflight", self.inflight_limit, MAX_INFLIGHT),
+                                  ("--min-inflight", self.min_inflight, MAX_INFLIGHT)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= high:
+                raise UserError(f"{flag} must be 1 to {high:,}, got {value!r}")
         if self.inflight_auto and self.min_inflight > self.inflight_limit:
             raise UserError(f"--min-inflight {self.min_inflight} is above --max-inflight "
                             f"{self.inflight_limit}")
-        if self.gpus > 100_000:
-            raise UserError(f"--gpus must be at most 100,000, got {self.gpus}")
-        if self.gpu_hour_price is not None and not (0 <= self.gpu_hour_price < 1e6):
-            raise UserError(f"--gpu-hour-price must be a price in dollars per GPU-hour, got "
-                            f"{self.gpu_hour_price}")
-        from synthq.dataset import REGENERATE_MODES
-        from synthq.turns import HISTORY_REASONING
-
-        if self.regenerate not in REGENERATE_MODES:
-            raise UserError(f"--regenerate must be one of {', '.join(REGENERATE_MODES)}, "
-                            f"got {self.regenerate!r}")
-        if self.history_reasoning not in HISTORY_REASONING:
-            raise UserError(f"--history-reasoning must be one of {', '.join(HISTORY_REASONING)}"
-                            f", got {self.history_reasoning!r}")
-        if self.backoff_base < 0:
-            raise UserError(f"--backoff-base must not be negative, got {self.backoff_base}")
         if self.backoff_cap < self.backoff_base:
             raise UserError("--backoff-cap must be at least --backoff-base")
-        # Checked with or without --tokenizer: a later retokenize must not fail on them.
-        if self.reasoning not in ("auto", "keep", "drop"):
-            raise UserError(f"--reasoning must be auto, keep or drop, got {self.reasoning!r}")
-        if self.mask not in ("last_turn", "all_assistant_turns"):
-            raise UserError(f"--mask must be last_turn or all_assistant_turns, got "
-                            f"{self.mask!r}")
-        if not self.max_seq_len > 0:
-            raise UserError(f"--max-seq-len must be positive, got {self.max_seq_len}")
-        temperature, top_p = self.sampling.get("temperature"), self.sampling.get("top_p")
-        if isinstance(temperature, int | float) and not 0 <= temperature <= 100:
-            raise UserError(f"--temperature must be 0 to 100, got {temperature:g}")
-        if isinstance(top_p, int | float) and not 0 < top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {top_p:g}")
         if self.tokenizer is not None:
             _check_tokenizer_path(self.tokenizer)
-        reserved = {"model", "messages", "stream", "max_tokens"} & (set(self.sampling) |
-                                                                     set(self.extra_body))
+        reserved = {"model", "messages", "stream", "max_tokens"} & set(self.sampling)
         if reserved:
             raise UserError(f"sampling options may not set {sorted(reserved)}")
 
@@ -636,15 +611,7 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     else:
         spec.examples, note = choose(spec.examples, regenerate=spec.regenerate,
                                      mask=spec.mask, tokenizer=chat)
-    from synthq.config import get_settings
-
-    visibility = get_settings().visibility_timeout
-    if spec.total_timeout >= visibility:
-        raise UserError(
-            f"--timeout {spec.total_timeout:g} s is not below the broker's visibility timeout "
-            f"({visibility:g} s, SYNTHQ_VISIBILITY_TIMEOUT): Redis would hand the message to a "
-            "second worker while the first still runs")
-    spec.check()
+    spec.check()  # the timeout below the broker's visibility timeout too (synthq.jobspec)
     from synthq.dataset import DatasetError
 
     # The rows are read under the job's prompt rule: an existing job's own.

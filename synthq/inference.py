@@ -40,6 +40,7 @@ import httpx2
 import openai
 
 from synthq import errors, netio
+from synthq.jobspec import RESERVED_BODY
 
 __all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after"]
 
@@ -532,9 +533,12 @@ class InferenceClient:
 
     def _body(self, request: ChatRequest, **more: Any) -> bytes:
         """The request's JSON body, as the openai client would send it."""
-        body: dict[str, Any] = {"model": request.model, "messages": request.messages,
-                                "max_tokens": request.max_tokens, **more, **request.sampling}
-        body.update(request.extra_body)
+        # The fields synthq sets win over extra_body, and what no job may send is left
+        # out (a job stored before it was refused): see synthq.jobspec.RESERVED_BODY.
+        body: dict[str, Any] = {k: v for k, v in {**request.sampling, **request.extra_body}
+                                .items() if k not in RESERVED_BODY}
+        body.update(model=request.model, messages=request.messages,
+                    max_tokens=request.max_tokens, **more)
         if request.tools:
             # The row's tool_choice, else "auto" with tools (what vLLM defaults to, and
             # what speculators sends): a server whose default differs calls the same.

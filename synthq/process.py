@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from synthq import errors, states, turns
+from synthq import errors, jobspec, states, turns
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
@@ -62,9 +62,8 @@ class Outcome(StrEnum):
     TURN = "turn"
 
 
-#: Per-sample settings ``synthq requeue`` may set (``samples.overrides``).
-OVERRIDABLE = ("max_tokens", "temperature", "top_p", "total_timeout", "stall_timeout",
-               "max_attempts", "extra_body", "chat_template_kwargs")
+#: Per-sample settings ``synthq requeue`` may set (``samples.overrides``), as declared.
+OVERRIDABLE = jobspec.OVERRIDABLE
 
 
 class Effective:
@@ -72,18 +71,7 @@ class Effective:
 
     def __init__(self, job: Any, overrides: dict[str, Any]) -> None:
         self._job = job
-        o = overrides
-        self.max_tokens = o.get("max_tokens", job.max_tokens)
-        self.total_timeout = o.get("total_timeout", job.total_timeout)
-        self.stall_timeout = o.get("stall_timeout", job.stall_timeout)
-        self.max_attempts = o.get("max_attempts", job.max_attempts)
-        self.sampling = {**(job.sampling or {}),
-                         **{k: o[k] for k in ("temperature", "top_p") if k in o}}
-        self.extra_body = {**(job.extra_body or {}), **(o.get("extra_body") or {})}
-        self.chat_template_kwargs = job.chat_template_kwargs
-        if "chat_template_kwargs" in o:
-            self.chat_template_kwargs = o["chat_template_kwargs"]
-            self.extra_body["chat_template_kwargs"] = o["chat_template_kwargs"]
+        jobspec.apply_overrides(self, job, overrides)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._job, name)
@@ -132,7 +120,10 @@ def lease_seconds(job: Job) -> float:
     """A running sample's lease: the worker gives up on a silent server after the
     stall timeout, and the lease outlives that by a margin, so a live worker never
     loses it."""
-    return min(job.stall_timeout, job.total_timeout) + get_settings().lease_margin
+    # Bounded (a job stored before its timeouts were): now + the lease must stay a date, or
+    # one job's value would fail the dispatch of every job.
+    return min(job.stall_timeout, job.total_timeout, jobspec.MAX_SECONDS) + \
+        get_settings().lease_margin
 
 
 # -- pieces ---------------------------------------------------------------------------

@@ -13,15 +13,15 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from synthq import states
+from synthq import jobspec, states
 from synthq.db import utcnow
 from synthq.enqueue import EnqueueReport, JobSpec, enqueue
 from synthq.enums import JobState
 from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLASSES, UserError
 from synthq.models import Job
 
-__all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "set_job_state",
-           "data_path", "enqueue_file", "bad_rows", "requeue_left_servers"]
+__all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requeue_with",
+           "set_job_state", "data_path", "enqueue_file", "bad_rows", "requeue_left_servers"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
@@ -46,55 +46,26 @@ def requeue(session: Session, job: Job, *, classes: Sequence[str] = (),
                           now=utcnow(), overrides=overrides or None)
 
 
-#: Request fields an override may not set (synthq sets them itself).
-_RESERVED = frozenset({"model", "messages", "stream", "max_tokens", "tools", "tool_choice"})
+def requeue_with(session: Session, job: Job, *, classes: Sequence[str] = (),
+                 sample_ids: Sequence[int] = (), settings: dict[str, Any] | None = None) -> int:
+    """:func:`requeue` with a requeue's settings as the CLI and the API take them
+    (:func:`synthq.jobspec.requeue_settings`): the requeued samples' own, and the job's
+    in-flight limit from now on."""
+    overrides, limits = jobspec.requeue_settings(settings or {})
+    n = requeue(session, job, classes=classes, sample_ids=sample_ids, overrides=overrides)
+    if limits is not None:
+        states.update_job(session, job, limits, now=utcnow())
+    return n
 
 
 def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """Per-sample settings for ``requeue``, checked; the ``None`` values dropped.
 
-    Keys: max_tokens, temperature, top_p, total_timeout, stall_timeout,
-    max_attempts, extra_body, chat_template_kwargs. Raises :class:`UserError`
-    naming the option (``--max-tokens``) for a bad one.
+    Keys: :data:`synthq.jobspec.OVERRIDABLE` (max_tokens, temperature, ...,
+    total_timeout, ...), checked as a job's are at create. Raises
+    :class:`UserError` naming the option (``--max-tokens``) for a bad one.
     """
-    from synthq.process import OVERRIDABLE
-
-    out = {k: v for k, v in overrides.items() if v is not None}
-    unknown = set(out) - set(OVERRIDABLE)
-    if unknown:
-        raise UserError(f"unknown settings {sorted(unknown)}; known: {', '.join(OVERRIDABLE)}")
-
-    def flag(key: str) -> str:
-        return "--" + {"total_timeout": "timeout"}.get(key, key).replace("_", "-")
-
-    for key in ("max_tokens", "max_attempts"):
-        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int)
-                           or out[key] < 1):
-            raise UserError(f"{flag(key)} must be a positive integer, got {out[key]!r}")
-    for key in ("temperature", "top_p", "total_timeout", "stall_timeout"):
-        if key not in out:
-            continue
-        value = out[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-            raise UserError(f"{flag(key)} must be a number, got {value!r}")
-        low_ok = value >= 0 if key == "temperature" else value > 0
-        if not low_ok or (key == "top_p" and value > 1):
-            raise UserError(f"{flag(key)} is out of range: {value!r}")
-        out[key] = float(value)
-    if "total_timeout" in out:
-        from synthq.config import get_settings
-
-        visibility = get_settings().visibility_timeout
-        if out["total_timeout"] >= visibility:
-            raise UserError(f"--timeout {out['total_timeout']:g} s is not below the broker's "
-                            f"visibility timeout ({visibility:g} s)")
-    for key in ("extra_body", "chat_template_kwargs"):
-        if key in out and not isinstance(out[key], dict):
-            raise UserError(f"{flag(key)} must be a JSON object")
-    reserved = _RESERVED & set(out.get("extra_body") or {})
-    if reserved:
-        raise UserError(f"--extra-body may not set {sorted(reserved)}")
-    return out
+    return jobspec.check_overrides(overrides)
 
 
 def requeue_left_servers(session: Session, job: Job) -> int:

@@ -34,9 +34,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    Numeric,
     and_,
     bindparam,
     case,
+    cast,
     event,
     exists,
     func,
@@ -588,6 +590,19 @@ def set_job_state(session: Session, job_id: int, target: JobState, *, now: datet
 # -- the sweep --------------------------------------------------------------------------
 
 
+def _max_attempts(dialect: str) -> Any:
+    """A sample's own bound (``requeue --max-attempts`` stores it in its overrides), else its
+    job's. Read so that no stored value can fail the statement, which sweeps every job: a
+    number of any size (10**12 does not fit an INTEGER cast), anything else ignored."""
+    own = Sample.overrides["max_attempts"]
+    if dialect == "postgresql":
+        number = case((func.jsonb_typeof(own) == "number", cast(own.as_string(), Numeric)))
+    else:
+        number = case((func.json_type(Sample.overrides, "$.max_attempts").in_(
+            ("integer", "real")), own.as_float()))
+    return func.coalesce(number, Job.max_attempts)
+
+
 def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
            job_ids: Sequence[int] | None = None,
            worker_timeout: float | None = None) -> list[tuple[int, SampleState]]:
@@ -616,9 +631,7 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
              *([Sample.job_id.in_(job_ids)] if job_ids is not None else [])]
     rows = session.execute(
         select(Sample.id, Sample.state, Sample.attempts,
-               # ``requeue --max-attempts`` stores a sample's own bound in its overrides
-               func.coalesce(Sample.overrides["max_attempts"].as_integer(), Job.max_attempts),
-               Sample.server,
+               _max_attempts(session.get_bind().dialect.name), Sample.server,
                Sample.worker, Sample.started_at, Sample.response_content.is_(None),
                case((Job.regenerate == "all", Sample.turn), else_=None))
         .join(Job, Job.id == Sample.job_id).where(*where)

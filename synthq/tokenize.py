@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from synthq import errors
+from synthq.jobspec import BY_NAME
 
 __all__ = [
     "TokenizeSettings",
@@ -64,9 +65,9 @@ __all__ = [
     "precheck_reasoning",
 ]
 
-#: ``auto`` resolves to ``keep`` or ``drop`` per template (:meth:`ChatTokenizer.reasoning`).
-REASONING_MODES = ("auto", "keep", "drop")
-MASK_MODES = ("last_turn", "all_assistant_turns")
+# Declared with the job settings (synthq.jobspec).
+REASONING_MODES = BY_NAME["reasoning"].choices
+MASK_MODES = BY_NAME["mask"].choices
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "synthq-probe-7f3a"

@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from synthq.jobspec import BY_NAME
+
 __all__ = ["ANSWER_FIELDS", "HISTORY_REASONING", "turn_positions", "history", "regenerated",
            "cut_reason", "answer_message", "call_names"]
 
@@ -41,7 +43,7 @@ ANSWER_FIELDS = ("content", "reasoning_content", "tool_calls", "finish_reason",
 
 #: ``--history-reasoning``: earlier turns are sent with their content only, or with
 #: their ``reasoning_content`` too.
-HISTORY_REASONING = ("drop", "keep")
+HISTORY_REASONING = BY_NAME["history_reasoning"].choices  # declared in synthq.jobspec
 
 _ANSWERED = frozenset({"user", "tool"})
 

@@ -29,7 +29,7 @@ from api.schemas import (
     TrainingRunSummary,
 )
 from synthq import query, service
-from synthq.db import safe_url, session_scope, utcnow
+from synthq.db import safe_url, session_scope
 from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.enums import JobState
 from synthq.errors import UserError
@@ -284,20 +284,9 @@ def cancel(job: JobRef) -> JobStateChange:
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,
              summary="Failed samples (all, of some classes, or by id) back to pending")
 def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
-    limits = None
-    if body.inflight is not None or body.max_inflight is not None or \
-            body.min_inflight is not None:
-        from synthq import states
-        from synthq.enqueue import inflight_settings
-        from synthq.errors import UserError
-
-        if body.inflight is None:
-            raise UserError("max_inflight and min_inflight go with inflight=auto")
-        limits = inflight_settings(body.inflight, body.max_inflight, body.min_inflight)
+    settings = body.settings()
     with session_scope() as s:
         j = job_or_404(s, job)
-        n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids,
-                            overrides=body.overrides())
-        if limits is not None:
-            states.update_job(s, j, limits, now=utcnow())
+        n = service.requeue_with(s, j, classes=body.classes, sample_ids=body.sample_ids,
+                                 settings=settings)
         return RequeueResult(requeued=n)

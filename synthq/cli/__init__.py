@@ -97,6 +97,21 @@ class _Synthq(typer.Typer):
         return typer.Typer.__call__(alone, *args, **kwargs)
 
 
+def _no_type_for_flags() -> None:
+    """A flag (``--json``, ``--stream/--no-stream``, ``--help``) takes no value, so --help
+    shows no ``<bool>`` beside it, as if it took one (Typer 0.29 shows every option's type)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_no_type_for_flags()
+
 app = _Synthq(
     name="synthq",
     help="Durable generation of EAGLE-3 drafter training data: enqueue prompts, run them "

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from synthq import jobspec
 from synthq.cli import (
     JobArg,
     JsonOpt,
@@ -15,10 +16,9 @@ from synthq.cli import (
     console,
     escape,
     fail,
-    json_option,
     with_job,
 )
-from synthq.cli.options import ChatTemplateOpt
+from synthq.cli.options import api_values, with_settings
 from synthq.errors import UserError
 
 
@@ -27,7 +27,8 @@ def export(
     job: JobArg,
     out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
                    "atomically: it appears complete or not at all).")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="`parquet` (id, source_id, "
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="<parquet|jsonl>",
+                   help="`parquet` (id, source_id, "
                    "input_ids, loss_mask, conversations) or `jsonl` (SpecForge conversations, "
                    "with id and source_id).")] = "parquet",
     shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
@@ -92,18 +93,16 @@ def export(
         console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
 
 
+#: The tokenization settings a retokenize may change (synthq.jobspec declares them).
+RETOKENIZE = ("tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
+              "mask", "examples")
+
+
 @app.command()
+@with_settings(RETOKENIZE, mode="retokenize")
 def retokenize(
     job: JobArg,
-    tokenizer: Annotated[str | None, typer.Option(help="A new tokenizer (path or id).")] = None,
-    chat_template: ChatTemplateOpt = None,
-    chat_template_kwargs: Annotated[str | None, typer.Option(
-        help="JSON object of template variables for tokenizing.")] = None,
-    max_seq_len: Annotated[int | None, typer.Option(help="A new maximum length.")] = None,
-    reasoning: Annotated[str | None, typer.Option(help="auto, keep or drop.")] = None,
-    mask: Annotated[str | None, typer.Option(help="last_turn or all_assistant_turns.")] = None,
-    examples: Annotated[str | None, typer.Option(help="conversation or per-turn (jobs with "
-                        "--regenerate all).")] = None,
+    settings: dict[str, Any],
     batch_size: Annotated[int, typer.Option(help="Samples per task.")] = 200,
     wait: Annotated[bool, typer.Option(help="Wait and show progress until every example is "
                     "recomputed (with workers).")] = True,
@@ -124,29 +123,14 @@ def retokenize(
 
     if batch_size < 1:
         raise fail("--batch-size must be at least 1")
-    changes: dict[str, Any] = {}
     try:
-        if tokenizer is not None:
-            changes["tokenizer"] = tokenizer
-        if chat_template is not None:
-            changes["chat_template"] = chat_template.read_text()
-        if chat_template_kwargs is not None:
-            changes["chat_template_kwargs"] = json_option(chat_template_kwargs,
-                                                           "--chat-template-kwargs")
-        if max_seq_len is not None:
-            changes["max_seq_len"] = max_seq_len
-        if reasoning is not None:
-            changes["reasoning"] = reasoning
-        if mask is not None:
-            changes["mask"] = mask
-        if examples is not None:
-            changes["examples"] = examples
+        changes = jobspec.check_values(api_values(settings))
         job_id, version = with_job(job, lambda s, j: (j.id, rt.configure(s, j, changes)))
     except UserError as exc:
         raise fail(str(exc)) from None
     console.print(f"job {escape(job)}: tokenize_version {version}"
                   + (f" ({', '.join(changes)} changed)" if changes else ""))
-    settings = get_settings()
+    config = get_settings()
     with Progress(TextColumn("[bold]retokenizing"), BarColumn(), TaskProgressColumn(),
                   TimeElapsedColumn(), console=console.get()) as progress:
         bar = progress.add_task("retokenize", total=None)
@@ -154,7 +138,7 @@ def retokenize(
         def show(stale: int, total: int) -> None:
             progress.update(bar, total=total, completed=total - stale)
 
-        if settings.embedded:
+        if config.embedded:
             result = rt.run_in_process(job_id, batch_size=batch_size, progress=show)
             progress.stop()
             console.print(f"{result.done:,} done, {result.failed:,} failed, "

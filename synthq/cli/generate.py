@@ -6,7 +6,7 @@ import json
 import os
 import signal
 import threading
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,42 +20,7 @@ from synthq.cli import (
     fail,
     warn,
 )
-from synthq.cli.options import (
-    AttemptsOpt,
-    BackoffBaseOpt,
-    BackoffCapOpt,
-    ChatTemplateOpt,
-    DatasetOpt,
-    ExamplesOpt,
-    ExtraBodyOpt,
-    GpuPriceOpt,
-    GpusOpt,
-    HistoryReasoningOpt,
-    IdFieldOpt,
-    InflightOpt,
-    JobOpt,
-    KeepTruncOpt,
-    MaskOpt,
-    MaxInflightOpt,
-    MaxSeqLenOpt,
-    MaxTokensOpt,
-    MinInflightOpt,
-    ModelOpt,
-    ReasoningOpt,
-    RegenerateOpt,
-    ServerOpt,
-    StallOpt,
-    StreamOpt,
-    TemperatureOpt,
-    TemplateKwOpt,
-    ThinkCloseOpt,
-    ThinkOpenOpt,
-    TimeoutOpt,
-    TokenIdsOpt,
-    TokenizerOpt,
-    TopPOpt,
-    job_spec,
-)
+from synthq.cli.options import DatasetOpt, changed, job_spec, with_settings
 from synthq.cli.render import job_progress, print_status
 from synthq.errors import DiskFull, UserError
 
@@ -134,31 +99,15 @@ def _print_report(report) -> None:  # type: ignore[no-untyped-def]
 
 
 @app.command()
-def enqueue(
-    dataset: DatasetOpt, server: ServerOpt, model: ModelOpt, job: JobOpt = None,
-    max_tokens: MaxTokensOpt = 4096, temperature: TemperatureOpt = None, top_p: TopPOpt = None,
-    timeout: TimeoutOpt = 1800.0, stall_timeout: StallOpt = 300.0, max_attempts: AttemptsOpt = 5,
-    backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
-    inflight: InflightOpt = "64", max_inflight: MaxInflightOpt = None,
-    min_inflight: MinInflightOpt = None, gpus: GpusOpt = 1, gpu_hour_price: GpuPriceOpt = None,
-    keep_truncated: KeepTruncOpt = False, stream: StreamOpt = True,
-    chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
-    tokenizer: TokenizerOpt = None,
-    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "auto", mask: MaskOpt = None,
-    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
-    regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
-    examples: ExamplesOpt = None, as_json: JsonOpt = False,
-) -> None:
+@with_settings()
+def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = False) -> None:
     """Add a dataset's prompts to a job (created if new). Prints the job id.
 
     Example: `synthq enqueue -d p.jsonl -s http://vllm:8000/v1 -m kimi --tokenizer /models/kimi`
     """
-    opts = dict(locals())
     try:
-        spec = job_spec(opts)
-        report = _enqueue(spec, dataset, quiet=as_json, id_field=id_field)
+        spec = job_spec(settings, dataset)
+        report = _enqueue(spec, dataset, quiet=as_json, id_field=settings["id_field"])
     except UserError as exc:
         raise fail(str(exc)) from None
     if as_json:
@@ -172,31 +121,13 @@ def enqueue(
 
 
 @app.command()
+@with_settings(mode="optional")
 def run(
     dataset: Annotated[str | None, typer.Option("--dataset", "-d", help="JSONL/Parquet file "
                        "or directory, or a Hugging Face dataset id (`name[:split]`). Without "
                        "-d/-s/-m, `--job NAME` resumes a stored job with its stored "
                        "settings.")] = None,
-    server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Base URL of an "
-                      "OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat for "
-                      "several.")] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model name the server "
-                     "serves.")] = None,
-    job: JobOpt = None,
-    max_tokens: MaxTokensOpt = 4096, temperature: TemperatureOpt = None, top_p: TopPOpt = None,
-    timeout: TimeoutOpt = 1800.0, stall_timeout: StallOpt = 300.0, max_attempts: AttemptsOpt = 5,
-    backoff_base: BackoffBaseOpt = 2.0, backoff_cap: BackoffCapOpt = 300.0,
-    inflight: InflightOpt = "64", max_inflight: MaxInflightOpt = None,
-    min_inflight: MinInflightOpt = None, gpus: GpusOpt = 1, gpu_hour_price: GpuPriceOpt = None,
-    keep_truncated: KeepTruncOpt = False, stream: StreamOpt = True,
-    chat_template_kwargs: TemplateKwOpt = None, extra_body: ExtraBodyOpt = None,
-    return_token_ids: TokenIdsOpt = False, id_field: IdFieldOpt = None,
-    tokenizer: TokenizerOpt = None,
-    chat_template: ChatTemplateOpt = None, max_seq_len: MaxSeqLenOpt = 4096,
-    reasoning: ReasoningOpt = "auto", mask: MaskOpt = None,
-    think_open: ThinkOpenOpt = "<think>\\n", think_close: ThinkCloseOpt = "\\n</think>\\n\\n",
-    regenerate: RegenerateOpt = "last", history_reasoning: HistoryReasoningOpt = "drop",
-    examples: ExamplesOpt = None, as_json: JsonOpt = False,
+    *, settings: dict[str, Any], as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 
@@ -208,12 +139,12 @@ def run(
     Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
     """
     from synthq.config import get_settings
-    opts = dict(locals())
     from synthq.embedded import exclusive, run_job
 
-    settings = get_settings()
+    config = get_settings()
+    job, server, model = settings["name"], settings["servers"], settings["model"]
     try:
-        if not settings.embedded:
+        if not config.embedded:
             raise UserError("`synthq run` is the embedded mode; unset SYNTHQ_BROKER_URL, or use "
                             "`synthq enqueue` with workers")
         given = [flag for flag, value in (("-d", dataset), ("-s", server), ("-m", model))
@@ -227,13 +158,14 @@ def run(
             raise UserError(f"missing {', '.join(missing)}: give all of -d, -s and -m, or "
                             "none of them with --job NAME to resume a stored job")
         if resume:
-            _check_resume_flags(opts)
-        spec = None if resume else job_spec(opts)
-        with exclusive(settings.data_dir):
+            _check_resume_flags(settings)
+        spec = None if resume else job_spec(settings, str(dataset))
+        with exclusive(config.data_dir):
             if spec is None:
                 job_id = _stored_job(str(job), quiet=as_json)
             else:
-                report = _enqueue(spec, str(dataset), quiet=as_json, id_field=id_field)
+                report = _enqueue(spec, str(dataset), quiet=as_json,
+                                  id_field=settings["id_field"])
                 if not as_json:
                     _print_report(report)
                 job_id = report.job_id
@@ -268,20 +200,14 @@ def run(
                    f"`synthq requeue {report.job_name} --failed` once fixed{hint}", code=1)
 
 
-def _check_resume_flags(opts: dict) -> None:  # type: ignore[type-arg]
+def _check_resume_flags(settings: dict[str, Any]) -> None:
     """`synthq run --job NAME` runs the stored settings: refuse other settings given with it
     rather than ignore them."""
-    import inspect
-
-    defaults = {name: p.default for name, p in inspect.signature(run).parameters.items()}
-    given = [name for name, value in opts.items()
-             if name not in ("job", "as_json", "settings") and name in defaults
-             and value != defaults[name]]
+    given = changed({k: v for k, v in settings.items() if k != "name"})
     if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UserError(f"`synthq run --job NAME` resumes the job with its stored settings; "
-                        f"{flags} would be ignored. To change the settings of samples to "
-                        "redo, use `synthq requeue NAME --max-tokens ...`")
+                        f"{', '.join(given)} would be ignored. To change the settings of "
+                        "samples to redo, use `synthq requeue NAME --max-tokens ...`")
 
 
 def _stored_job(ref: str, *, quiet: bool) -> int:

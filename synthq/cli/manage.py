@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from synthq import jobspec
 from synthq.cli import (
     JobArg,
     app,
@@ -15,10 +16,12 @@ from synthq.cli import (
     warn,
     with_job,
 )
+from synthq.cli.options import with_settings
 from synthq.errors import UserError
 
 
 @app.command()
+@with_settings([s.name for s in jobspec.SETTINGS if s.requeue], mode="requeue")
 def requeue(
     job: JobArg,
     failed: Annotated[bool, typer.Option("--failed", help="Requeue failed samples "
@@ -34,28 +37,7 @@ def requeue(
                      "on; done samples keep their answers.")] = None,
     server: Annotated[list[str] | None, typer.Option("--server", "-s", help="Send the job's "
                       "remaining work to these servers from now on. Repeatable.")] = None,
-    inflight: Annotated[str | None, typer.Option(help="The servers' in-flight limit from now "
-                        "on: a number, or `auto` (adaptive per server).")] = None,
-    max_inflight: Annotated[int | None, typer.Option(help="With --inflight auto: the hard cap "
-                            "[default: 256].")] = None,
-    min_inflight: Annotated[int | None, typer.Option(help="With --inflight auto: the floor "
-                            "[default: 4].")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="max_tokens for the requeued "
-                          "samples only (stored per sample).")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature for the "
-                           "requeued samples only.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="top_p for the requeued samples "
-                     "only.")] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Total seconds one call "
-                       "of the requeued samples may take.")] = None,
-    stall_timeout: Annotated[float | None, typer.Option(help="Stall timeout of the requeued "
-                             "samples' calls.")] = None,
-    max_attempts: Annotated[int | None, typer.Option(help="Calls per requeued sample before "
-                            "it is failed.")] = None,
-    extra_body: Annotated[str | None, typer.Option(help="JSON object of extra request fields "
-                          "for the requeued samples (merged over the job's).")] = None,
-    chat_template_kwargs: Annotated[str | None, typer.Option(help="JSON object sent as "
-                                    "chat_template_kwargs for the requeued samples.")] = None,
+    *, settings: dict[str, Any],
 ) -> None:
     """Move failed samples back to pending with a fresh attempt budget.
 
@@ -70,7 +52,7 @@ def requeue(
     from sqlalchemy import func, select
 
     from synthq import service, states
-    from synthq.cli import json_option
+    from synthq.cli.options import api_values
     from synthq.db import utcnow
     from synthq.enqueue import JobSpec
     from synthq.health import check_model
@@ -78,25 +60,11 @@ def requeue(
 
     try:
         service.check_classes(error_class or [])
-        overrides = service.check_overrides(dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, total_timeout=timeout,
-            stall_timeout=stall_timeout, max_attempts=max_attempts,
-            extra_body=json_option(extra_body, "--extra-body") if extra_body else None,
-            chat_template_kwargs=json_option(chat_template_kwargs, "--chat-template-kwargs")
-            if chat_template_kwargs else None))
+        values = api_values(settings)
+        overrides, limits = jobspec.requeue_settings(values)
     except UserError as exc:
         raise fail(str(exc)) from None
     servers = [u.rstrip("/") for u in server] if server else None
-    limits = None
-    if inflight is not None or max_inflight is not None or min_inflight is not None:
-        from synthq.enqueue import inflight_settings
-
-        try:
-            if inflight is None:
-                raise UserError("--max-inflight and --min-inflight go with --inflight auto")
-            limits = inflight_settings(inflight, max_inflight, min_inflight)
-        except UserError as exc:
-            raise fail(str(exc)) from None
     if model is not None or servers is not None:
         current_model, current_servers = with_job(job, lambda s, j: (j.model, list(j.servers)))
         try:
@@ -110,12 +78,10 @@ def requeue(
     def go(s, j):  # type: ignore[no-untyped-def]
         now = utcnow()
         old_model = j.model
-        n = service.requeue(s, j, classes=error_class or [], sample_ids=sample or [],
-                            overrides=overrides)
+        n = service.requeue_with(s, j, classes=error_class or [], sample_ids=sample or [],
+                                 settings=values)
         if model is not None or servers is not None:
             states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
-        if limits is not None:
-            states.update_job(s, j, limits, now=now)
         done = 0
         if model is not None and model != old_model:
             done = s.scalar(select(func.count()).select_from(Sample).where(

@@ -1,129 +1,130 @@
-"""Options shared by `synthq enqueue` and `synthq run`, and the JobSpec they make."""
+"""The CLI's options for the job settings, made from their declaration (synthq.jobspec).
+
+:func:`with_settings` adds one Typer option per declared setting to a command
+(`enqueue`, `run`, `requeue`): its flags, type, default, choices and help come
+from the :class:`synthq.jobspec.Setting`, so a setting added there shows up
+here without a line of its own. :func:`job_spec` turns the options' values
+into the JobSpec (through :func:`synthq.jobspec.build`, as the API does).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from synthq.cli import (
-    json_option,
-)
+from synthq import jobspec
+from synthq.cli import json_option
+from synthq.jobspec import Setting
 
-# Options shared by `enqueue` and `run` (one definition each).
 DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="JSONL/Parquet file or "
                        "directory, or a Hugging Face dataset id (`name[:split]`).")]
-ServerOpt = Annotated[list[str], typer.Option("--server", "-s", help="Base URL of an "
-                      "OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat for several.")]
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model name the server serves.")]
-JobOpt = Annotated[str | None, typer.Option("--job", "-j", help="Job name [default: the "
-                   "dataset's file name]. Same name and settings again = resume/add.")]
-MaxTokensOpt = Annotated[int, typer.Option(help="max_tokens per answer.")]
-TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature.")]
-TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling top_p.")]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Total seconds one call may take.")]
-StallOpt = Annotated[float, typer.Option(help="Seconds without a streamed chunk before a "
-                     "call counts as stalled.")]
-AttemptsOpt = Annotated[int, typer.Option(help="Calls per sample before it is failed.")]
-BackoffBaseOpt = Annotated[float, typer.Option(help="Backoff base seconds (doubles per attempt, "
-                           "full jitter).")]
-BackoffCapOpt = Annotated[float, typer.Option(help="Backoff ceiling in seconds.")]
-InflightOpt = Annotated[str, typer.Option(help="Most requests in flight per server (set it to "
-                        "what the server batches, e.g. vLLM's max_num_seqs), or `auto`: each "
-                        "server's limit follows its latency and errors (see `synthq status`).")]
-MaxInflightOpt = Annotated[int | None, typer.Option(help="With --inflight auto: the hard cap "
-                           "per server [default: 256].")]
-MinInflightOpt = Annotated[int | None, typer.Option(help="With --inflight auto: the floor per "
-                           "server [default: 4].")]
-GpusOpt = Annotated[int, typer.Option(help="GPUs behind each server (cost report).")]
-GpuPriceOpt = Annotated[float | None, typer.Option(help="Dollars per GPU-hour: status shows "
-                        "dollars spent, $/1M generated tokens and the projected cost "
-                        "[default: SYNTHQ_GPU_HOUR_PRICE].")]
-KeepTruncOpt = Annotated[bool, typer.Option("--keep-truncated/--drop-truncated", help="Keep "
-                         "answers cut by max_tokens (finish_reason=length) as done.")]
-StreamOpt = Annotated[bool, typer.Option("--stream/--no-stream", help="Stream answers (a "
-                      "stall clock: a silent server is caught mid-answer). --no-stream: one "
-                      "plain call per sample, less CPU per sample, the total --timeout only.")]
-TemplateKwOpt = Annotated[str | None, typer.Option(help="JSON object sent as "
-                          "chat_template_kwargs, e.g. '{\"enable_thinking\": true}'.")]
-ExtraBodyOpt = Annotated[str | None, typer.Option(help="JSON object of extra request fields.")]
-TokenIdsOpt = Annotated[bool, typer.Option(help="Ask vLLM for token ids (return_token_ids).")]
-IdFieldOpt = Annotated[str | None, typer.Option(help="The row field holding each row's own "
-                      "id, kept as the sample's source_id and exported [default: the first of "
-                      "id, uuid, conversation_id, sample_id].")]
+
+_TYPES: dict[type, Any] = {int: int, float: float, bool: bool, str: str, list: list[str],
+                           dict: str}
 
 
-TokenizerOpt = Annotated[str | None, typer.Option(help="The target model's tokenizer (a local "
-                        "path or Hugging Face id). With it, each answer is tokenized with an "
-                        "assistant-only loss mask; without it, a sample is done once its answer "
-                        "is stored.")]
-ChatTemplateOpt = Annotated[Path | None, typer.Option(help="A Jinja chat template file that "
-                            "overrides the tokenizer's own.", exists=True, dir_okay=False)]
-MaxSeqLenOpt = Annotated[int, typer.Option(help="Truncate training examples to this many "
-                         "tokens.")]
-ReasoningOpt = Annotated[str, typer.Option(help="keep: reasoning_content is rendered into the "
-                         "assistant turn and supervised; drop: left out; auto: keep where the "
-                         "template renders reasoning, drop where it removes it.")]
-MaskOpt = Annotated[str | None, typer.Option(help="last_turn: supervise the generated answer; "
-                    "all_assistant_turns: also the dataset's earlier assistant turns "
-                    "[default: all_assistant_turns with --regenerate all, else last_turn].")]
-RegenerateOpt = Annotated[str, typer.Option(help="last: regenerate the last assistant turn; "
-                          "all: every assistant turn, each on the regenerated history.")]
-HistoryReasoningOpt = Annotated[str, typer.Option(help="With --regenerate all: drop: earlier "
-                                "turns are sent with their content only; keep: with their "
-                                "reasoning_content too.")]
-ExamplesOpt = Annotated[str | None, typer.Option(help="With --regenerate all: conversation: "
-                        "one training example per conversation, masked per --mask; per-turn: "
-                        "one per regenerated turn, its history as sent and its answer "
-                        "supervised [default: per-turn where the template cannot mask several "
-                        "turns at once (tried at enqueue), else conversation].")]
-ThinkOpenOpt = Annotated[str, typer.Option(help="Opens kept reasoning where the template has no "
-                         "reasoning_content (escapes like \\n are read).")]
-ThinkCloseOpt = Annotated[str, typer.Option(help="Closes kept reasoning where the template has "
-                          "no reasoning_content.")]
-
-
-def job_spec(opts: dict[str, Any]):  # type: ignore[no-untyped-def]
-    """A JobSpec from the options shared by `enqueue` and `run`."""
-    from synthq.enqueue import JobSpec, inflight_settings
-
-    sampling: dict[str, Any] = {}
-    if opts["temperature"] is not None:
-        sampling["temperature"] = opts["temperature"]
-    if opts["top_p"] is not None:
-        sampling["top_p"] = opts["top_p"]
-    body = json_option(opts["extra_body"], "--extra-body")
-    kwargs = json_option(opts["chat_template_kwargs"], "--chat-template-kwargs")
-    if kwargs:  # the server renders with them, and so does our tokenizer
-        body["chat_template_kwargs"] = kwargs
-    if opts["return_token_ids"]:
-        body["return_token_ids"] = True
-    template = None
-    if opts["chat_template"] is not None:
-        template = opts["chat_template"].read_text()
-    dataset = opts["dataset"]
-    name = opts["job"] or Path(dataset.rstrip("/")).name.split(".")[0] or "job"
-    return JobSpec(name=name, model=opts["model"],
-                   servers=[s.rstrip("/") for s in opts["server"]],
-                   max_tokens=opts["max_tokens"], sampling=sampling, extra_body=body,
-                   total_timeout=opts["timeout"], stall_timeout=opts["stall_timeout"],
-                   max_attempts=opts["max_attempts"], backoff_base=opts["backoff_base"],
-                   backoff_cap=opts["backoff_cap"],
-                   **inflight_settings(opts["inflight"], opts.get("max_inflight"),
-                                       opts.get("min_inflight")),
-                   gpus=opts.get("gpus", 1), gpu_hour_price=opts.get("gpu_hour_price"),
-                   keep_truncated=opts["keep_truncated"], stream=opts["stream"],
-                   tokenizer=opts["tokenizer"],
-                   chat_template=template, chat_template_kwargs=kwargs,
-                   max_seq_len=opts["max_seq_len"], reasoning=opts["reasoning"],
-                   mask=opts["mask"], think_open=_unescape(opts["think_open"]),
-                   think_close=_unescape(opts["think_close"]),
-                   regenerate=opts.get("regenerate") or "last",
-                   history_reasoning=opts.get("history_reasoning") or "drop",
-                   examples=opts.get("examples"))
+def _escaped(text: str) -> str:
+    """``text`` as it is typed on a command line (a newline as ``\\n``)."""
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def _unescape(text: str) -> str:
     """``\\n`` typed on a command line becomes a newline."""
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
+
+
+def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
+    """The command parameter of setting ``s``. ``mode``: ``create`` (its declared default),
+    ``optional`` (required ones may be left out), ``requeue`` or ``retokenize`` (None: the
+    job's stays)."""
+    kind = Path if s.cli == "file" else _TYPES[s.type]
+    default: Any = s.default
+    if s.cli == "escapes":
+        default = _escaped(default)
+    required = s.required and mode == "create"
+    changes = mode in ("requeue", "retokenize")  # None: the job's stays
+    if changes or (s.required and mode != "create"):
+        default = None
+    help_text = (s.requeue_help if mode == "requeue" and s.requeue_help else s.help)
+    # What holds when the option is not given, where that is no value of its own.
+    omitted = ("the job's" if mode == "retokenize" or mode == "requeue" and
+               s.requeue == "sample" else s.omitted)
+    if default is None and omitted:
+        help_text += f" [default: {omitted}]"
+    if s.type is not bool and (default is None or s.required):
+        kind = kind | None
+    info: dict[str, Any] = {"help": help_text, "show_default": default is not None}
+    if s.choices or s.metavar:
+        info["metavar"] = s.metavar or "<" + "|".join(s.choices) + ">"
+    if s.cli == "file":
+        info.update(exists=True, dir_okay=False)
+    flags = s.flags or ("--" + s.name.replace("_", "-"),)
+    if s.type is bool and changes:
+        flags = tuple(f for f in flags if f.startswith("--"))
+    annotation = Annotated[kind, typer.Option(*flags, **info)]  # type: ignore[valid-type]
+    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY,
+                             default=inspect.Parameter.empty if required else default,
+                             annotation=annotation)
+
+
+def with_settings(names: Iterable[str] | None = None, *, mode: str = "create",
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command an option per declared setting (``names``: these only).
+
+    The options take the place of the command's parameter ``settings`` (in --help
+    too), which receives their values as one dict.
+    """
+    chosen = list(jobspec.SETTINGS) if names is None else [jobspec.BY_NAME[n] for n in names]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params: list[inspect.Parameter] = []
+        for p in inspect.signature(fn, eval_str=True).parameters.values():
+            if p.name == "settings":
+                params += [option(s, mode=mode) for s in chosen]
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(fn)
+        def command(**values: Any) -> Any:
+            given = {s.name: values.pop(s.name) for s in chosen}
+            return fn(**values, settings=given)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
+
+
+def api_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The options' values in the API's form: JSON texts parsed, a template file read,
+    escapes read, and the options left at None left out."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        s = jobspec.BY_NAME[name]
+        if value is None:
+            continue
+        if s.cli == "json":
+            value = json_option(value, s.flag)
+        elif s.cli == "file":
+            value = Path(value).read_text()
+        elif s.cli == "escapes":
+            value = _unescape(value)
+        out[name] = value
+    return out
+
+
+def changed(values: dict[str, Any]) -> list[str]:
+    """The options among ``values`` given a value other than their default."""
+    return [jobspec.BY_NAME[n].flag for n, v in values.items()
+            if v is not None and v != option(jobspec.BY_NAME[n]).default]
+
+
+def job_spec(values: dict[str, Any], dataset: str):  # type: ignore[no-untyped-def]
+    """The JobSpec of the settings' options, for ``dataset``."""
+    return jobspec.build(api_values(values), source=dataset)

@@ -42,7 +42,8 @@ def train(
     target: Annotated[str | None, typer.Option("--target", "-t", help="The target model: a "
                       "local directory or a Hugging Face id [default: the job's stored "
                       "target].")] = None,
-    when: Annotated[str, typer.Option(help="`now` starts a run now. `ready` (98 % of "
+    when: Annotated[str, typer.Option(metavar="<now|ready|done:F|count:N|never>",
+                    help="`now` starts a run now. `ready` (98 % of "
                     "non-skipped samples done, none in flight), `done:F`, `count:N` or `never` "
                     "store the threshold and target on the job; beat starts the run.")] = "now",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory [default: "
@@ -61,10 +62,10 @@ def train(
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
     log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.")] = 10,
     hidden_states: Annotated[str, typer.Option(
-        "--hidden-states", "--features", help="`online` (target runs in each step), "
-        "`offline` (cached per sample as safetensors) or `captured` (the files of `synthq "
-        "capture`: the engine's hidden states; only the target's embeddings, norm and "
-        "lm_head are loaded).")] = "online",
+        "--hidden-states", "--features", metavar="<online|offline|captured>",
+        help="`online` (target runs in each step), `offline` (cached per sample as "
+        "safetensors) or `captured` (the files of `synthq capture`: the engine's hidden "
+        "states; only the target's embeddings, norm and lm_head are loaded).")] = "online",
     seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
     eval_fraction: Annotated[float, typer.Option(help="Share of the examples held out, never "
                              "trained on, to measure the served acceptance length; raised to "

@@ -1,0 +1,431 @@
+"""The job settings, declared once: name, type, default, bounds, choices, help, requeue.
+
+Everything a person sets on a job is one :class:`Setting` in :data:`SETTINGS`.
+The front ends derive from it: the CLI's options of `synthq enqueue`, `synthq
+run` and `synthq requeue` (:mod:`synthq.cli.options`), the API's ``JobSettings``
+and requeue body (:mod:`api.schemas`), and the checks (:func:`check`) that
+both run on create and on requeue, so a value is refused with the same one
+line wherever it comes from. :func:`build` turns checked values into the
+:class:`synthq.enqueue.JobSpec`; :func:`check_overrides` and
+:func:`apply_overrides` are the per-sample settings of a requeue.
+
+Adding a setting: one ``Setting(...)`` here, plus where it is used (a
+``JobSpec`` field and its column, or the code that reads it).
+
+Bounds fit the columns that store the values (``INTEGER``: below 2**31) and
+the arithmetic done with them (a lease or a backoff added to a timestamp must
+stay a timestamp): one value out of them must never stop the sweep or the
+dispatch of every job. This module imports the standard library only: the CLI
+reads it to build its options, and ``synthq --help`` loads neither pydantic
+nor SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from synthq.errors import UserError
+
+__all__ = ["Setting", "SETTINGS", "BY_NAME", "OVERRIDABLE", "RESERVED_BODY", "default",
+           "check", "check_values", "check_body", "check_overrides", "requeue_settings",
+           "apply_overrides",
+           "build", "job_name", "setting_for_key"]
+
+#: Seconds any timeout or backoff may be: a week. A lease or a retry's due time is
+#: ``now`` plus one of them, which must stay a date (1e308 s overflows it).
+MAX_SECONDS = 7 * 24 * 3600.0
+#: The most tokens one answer or example may have (an ``INTEGER`` column holds them).
+MAX_TOKENS = 10_000_000
+#: The most requests in flight per server any setting may ask for.
+MAX_INFLIGHT = 100_000
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One job setting, as a person gives it (CLI option, API field)."""
+
+    #: The API field; the CLI option is ``--`` + name with dashes, unless ``flags``.
+    name: str
+    #: The value's type in the API: int, float, bool, str, dict (a JSON object), list.
+    type: type
+    default: Any = None
+    help: str = ""
+    #: Bounds of a number, inclusive unless ``low_open``.
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    #: What an error says the value must be (default: from the bounds).
+    must: str | None = None
+    #: The values a string may take (listed in --help and the API schema).
+    choices: tuple[str, ...] = ()
+    #: The longest string the column holds.
+    max_len: int | None = None
+    #: ``"sample"``: a requeue may set it for the requeued samples (``samples.overrides``);
+    #: ``"job"``: a requeue sets it on the job from then on; None: create only.
+    requeue: str | None = None
+    requeue_help: str | None = None
+    #: Where :func:`build` puts it on the JobSpec: an attribute, ``sampling.KEY``, or ""
+    #: for none (the command reads it itself). None: the attribute of the same name.
+    field: str | None = None
+    #: The CLI's option declarations, e.g. ``("--server", "-s")`` or ``("--stream/--no-stream",)``.
+    flags: tuple[str, ...] = ()
+    required: bool = False
+    #: What is sent or used when the setting is not given (its ``--help`` default).
+    omitted: str | None = None
+    #: How the CLI takes it, where not as the API: ``json`` (a JSON text), ``file`` (a
+    #: path whose text is the value), ``escapes`` (``\\n`` read as a newline), ``list``.
+    cli: str = ""
+    #: What --help shows for the value (default: its type, or its choices).
+    metavar: str | None = None
+    #: A further check of a valid value (raises UserError).
+    also: Callable[[Any], None] | None = None
+
+    @property
+    def flag(self) -> str:
+        """The CLI option that errors name (``--max-tokens``)."""
+        for decl in self.flags:
+            if decl.startswith("--"):
+                return decl.split("/")[0]
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def key(self) -> str:
+        """The name stored on the job and in a sample's overrides (``total_timeout``)."""
+        if self.field:
+            return self.field.rsplit(".", 1)[-1]
+        return self.name
+
+    def must_be(self) -> str:
+        if self.must:
+            return self.must
+        if self.type is int:
+            if self.low == 1:
+                return f"a positive integer up to {self.high:,.0f}"
+            return f"an integer from {self.low:,.0f} to {self.high:,.0f}"
+        if self.low_open:
+            return f"above {self.low:g} and at most {self.high:,g}"
+        return f"{self.low:g} to {self.high:,g}"
+
+
+def _below_visibility(total_timeout: float) -> None:
+    """A call must end before Redis hands its message to a second worker."""
+    from synthq.config import get_settings
+
+    visibility = get_settings().visibility_timeout
+    if total_timeout >= visibility:
+        raise UserError(
+            f"--timeout {total_timeout:g} s is not below the broker's visibility timeout "
+            f"({visibility:g} s, SYNTHQ_VISIBILITY_TIMEOUT): Redis would hand the message to a "
+            "second worker while the first still runs")
+
+
+_POSITIVE_SECONDS = dict(low=0.0, high=MAX_SECONDS, low_open=True)
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("servers", list, required=True, flags=("--server", "-s"), cli="list",
+            help="Base URL of an OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat "
+                 "for several."),
+    Setting("model", str, required=True, flags=("--model", "-m"), max_len=200,
+            help="Model name the server serves."),
+    Setting("name", str, field="name", flags=("--job", "-j"), max_len=200,
+            help="Job name [default: the dataset's file name]. Same name and settings again "
+                 "= resume/add."),
+    Setting("max_tokens", int, 4096, "max_tokens per answer.", low=1, high=MAX_TOKENS,
+            requeue="sample", requeue_help="max_tokens for the requeued samples only (stored "
+            "per sample)."),
+    Setting("temperature", float, None, "Sampling temperature.", low=0, high=100,
+            field="sampling.temperature", omitted="not sent: the server's own",
+            requeue="sample", requeue_help="Sampling temperature for the requeued samples "
+            "only."),
+    Setting("top_p", float, None, "Nucleus sampling top_p.", low=0, high=1, low_open=True,
+            field="sampling.top_p", omitted="not sent: the server's own", requeue="sample",
+            requeue_help="top_p for the requeued samples only."),
+    Setting("timeout", float, 1800.0, "Total seconds one call may take.",
+            field="total_timeout", also=_below_visibility, requeue="sample",
+            requeue_help="Total seconds one call of the requeued samples may take.",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+    Setting("stall_timeout", float, 300.0, "Seconds without a streamed chunk before a call "
+            "counts as stalled.", requeue="sample", requeue_help="Stall timeout of the "
+            "requeued samples' calls.", **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+    Setting("max_attempts", int, 5, "Calls per sample before it is failed.", low=1,
+            high=1000, requeue="sample",
+            requeue_help="Calls per requeued sample before it is failed."),
+    Setting("backoff_base", float, 2.0, "Backoff base seconds (doubles per attempt, full "
+            "jitter).", low=0, high=MAX_SECONDS),
+    Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+    # inflight is "N" or "auto"; its three settings are read together by
+    # synthq.enqueue.inflight_settings, which words their errors.
+    Setting("inflight", str, "64", "Most requests in flight per server (set it to what the "
+            "server batches, e.g. vLLM's max_num_seqs), or `auto`: each server's limit follows "
+            "its latency and errors (see `synthq status`).", field="", requeue="job",
+            metavar="<N|auto>",
+            requeue_help="The servers' in-flight limit from now on: a number, or `auto` "
+            "(adaptive per server)."),
+    Setting("max_inflight", int, None, "With --inflight auto: the hard cap per server.",
+            low=1, high=MAX_INFLIGHT, field="", omitted="256", requeue="job"),
+    Setting("min_inflight", int, None, "With --inflight auto: the floor per server.",
+            low=1, high=MAX_INFLIGHT, field="", omitted="4", requeue="job"),
+    Setting("gpus", int, 1, "GPUs behind each server (cost report).", low=1, high=100_000),
+    Setting("gpu_hour_price", float, None, "Dollars per GPU-hour: status shows dollars "
+            "spent, $/1M generated tokens and the projected cost.", low=0, high=999_999,
+            must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE"),
+    Setting("max_response_bytes", int, 4 << 20, "Bytes of answer after which a call fails "
+            "as response_too_large.", low=1, high=1 << 30),
+    Setting("keep_truncated", bool, False, "Keep answers cut by max_tokens "
+            "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",)),
+    Setting("stream", bool, True, "Stream answers (a stall clock: a silent server is caught "
+            "mid-answer). --no-stream: one plain call per sample, less CPU per sample, the "
+            "total --timeout only.", flags=("--stream/--no-stream",)),
+    Setting("chat_template_kwargs", dict, None, "JSON object sent as chat_template_kwargs "
+            "(and used by the tokenizer), e.g. '{\"enable_thinking\": true}'.", cli="json",
+            requeue="sample", requeue_help="JSON object sent as chat_template_kwargs for the "
+            "requeued samples."),
+    Setting("extra_body", dict, None, "JSON object of extra request fields (not those synthq "
+            "sets or that change the answers' count, length or shape: n, max_tokens, "
+            "stream_options, ...).", cli="json", requeue="sample", requeue_help="JSON object "
+            "of extra request fields for the requeued samples (merged over the job's)."),
+    Setting("return_token_ids", bool, False, "Ask vLLM for token ids (return_token_ids).",
+            field="", flags=("--return-token-ids/--no-return-token-ids",)),
+    Setting("id_field", str, None, "The row field holding each row's own id, kept as the "
+            "sample's source_id and exported.", field="", max_len=1000,
+            omitted="the first of id, uuid, conversation_id, sample_id"),
+    Setting("tokenizer", str, None, "The target model's tokenizer (a local path or Hugging "
+            "Face id). With it, each answer is tokenized with an assistant-only loss mask; "
+            "without it, a sample is done once its answer is stored.", max_len=500,
+            omitted="none"),
+    Setting("chat_template", str, None, "A Jinja chat template that overrides the "
+            "tokenizer's own (the CLI reads it from a file).", cli="file",
+            omitted="the tokenizer's"),
+    Setting("max_seq_len", int, 4096, "Truncate training examples to this many tokens.",
+            low=1, high=MAX_TOKENS),
+    Setting("reasoning", str, "auto", "auto: keep where the chat template renders "
+            "reasoning, drop where it cannot (said in one line at enqueue; the job stores "
+            "the result); keep: reasoning_content is rendered into the assistant turn and "
+            "supervised; drop: left out.", choices=("auto", "keep", "drop")),
+    Setting("mask", str, None, "last_turn: supervise the generated answer; "
+            "all_assistant_turns: also the dataset's earlier assistant turns.",
+            choices=("last_turn", "all_assistant_turns"),
+            omitted="all_assistant_turns with --regenerate all, else last_turn"),
+    Setting("think_open", str, "<think>\n", "Opens kept reasoning where the template has no "
+            "reasoning_content (escapes like \\n are read).", cli="escapes", max_len=64),
+    Setting("think_close", str, "\n</think>\n\n", "Closes kept reasoning where the template "
+            "has no reasoning_content.", cli="escapes", max_len=64),
+    Setting("regenerate", str, "last", "last: regenerate the last assistant turn; all: every "
+            "assistant turn, each on the regenerated history.", choices=("last", "all")),
+    Setting("history_reasoning", str, "drop", "With --regenerate all: drop: earlier turns are "
+            "sent with their content only; keep: with their reasoning_content too.",
+            choices=("drop", "keep")),
+    Setting("examples", str, None, "With --regenerate all: conversation: one training "
+            "example per conversation, masked per --mask; per-turn: one per regenerated turn, "
+            "its history as sent and its answer supervised.",
+            choices=("conversation", "per-turn"),
+            omitted="per-turn where the template cannot mask several turns at once (tried at "
+            "enqueue), else conversation"),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+#: Per-sample settings a requeue may set, by the key ``samples.overrides`` stores.
+OVERRIDABLE: tuple[str, ...] = tuple(s.key for s in SETTINGS if s.requeue == "sample")
+
+#: Request fields ``extra_body`` may not set: those synthq sets itself (model, messages,
+#: stream, max_tokens, the row's tools) and those that change how many answers come back
+#: (n, best_of), how long they may be (max_completion_tokens, ignore_eos), how they are
+#: counted (stream_options) or what shape they have (logprobs, echo, a continued message).
+RESERVED_BODY = frozenset({
+    "model", "messages", "stream", "max_tokens", "tools", "tool_choice",
+    "n", "best_of", "max_completion_tokens", "ignore_eos", "logprobs", "top_logprobs",
+    "prompt_logprobs", "stream_options", "echo", "continue_final_message",
+    "add_generation_prompt"})
+
+
+def default(name: str) -> Any:
+    """The declared default of setting ``name``."""
+    return BY_NAME[name].default
+
+
+def setting_for_key(key: str) -> Setting | None:
+    """The setting stored under ``key`` (``total_timeout`` → ``timeout``)."""
+    for s in SETTINGS:
+        if s.key == key:
+            return s
+    return None
+
+
+def check(s: Setting, value: Any) -> Any:
+    """``value`` of setting ``s``, checked (an int given for a float becomes a float);
+    a :class:`UserError` naming the option otherwise."""
+    if value is None:
+        if s.required:
+            raise UserError(f"{s.flag} is required")
+        return None
+    if s.type is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{s.flag} must be true or false, got {value!r}")
+        return value
+    if s.type in (int, float):
+        return _number(s, value)
+    if s.name == "inflight" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # the API's number; "auto" is the other form
+    if s.type is str:
+        if not isinstance(value, str):
+            raise UserError(f"{s.flag} must be a string, got {value!r}")
+        if s.choices and value not in s.choices:
+            raise UserError(f"{s.flag} must be {_one_of(s.choices)}, got {value!r}")
+        if s.max_len is not None and len(value) > s.max_len:
+            raise UserError(f"{s.flag} may be at most {s.max_len} characters, got "
+                            f"{len(value):,}")
+    elif s.type is dict and not isinstance(value, dict):
+        raise UserError(f"{s.flag} must be a JSON object")
+    elif s.type is list and not (isinstance(value, list)
+                                 and all(isinstance(v, str) for v in value)):
+        raise UserError(f"{s.flag} must be a list of strings")
+    if s.name == "extra_body":
+        check_body(value)
+    if s.also is not None:
+        s.also(value)
+    return value
+
+
+def _number(s: Setting, value: Any) -> Any:
+    if s.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{s.flag} must be {s.must_be()}, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise UserError(f"{s.flag} must be a number, got {value!r}")
+    low_ok = s.low is None or (value > s.low if s.low_open else value >= s.low)
+    if not low_ok or (s.high is not None and value > s.high):
+        shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+        raise UserError(f"{s.flag} is out of range: {s.flag} must be {s.must_be()}, "
+                        f"got {shown}")
+    if s.also is not None:
+        s.also(value)
+    return float(value) if s.type is float else value
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    if len(choices) == 2:
+        return " or ".join(choices)
+    return "one of " + ", ".join(choices)
+
+
+def check_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Each declared setting in ``values`` checked (:func:`check`); the others as given."""
+    return {k: check(BY_NAME[k], v) if k in BY_NAME else v for k, v in values.items()}
+
+
+def check_body(body: Mapping[str, Any], flag: str = "--extra-body") -> None:
+    """Refuse request fields ``extra_body`` may not set (:data:`RESERVED_BODY`), in one line."""
+    reserved = RESERVED_BODY & set(body)
+    if reserved:
+        raise UserError(f"{flag} may not set {sorted(reserved)}: synthq sets these itself, or "
+                        "they change how many answers come back, how long or in what shape, "
+                        "or how their tokens are counted")
+
+
+def check_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-sample settings of a requeue, by stored key (``total_timeout``), checked; the
+    ``None`` values dropped. Raises :class:`UserError` naming the option."""
+    out = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(out) - set(OVERRIDABLE)
+    if unknown:
+        raise UserError(f"unknown settings {sorted(unknown)}; known: {', '.join(OVERRIDABLE)}")
+    for key, value in out.items():
+        s = setting_for_key(key)
+        assert s is not None
+        out[key] = check(s, value)
+    return out
+
+
+def requeue_settings(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A requeue's settings (by name: ``timeout``, ``inflight``, ...; None: not given),
+    checked: the requeued samples' overrides (by stored key), and the job's new in-flight
+    fields (None: unchanged)."""
+    unknown = [k for k in values if k not in BY_NAME or not BY_NAME[k].requeue]
+    if unknown:
+        raise UserError(f"a requeue cannot set {sorted(unknown)}")
+    overrides = check_overrides({BY_NAME[k].key: v for k, v in values.items()
+                                 if BY_NAME[k].requeue == "sample"})
+    inflight = {k: values.get(k) for k in ("inflight", "max_inflight", "min_inflight")}
+    if all(v is None for v in inflight.values()):
+        return overrides, None
+    if inflight["inflight"] is None:
+        raise UserError("--max-inflight and --min-inflight go with --inflight auto")
+    from synthq.enqueue import inflight_settings
+
+    checked = {k: check(BY_NAME[k], v) for k, v in inflight.items()}
+    return overrides, inflight_settings(checked["inflight"], checked["max_inflight"],
+                                        checked["min_inflight"])
+
+
+def apply_overrides(view: Any, job: Any, overrides: Mapping[str, Any]) -> None:
+    """Set on ``view`` the job's per-sample settings with ``overrides`` on top.
+
+    Sampling keys go into ``sampling``; ``extra_body`` is merged over the job's;
+    ``chat_template_kwargs`` replace the job's and are sent in the body too (as
+    :func:`build` sends a job's); any other replaces the job's attribute.
+    """
+    view.sampling = dict(job.sampling or {})
+    view.extra_body = {**(job.extra_body or {}), **(overrides.get("extra_body") or {})}
+    view.chat_template_kwargs = job.chat_template_kwargs
+    for key in OVERRIDABLE:
+        s = setting_for_key(key)
+        assert s is not None and s.field != ""
+        if key == "extra_body":
+            continue
+        if s.field and s.field.startswith("sampling."):
+            if key in overrides:
+                view.sampling[key] = overrides[key]
+        elif key == "chat_template_kwargs":
+            if key in overrides:
+                view.chat_template_kwargs = overrides[key]
+                view.extra_body["chat_template_kwargs"] = overrides[key]
+        else:
+            setattr(view, key, overrides.get(key, getattr(job, key)))
+
+
+def job_name(given: str | None, source: str) -> str:
+    """The job's name: ``given``, else the dataset's file name without its suffixes."""
+    return given or source.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1].split(".")[0] \
+        or "job"
+
+
+def build(values: Mapping[str, Any], *, source: str = "") -> Any:
+    """The :class:`synthq.enqueue.JobSpec` of ``values`` (API form: objects as dicts, the
+    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared).
+    ``source``: the dataset, whose file name names a job given no name."""
+    from synthq.enqueue import JobSpec, inflight_settings
+
+    given = {k: v for k, v in values.items() if k in BY_NAME}
+    v = {s.name: given.get(s.name, s.default) for s in SETTINGS}
+    # What the JobSpec is made from is checked here; the rest by JobSpec.check, in its order
+    # (the name, the model and the servers first), once the spec is made.
+    for s in SETTINGS:
+        if s.field == "" or s.type in (list, dict):
+            v[s.name] = check(s, v[s.name])
+    sampling: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    for s in SETTINGS:
+        if s.field == "" or v[s.name] is None and s.field and "." in s.field:
+            continue
+        target = s.field or s.name
+        if target.startswith("sampling."):
+            sampling[s.key] = v[s.name]
+        else:
+            fields[target] = v[s.name]
+    body = dict(v["extra_body"] or {})
+    kwargs = dict(v["chat_template_kwargs"] or {})
+    if kwargs:  # the server renders with them, and so does our tokenizer
+        body["chat_template_kwargs"] = kwargs
+    if v["return_token_ids"]:
+        body["return_token_ids"] = True
+    fields.update(
+        name=job_name(v["name"], source), servers=[u.rstrip("/") for u in v["servers"]],
+        sampling=sampling, extra_body=body, chat_template_kwargs=kwargs,
+        **inflight_settings(v["inflight"], v["max_inflight"], v["min_inflight"]))
+    spec = JobSpec(**fields)
+    spec.check()
+    return spec

@@ -1,0 +1,93 @@
+"""The CLI's job settings (made from synthq.jobspec): bad values refused in one line with
+exit 2 on create and requeue alike, and --help that says what each option takes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def synthq(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in ``cwd`` with the embedded defaults (a SQLite file there), 200 columns."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="200", TERM="dumb", NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], cwd=cwd, env=env,
+                          text=True, capture_output=True, timeout=120)
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
+        result.returncode, result.stderr)
+    return lines[0]
+
+
+BAD = [("--max-attempts", "1000000000000"), ("--temperature", "1e308"),
+       ("--max-tokens", "1000000000000"), ("--stall-timeout", "1e308"),
+       ("--backoff-cap", "1e308"), ("--timeout", "inf"), ("--max-seq-len", "2147483648")]
+
+
+def test_bad_values_are_one_line_and_exit_2_on_create_and_requeue(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    base = ["-d", "d.jsonl", "-s", "http://127.0.0.1:9/v1", "-m", "m"]
+    for flag, value in [*BAD, ("--extra-body", '{"n": 100}'),
+                        ("--extra-body", '{"max_completion_tokens": 9}')]:
+        line = one_error_line(synthq(tmp_path, "enqueue", *base, flag, value))
+        assert line.startswith(f"error: {flag} "), line
+    assert synthq(tmp_path, "jobs", "--json").stdout.strip() == "[]"  # nothing stored
+    assert synthq(tmp_path, "enqueue", *base, "--job", "ok").returncode == 0
+    for flag, value in [(f, v) for f, v in BAD if f not in ("--backoff-cap", "--max-seq-len")]:
+        line = one_error_line(synthq(tmp_path, "requeue", "ok", flag, value))
+        assert line.startswith(f"error: {flag} is out of range"), line
+    line = one_error_line(synthq(tmp_path, "requeue", "ok", "--extra-body", '{"n": 2}'))
+    assert "--extra-body may not set ['n']" in line
+
+
+def _rows(help_text: str) -> dict[str, str]:
+    """Each option's row of --help, by its long flag (continuation lines joined)."""
+    rows: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        cells = line.strip("│ ").strip()
+        found = re.match(r"^\*?\s*(--[a-z-]+)", cells)
+        if found:
+            current = found.group(1)
+            rows[current] = cells
+        elif current and cells and not line.startswith(("╰", "╭")):
+            rows[current] += " " + cells
+    return rows
+
+
+def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
+        tmp_path: Path) -> None:
+    helps = {c: _rows(synthq(tmp_path, *c.split(), "--help").stdout)
+             for c in ("enqueue", "run", "requeue", "retokenize", "export", "train")}
+    for command, rows in helps.items():
+        assert "--help" in rows and len(rows) > 3, (command, rows)
+        for flag, row in rows.items():
+            assert "<bool>" not in row, (command, flag, row)
+    run = helps["run"]
+    for flag, choices in (("--reasoning", "<keep|drop>"), ("--regenerate", "<last|all>"),
+                          ("--mask", "<last_turn|all_assistant_turns>"),
+                          ("--history-reasoning", "<drop|keep>"), ("--inflight", "<N|auto>")):
+        assert choices in run[flag] and choices in helps["enqueue"][flag], run[flag]
+    assert "<parquet|jsonl>" in helps["export"]["--format"]
+    assert "<online|offline>" in helps["train"]["--hidden-states"]
+    assert "<now|ready|done:F|count:N|never>" in helps["train"]["--when"]
+    for flag in ("--temperature", "--top-p"):
+        assert "[default: not sent: the server's own]" in run[flag], run[flag]
+    assert "[default: 4096]" in run["--max-tokens"]
+    for flag in ("--tokenizer", "--chat-template", "--chat-template-kwargs", "--max-seq-len",
+                 "--reasoning", "--mask"):
+        assert "[default: the job's]" in helps["retokenize"][flag], helps["retokenize"][flag]
+    assert "<keep|drop>" in helps["retokenize"]["--reasoning"]
+    for flag in ("--max-tokens", "--temperature", "--max-attempts", "--extra-body"):
+        assert "[default: the job's]" in helps["requeue"][flag], helps["requeue"][flag]
