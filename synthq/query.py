@@ -172,6 +172,9 @@ class SampleDetail:
     cut_reason: str | None = None
     #: Settings of this sample over its job's (``synthq requeue --max-tokens`` ...).
     overrides: dict[str, Any] | None = None
+    #: ``--examples per-turn``: its examples, end to end in ``input_ids``:
+    #: ``[{"turn", "tokens", "supervised"}, ...]`` (None: one example).
+    examples: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,6 +207,7 @@ def sample_detail(session: Session, sample_id: int, *, decode: bool = True) -> S
             turn=a.turn) for a in attempts],
         tools=smp.tools, tool_calls=smp.tool_calls, turn=smp.turn or 0,
         turn_count=smp.turn_count, turns=smp.turns, cut_at_turn=smp.cut_at_turn,
+        examples=smp.examples,
         cut_reason=smp.cut_reason, overrides=smp.overrides or None)
     if smp.input_ids is not None and smp.loss_mask is not None and smp.num_tokens:
         detail.mask = mask_segments(smp.input_ids, smp.loss_mask, smp.num_tokens,
