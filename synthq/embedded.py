@@ -129,6 +129,8 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
                 on_tick(status)
             if status.finished or (stop.is_set() and not _inflight(status)) or \
                     (status.state != JobState.ACTIVE and not _inflight(status)):
+                if status.finished and not stop.is_set():
+                    _capture_stage(job_id, stop)
                 with session_scope() as s:  # the full report, cost included
                     final = job_status(s, s.get_one(Job, job_id))
                 # This process is leaving: its worker row's load is its last heartbeat's.
@@ -149,6 +151,18 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
     finally:
         pool.shutdown(wait=True, cancel_futures=False)
         engine.close()
+
+
+def _capture_stage(job_id: int, stop: threading.Event) -> None:
+    """Generation ended: a job with capture servers (``synthq capture --server``) runs its
+    hidden-state capture stage in this process too, as beat sends it to capture workers."""
+    with session_scope() as s:
+        servers = s.get_one(Job, job_id).capture_servers
+    if not servers:
+        return
+    from synthq.capture.stage import Stage
+
+    Stage(job_id, stop=stop, reclaim_all=get_settings().is_sqlite).run()
 
 
 def _pause(interval: float) -> float:
