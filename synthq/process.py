@@ -32,16 +32,17 @@ from sqlalchemy.orm import Session
 from synthq import errors, states, turns
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
+from synthq.example import tokenize_response
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
+from synthq.jobview import OVERRIDABLE, effective
 from synthq.models import Attempt, Job
-from synthq.packing import pack_ids, pack_mask, unpack_ids
+from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
-from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 from synthq.writer import Writer
 
-__all__ = ["Outcome", "run_claimed", "process_sample", "tokenize_response", "get_job",
-           "lease_seconds", "OVERRIDABLE", "effective"]
+__all__ = ["Outcome", "run_claimed", "tokenize_response", "get_job", "lease_seconds",
+           "OVERRIDABLE", "effective"]
 
 log = logging.getLogger(__name__)
 
@@ -59,38 +60,6 @@ class Outcome(StrEnum):
     #: A turn of a conversation regenerated turn by turn is stored; the sample is
     #: pending again for its next turn.
     TURN = "turn"
-
-
-#: Per-sample settings ``synthq requeue`` may set (``samples.overrides``).
-OVERRIDABLE = ("max_tokens", "temperature", "top_p", "total_timeout", "stall_timeout",
-               "max_attempts", "extra_body", "chat_template_kwargs")
-
-
-class Effective:
-    """A job's settings with one sample's overrides on top (read-only view)."""
-
-    def __init__(self, job: Any, overrides: dict[str, Any]) -> None:
-        self._job = job
-        o = overrides
-        self.max_tokens = o.get("max_tokens", job.max_tokens)
-        self.total_timeout = o.get("total_timeout", job.total_timeout)
-        self.stall_timeout = o.get("stall_timeout", job.stall_timeout)
-        self.max_attempts = o.get("max_attempts", job.max_attempts)
-        self.sampling = {**(job.sampling or {}),
-                         **{k: o[k] for k in ("temperature", "top_p") if k in o}}
-        self.extra_body = {**(job.extra_body or {}), **(o.get("extra_body") or {})}
-        self.chat_template_kwargs = job.chat_template_kwargs
-        if "chat_template_kwargs" in o:
-            self.chat_template_kwargs = o["chat_template_kwargs"]
-            self.extra_body["chat_template_kwargs"] = o["chat_template_kwargs"]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._job, name)
-
-
-def effective(job: Any, overrides: dict[str, Any] | None) -> Any:
-    """``job`` itself, or a view of it with the sample's ``overrides`` applied."""
-    return Effective(job, overrides) if overrides else job
 
 
 # -- jobs, cached per process --------------------------------------------------------
@@ -167,33 +136,6 @@ def _answer(result: ChatResult) -> dict[str, Any]:
 def _multi(job: Any, c: Claimed) -> bool:
     """Whether the sample is regenerated turn by turn."""
     return job.regenerate == "all" and bool(c.turn_count)
-
-
-def tokenize_response(job: Job, prompt: list[dict[str, Any]], content: str,
-                      reasoning: str | None, server_ids: list[int] | None, *,
-                      tool_calls: list[dict[str, Any]] | None = None,
-                      tools: dict[str, Any] | None = None,
-                      answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The example's columns for one response; raises a tokenization error class.
-
-    ``answers``: the sample was regenerated turn by turn; ``prompt`` is the dataset's
-    whole conversation and the example is the regenerated one (synthq.turns).
-    """
-    settings = TokenizeSettings.from_job(job)
-    assert settings is not None
-    tok = get_chat_tokenizer(settings)
-    if answers is not None:
-        messages = [tok.place_reasoning(m) for m in turns.regenerated(prompt, answers)]
-    else:
-        messages = tok.conversation(prompt, content, reasoning, tool_calls)
-    definitions = (tools or {}).get("tools")
-    result = tok.tokenize(messages, tools=definitions) if definitions else tok.tokenize(messages)
-    mismatch = None
-    if server_ids is not None:
-        mismatch = list(server_ids) != result.completion_ids
-    return dict(input_ids=pack_ids(result.input_ids), loss_mask=pack_mask(result.loss_mask),
-                num_tokens=len(result.input_ids), num_supervised=result.num_supervised,
-                tokenize_version=job.tokenize_version, token_mismatch=mismatch)
 
 
 def _stored(c: Claimed) -> ChatResult | None:
@@ -445,16 +387,3 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     if not await _write(writer, c, record):
         return Outcome.LOST
     return Outcome.RETRY if decided["retry"] else Outcome.FAILED
-
-
-def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
-                   worker: str | None = None) -> Outcome:
-    """Claim one queued sample and run it to its outcome on this process's executor.
-
-    For tests and one-off use; workers run whole batches (:mod:`synthq.executor`).
-    """
-    from synthq.executor import default_executor
-
-    del worker  # the executor's own name is the worker's
-    return default_executor().run_batch([(sample_id, token, job_id)]).get(
-        sample_id, Outcome.STALE)

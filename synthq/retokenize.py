@@ -25,9 +25,10 @@ from synthq import errors, states
 from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
 from synthq.errors import UserError
+from synthq.example import tokenize_response
+from synthq.jobview import effective
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
-from synthq.process import effective, tokenize_response
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["configure", "stale_query", "stale_ids", "count_stale", "retokenize_batch",

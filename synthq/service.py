@@ -57,7 +57,7 @@ def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     max_attempts, extra_body, chat_template_kwargs. Raises :class:`UserError`
     naming the option (``--max-tokens``) for a bad one.
     """
-    from synthq.process import OVERRIDABLE
+    from synthq.jobview import OVERRIDABLE
 
     out = {k: v for k, v in overrides.items() if v is not None}
     unknown = set(out) - set(OVERRIDABLE)

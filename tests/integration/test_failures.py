@@ -15,8 +15,9 @@ from sqlalchemy import func, select
 
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, dispatch
+from synthq.executor import process_sample
 from synthq.models import Attempt, Sample
-from synthq.process import Outcome, process_sample
+from synthq.process import Outcome
 
 pytestmark = pytest.mark.integration
 
