@@ -70,10 +70,8 @@ def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
         max_seq_len=merged["max_seq_len"], reasoning=merged["reasoning"], mask=merged["mask"],
         think_open=job.think_open, think_close=job.think_close)
     get_chat_tokenizer(settings)  # raises a clear error if it cannot work
-    for name, value in changes.items():
-        setattr(job, name, value)
-    job.tokenize_version += 1
-    job.updated_at = utcnow()
+    states.update_job(session, job, {**changes, "tokenize_version": job.tokenize_version + 1},
+                      now=utcnow())
     return job.tokenize_version
 
 

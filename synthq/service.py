@@ -34,16 +34,22 @@ def check_classes(classes: Sequence[str]) -> None:
 
 
 def requeue(session: Session, job: Job, *, classes: Sequence[str] = (),
-            sample_ids: Sequence[int] = (), overrides: dict[str, Any] | None = None) -> int:
+            sample_ids: Sequence[int] = (), overrides: dict[str, Any] | None = None,
+            limits: dict[str, Any] | None = None) -> int:
     """Failed samples (of ``classes``, or ``sample_ids``, or all) back to pending.
 
     ``overrides`` (see :func:`check_overrides`) become the requeued samples' own
-    settings; done samples and the job keep theirs.
+    settings; done samples and the job keep theirs. ``limits`` (the job fields of
+    :func:`synthq.enqueue.inflight_settings`) become the job's, in the same transaction.
     """
     check_classes(classes)
     overrides = check_overrides(overrides or {})
-    return states.requeue(session, job.id, classes=list(classes), sample_ids=list(sample_ids),
-                          now=utcnow(), overrides=overrides or None)
+    now = utcnow()
+    n = states.requeue(session, job.id, classes=list(classes), sample_ids=list(sample_ids),
+                       now=now, overrides=overrides or None)
+    if limits:
+        states.update_job(session, job, limits, now=now)
+    return n
 
 
 #: Request fields an override may not set (synthq sets them itself).

@@ -248,7 +248,6 @@ def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
     limits = None
     if body.inflight is not None or body.max_inflight is not None or \
             body.min_inflight is not None:
-        from synthq import states
         from synthq.enqueue import inflight_settings
         from synthq.errors import UserError
 
@@ -258,7 +257,5 @@ def requeue(job: JobRef, body: RequeueRequest) -> RequeueResult:
     with session_scope() as s:
         j = job_or_404(s, job)
         n = service.requeue(s, j, classes=body.classes, sample_ids=body.sample_ids,
-                            overrides=body.overrides())
-        if limits is not None:
-            states.update_job(s, j, limits, now=utcnow())
+                            overrides=body.overrides(), limits=limits)
         return RequeueResult(requeued=n)
