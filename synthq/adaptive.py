@@ -1,6 +1,6 @@
 """Adaptive in-flight limits (``--inflight auto``): one controller per server.
 
-The dispatcher's limit stays exact (DESIGN invariant 5); the controller only
+The dispatcher's limit stays exact (docs/design.md, invariant 5); the controller only
 changes the number its room computation reads, in SQL (``servers``), so
 every dispatcher and worker sees one value. About once a second the scheduler
 tick (:mod:`synthq.tick`, for Celery beat and the embedded loop alike, before

@@ -3,7 +3,7 @@
 The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
 hands them to a publisher (Celery's ``generate`` queue, or the embedded
 runner's thread pool), never letting queued + running on a server exceed its
-limit (DESIGN invariant 5), nor queueing more than the live workers' free
+limit (docs/design.md, invariant 5), nor queueing more than the live workers' free
 slots. Several dispatchers may run at once (beat, and each worker's refill):
 on PostgreSQL a run computes the room under a transaction-scoped advisory
 lock, and ``FOR UPDATE SKIP LOCKED`` keeps two dispatchers from taking the

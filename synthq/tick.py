@@ -5,7 +5,7 @@ Celery beat's ``synthq.dispatch`` task (``worker/tasks.py``) and the embedded
 their effects differ (:class:`Effects`: how queued samples reach a caller,
 how a training run is started), so this module imports nothing of ``worker/``.
 
-The order, and why (docs/design.md, "The tick"):
+The order, and why (docs/design.md, "The tick", points here):
 
 1. **probe**: servers due a health probe; one found down is sent at most one
    call by this tick's dispatch, not a batch.
