@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from synthq import errors, states, turns
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
-from synthq.example import tokenize_response
+from synthq.examples import tokenize_sample
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
 from synthq.jobview import OVERRIDABLE, effective
 from synthq.models import Attempt, Job
@@ -136,6 +136,10 @@ def _answer(result: ChatResult) -> dict[str, Any]:
 def _multi(job: Any, c: Claimed) -> bool:
     """Whether the sample is regenerated turn by turn."""
     return job.regenerate == "all" and bool(c.turn_count)
+
+
+#: The example's columns for one response (kept under its old name for callers).
+tokenize_response = tokenize_sample
 
 
 def _stored(c: Claimed) -> ChatResult | None:

@@ -25,7 +25,7 @@ from synthq import errors, states
 from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
 from synthq.errors import UserError
-from synthq.example import tokenize_response
+from synthq.examples import tokenize_sample
 from synthq.jobview import effective
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
@@ -119,7 +119,7 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         try:
             # A sample requeued with its own chat_template_kwargs was generated with
             # them: its example is rendered with them too, as the worker did.
-            values = tokenize_response(effective(job, overrides), prompt or [], content or "",
+            values = tokenize_sample(effective(job, overrides), prompt or [], content or "",
                                        reasoning, ids.tolist() if ids is not None else None,
                                        tool_calls=tool_calls, tools=tools,
                                        answers=answers if job.regenerate == "all" else None)

@@ -2,7 +2,7 @@
 
 The worker tokenizes an answer as it stores it (:mod:`synthq.process`), and
 ``synthq retokenize`` recomputes stored answers with a job's new tokenizer
-settings (:mod:`synthq.retokenize`): both through :func:`tokenize_response`.
+settings (:mod:`synthq.retokenize`): both through :func:`tokenize_sample`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from synthq.models import Job
 from synthq.packing import pack_ids, pack_mask
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
-__all__ = ["tokenize_response"]
+__all__ = ["tokenize_sample"]
 
 
-def tokenize_response(job: Job, prompt: list[dict[str, Any]], content: str,
+def tokenize_sample(job: Job, prompt: list[dict[str, Any]], content: str,
                       reasoning: str | None, server_ids: list[int] | None, *,
                       tool_calls: list[dict[str, Any]] | None = None,
                       tools: dict[str, Any] | None = None,
