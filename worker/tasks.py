@@ -184,8 +184,8 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
 
 @app.task(name="synthq.dispatch", send_events=False)
 def dispatch_tick() -> int:
-    """Beat: probe servers' health, return expired leases, queue what is due, and mark
-    jobs whose samples are all terminal finished. Logs only what it did."""
+    """Beat: the scheduler tick (synthq.tick: probe, sweep, adapt, dispatch, finish,
+    training readiness). Logs only what it did."""
     try:
         return _tick()
     except DBAPIError as exc:
