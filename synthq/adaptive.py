@@ -502,7 +502,16 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
                   latency_per_token=per_token(judged), unqueued_lpt=unqueued,
                   overload=overload, timeouts=timeouts, server_errors=server_errors,
                   seconds=seconds, now=now,
-                  concurrency=busy / seconds if ok else None)
+                  concurrency=busy / _span(rows, now, seconds) if ok else None)
+
+
+def _span(rows: Sequence[CallRow], now: float, seconds: float) -> float:
+    """The seconds of the window the server had calls in: the window, or less when its
+    first call started inside it (at the start, the first wave's calls ended in a 2 s
+    window that they had filled only 1.4 s of: Little's law over 2 s read them as
+    11 of 16 calls, "not in use", and the limit did not grow)."""
+    first = min((r[0] for r in rows), default=now - seconds)
+    return max(1e-3, min(seconds, now - first))
 
 
 def _window(session: Session, url: str, now: datetime, limit: int, inflight: int,
