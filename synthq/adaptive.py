@@ -1,11 +1,11 @@
 """Adaptive in-flight limits (``--inflight auto``): one controller per server.
 
-The dispatcher's limit stays exact (DESIGN invariant 5); the controller only
+The dispatcher's limit stays exact (docs/design.md, invariant 5); the controller only
 changes the number its room computation reads, in SQL (``servers``), so
 every dispatcher and worker sees one value. About once a second the scheduler
-(Celery beat's tick, or the embedded loop, which in slow start ticks every
-0.3 s and before it dispatches, so a step is judged as soon as its calls
-ended) calls :func:`tick`, which
+tick (:mod:`synthq.tick`, for Celery beat and the embedded loop alike, before
+it dispatches; the embedded loop ticks every 0.3 s in slow start, so a step is
+judged as soon as its calls ended) calls :func:`tick`, which
 
 1. reads what the server did in the last window from ``attempts`` (completed
    calls, generated tokens, time to first token, latency per token, 429/5xx,
@@ -40,9 +40,20 @@ that did not wait (a time to first token near the lowest):
   token); a raise that did not pay at least a quarter of its proportional
   gain is undone and barred for 30 s, so on a server whose throughput falls
   past its peak the limit settles at the peak, not above;
-* **cuts**: 429/5xx calls (×0.7), timeouts and stalls (×0.5), a time to
-  first token of 3× its baseline and over a second (×0.75), a KV cache over
-  97 % (×0.9); then three ticks without another cut or growth;
+* **cuts**: 429 calls and 5xx that are not isolated (×0.7: at least two 5xx and
+  a fifth of the window's calls; one 500 among successes is a server's bug, not
+  congestion), timeouts and stalls (×0.5), a time to first token of 3× its
+  baseline and over a second (×0.75), a KV cache over 97 % (×0.9); then three
+  ticks without another cut or growth;
+* **recovery**: a limit whose own calls ran well (no error, latency per token
+  within 1.25× the baseline) is remembered as the last good one. A decrease to
+  under 0.8× it starts a recovery: once the cause has passed (the calls at the
+  new limit run at baseline, without congestion), the limit doubles per step
+  (judged on half a turnover) back to the last good limit, then steady state
+  goes on. A recovery step whose own calls bring the trouble back (a cut, or
+  latency off the baseline) shows the limit was the cause: the memory is
+  dropped, and the gradient goes on from there. (It climbed back by +1 a step
+  after a cut: after a 20 s outage, 14 of a knee of 24 a minute later.)
 * **holds**: vLLM reports requests waiting, or the limit is not in use: too
   little work to tell whether more would help, or the calls did not really run
   at that level (Little's law over the window: the ok calls' summed latency ÷
@@ -68,6 +79,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from synthq import locks
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState
 from synthq.limits import START, current_limits, start_limit  # read without SQLAlchemy
@@ -106,6 +118,20 @@ QUEUE = 0.25
 #: Outcomes that mean "too much load" and cut sharply.
 OVERLOAD = ("rate_limited", "server_error")
 TIMEOUTS = ("timeout", "stalled")
+#: 5xx answers are congestion only when they are not isolated: at least two, and this
+#: share of the calls of the window (those that ended in it, and those still out: an
+#: error comes back before the answers started with it). A server that fails one call
+#: in twenty at random is not overloaded (429s always are: the server says so).
+ERROR_SHARE = 0.2
+#: A limit is "good" when its own calls ran without error at a latency per token within
+#: this ratio of the baseline; the last good one is remembered this long.
+GOOD_RATIO = 1.25
+GOOD_MEMORY = 300.0
+#: A decrease to under this share of the last good limit starts a recovery: once the
+#: cause has passed (calls at baseline, no error), the limit grows ×RECOVER per step
+#: (judged on half a turnover) back to the last good limit, then steady state goes on.
+RECOVER_BELOW = 0.8
+RECOVER = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +162,8 @@ class Window:
     #: 429 / 5xx calls, and timeouts + stalls, in the window.
     overload: int = 0
     timeouts: int = 0
+    #: Of ``overload``, the 5xx answers (the rest are 429s).
+    server_errors: int = 0
     #: vLLM's gauges (None: the server does not serve them).
     waiting: float | None = None
     running: float | None = None
@@ -175,6 +203,22 @@ def _drift(old: Any, new: float) -> float:
     return new if old is None else min(float(old) * 1.002, new)
 
 
+def _congested(w: Window) -> bool:
+    """Whether the window's 429/5xx say the server is overloaded (see ERROR_SHARE)."""
+    if w.overload > w.server_errors:  # a 429: the server says so
+        return True
+    calls = w.ok + w.overload + w.timeouts + w.inflight
+    return w.server_errors >= 2 and w.server_errors >= ERROR_SHARE * calls
+
+
+def _good(st: dict[str, Any], now: float) -> int | None:
+    """The last good limit remembered (None: none, or too old)."""
+    good = st.get("good")
+    if not good or now - float(good[1]) > GOOD_MEMORY:
+        return None
+    return int(good[0])
+
+
 def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> Decision:
     """The new limit for one server from one window: a pure function.
 
@@ -195,6 +239,12 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         value = max(floor, min(cap, int(round(new))))
         if value == w.limit:
             return Decision(value, None, st)
+        good = _good(st, w.now)
+        if value < w.limit and good is not None and value < RECOVER_BELOW * good:
+            # Far under the last good limit: climb back fast once the cause has passed
+            # (a raise the hill-climb was judging is not judged against what came after).
+            st["phase"] = "recover"
+            st.pop("probe", None)
         st["changed_at"] = w.now
         # A raise is judged once as many fresh calls ended as it added (plus one): the
         # first to end are those that found a free slot, not those that waited for one.
@@ -203,13 +253,14 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
         return Decision(value, f"{value} {arrow} {why}", st)
 
     # -- sharp cuts: the server says it is overloaded -----------------------------------------
-    if (w.timeouts or w.overload) and not cooldown:
-        st["phase"], st["cooldown"] = "steady", COOLDOWN
+    congested = _congested(w)
+    if (w.timeouts or congested) and not cooldown:
+        _cut(st)
         if w.timeouts:
             return out(limit * CUT_TIMEOUTS, f"{w.timeouts} timed out or stalled")
         return out(limit * CUT_ERRORS, f"{w.overload}× 429/5xx")
     if w.kv_usage is not None and w.kv_usage >= 0.97 and not cooldown:
-        st["phase"], st["cooldown"] = "steady", COOLDOWN
+        _cut(st)
         return out(limit * CUT_KV, f"kv cache {w.kv_usage * 100:.0f} %")
     waiting = w.waiting is not None and w.waiting > 0
     if waiting and st["phase"] == "start":
@@ -241,8 +292,17 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
     # -- time to first token blow-up: requests wait in the server's queue ------------------
     if (w.ttft_s is not None and base_ttft and ttft_ratio >= 3
             and w.ttft_s - base_ttft >= 1.0 and not cooldown):
-        st["phase"], st["cooldown"] = "steady", COOLDOWN
+        _cut(st)
         return out(limit * CUT_TTFT, f"ttft {_fmt_s(w.ttft_s)} = {ttft_ratio:.0f}× baseline")
+    # Requests starting to wait in the server show in the time to first token first.
+    queueing = base_ttft is not None and w.ttft_s is not None and \
+        ttft_ratio >= 1.3 and w.ttft_s - base_ttft >= 0.15
+    at_baseline = gradient >= 0.9 and not queueing
+    clean = not congested and not w.timeouts and ratio <= GOOD_RATIO and in_use
+    good = _good(st, w.now)
+    if clean and st["phase"] != "recover" and (good is None or limit >= good or
+                                               limit >= RECOVER_BELOW * good):
+        st["good"] = [limit, w.now]  # the last limit that ran well at its own calls
 
     def why_latency() -> str:
         bp = st.get("base_tpot")
@@ -253,12 +313,25 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
             return f"time per token {_fmt_s(w.tpot_s)} = {w.tpot_s / bp:.1f}× baseline"
         return f"latency per token {ratio:.2f}× baseline"
 
+    # -- recovery: back to the last good limit once the cause of a cut has passed -------------
+    if st["phase"] == "recover":
+        if st.pop("recovering", False) and not at_baseline:
+            # The limit the recovery itself raised to did not run well: it was the limit,
+            # not a passing cause. Forget the memory; the gradient goes on from here.
+            st.pop("good", None)
+            st["phase"] = "steady"
+        elif good is None or limit >= good:
+            st["phase"] = "steady"
+        elif at_baseline and not (cooldown or waiting or congested or w.timeouts):
+            if not in_use or w.fresh < max(2, limit // 2):
+                return out(limit, "")
+            st["recovering"] = True
+            return out(min(good, max(limit + 1, limit * RECOVER)),
+                       f"recovering to {good} (latency at baseline, {ratio:.2f}×)")
+
     # -- slow start: grow fast while nothing degrades ------------------------------------------
     if st["phase"] == "start":
-        # Requests starting to wait in the server show in the time to first token first.
-        queueing = base_ttft is not None and w.ttft_s is not None and \
-            ttft_ratio >= 1.3 and w.ttft_s - base_ttft >= 0.15
-        if gradient >= 0.9 and not queueing:
+        if at_baseline:
             if not in_use or not turnover:
                 return out(limit, "")
             # Only a limit judged on a whole turnover grows (by SLOW_START at most): calls
@@ -297,6 +370,18 @@ def decide(w: Window, state: dict[str, Any] | None, *, floor: int, cap: int) -> 
     if new < limit:
         return out(new, why_latency())
     return out(limit, "")
+
+
+def _cut(st: dict[str, Any]) -> None:
+    """The state of a sharp cut: no growth for COOLDOWN ticks, no slow start any more."""
+    if st.pop("recovering", False):
+        # The trouble came back at the limit a recovery step raised to, before its calls
+        # were judged: that limit is the cause, not a good one to climb back to.
+        st.pop("good", None)
+        st["phase"] = "steady"
+    st["cooldown"] = COOLDOWN
+    if st.get("phase") != "recover":
+        st["phase"] = "steady"
 
 
 # -- signals --------------------------------------------------------------------------------
@@ -382,7 +467,7 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
     limit, so a call longer than the window is judged too.
     """
     cutoff = now - seconds
-    ok = tokens = overload = timeouts = fresh = 0
+    ok = tokens = overload = timeouts = fresh = server_errors = 0
     busy = 0.0
     judged: list[CallRow] = []
     for row in sorted((r for r in rows if r[1] is not None), key=lambda r: -(r[1] or 0.0)):
@@ -391,6 +476,7 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
         if ended >= cutoff:
             if outcome in OVERLOAD:
                 overload += 1
+                server_errors += outcome == "server_error"
             elif outcome in TIMEOUTS:
                 timeouts += 1
             elif outcome == "ok":
@@ -424,8 +510,18 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
                   ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
                   tpot_s=sum(tpots) / len(tpots) if tpots else None,
                   latency_per_token=per_token(judged), unqueued_lpt=unqueued,
-                  overload=overload, timeouts=timeouts, seconds=seconds, now=now,
-                  concurrency=busy / seconds if ok else None)
+                  overload=overload, timeouts=timeouts, server_errors=server_errors,
+                  seconds=seconds, now=now,
+                  concurrency=busy / _span(rows, now, seconds) if ok else None)
+
+
+def _span(rows: Sequence[CallRow], now: float, seconds: float) -> float:
+    """The seconds of the window the server had calls in: the window, or less when its
+    first call started inside it (at the start, the first wave's calls ended in a 2 s
+    window that they had filled only 1.4 s of: Little's law over 2 s read them as
+    11 of 16 calls, "not in use", and the limit did not grow)."""
+    first = min((r[0] for r in rows), default=now - seconds)
+    return max(1e-3, min(seconds, now - first))
 
 
 def _window(session: Session, url: str, now: datetime, limit: int, inflight: int,
@@ -486,8 +582,6 @@ def _spacing(url: str) -> float:
 def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[str, Decision]:
     """Run the controller of each server of the active auto jobs that is due; returns what
     each decided. Called by the beat tick and the embedded loop, as often as they like."""
-    from synthq.dispatch import _LOCK_KEY  # one lock with the dispatcher's room computation
-
     mono = time.monotonic()
     # The embedded loop calls this on every wake: ask the database which servers are auto
     # at most once a second while none of them is due.
@@ -506,8 +600,8 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
         floor, cap = servers[url]
         gauges = _scrape(url) if scrape else {}
         with session_scope() as s:
-            if s.get_bind().dialect.name == "postgresql":
-                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+            if s.get_bind().dialect.name == "postgresql":  # one lock with the dispatcher's room
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": locks.DISPATCH})
             now = utcnow()
             row = s.get(Server, url)
             if row is not None and row.limit_at is not None and \

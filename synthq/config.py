@@ -196,3 +196,10 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process-wide settings (tests clear the cache after changing env)."""
     return Settings()
+
+
+def status_settings() -> defaults.StatusSettings:
+    """What a status and its cost report read of the settings, from the environment."""
+    settings = get_settings()
+    return defaults.StatusSettings(worker_timeout=settings.worker_timeout,
+                                   gpu_hour_price=settings.gpu_hour_price)

@@ -252,7 +252,11 @@ def price_of(job: CostJob, settings: StatusSettings | None = None) -> float | No
     """The job's GPU-hour price, else SYNTHQ_GPU_HOUR_PRICE, else None."""
     if job.gpu_hour_price is not None:
         return job.gpu_hour_price
-    return (settings or StatusSettings.configured()).gpu_hour_price
+    if settings is None:
+        from synthq.config import status_settings  # pydantic-settings: only when not given
+
+        settings = status_settings()
+    return settings.gpu_hour_price
 
 
 def job_cost(db: Session | Reader, job: CostJob, *, remaining: int,

@@ -22,16 +22,8 @@ GPU_HOUR_PRICE: float | None = None
 
 class StatusSettings(NamedTuple):
     """The settings a status and its cost report read. ``StatusSettings()`` holds the
-    defaults (the fast path's case); :meth:`configured` the environment's."""
+    defaults (the fast path's case); :func:`synthq.config.status_settings` the
+    environment's (this module imports nothing of synthq: config imports it)."""
 
     worker_timeout: float = WORKER_TIMEOUT
     gpu_hour_price: float | None = GPU_HOUR_PRICE
-
-    @classmethod
-    def configured(cls) -> StatusSettings:
-        """From :func:`synthq.config.get_settings` (loads pydantic-settings)."""
-        from synthq.config import get_settings
-
-        settings = get_settings()
-        return cls(worker_timeout=settings.worker_timeout,
-                   gpu_hour_price=settings.gpu_hour_price)

@@ -3,7 +3,7 @@
 The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
 hands them to a publisher (Celery's ``generate`` queue, or the embedded
 runner's thread pool), never letting queued + running on a server exceed its
-limit (DESIGN invariant 5), nor queueing more than the live workers' free
+limit (docs/design.md, invariant 5), nor queueing more than the live workers' free
 slots. Several dispatchers may run at once (beat, and each worker's refill):
 on PostgreSQL a run computes the room under a transaction-scoped advisory
 lock, and ``FOR UPDATE SKIP LOCKED`` keeps two dispatchers from taking the
@@ -18,7 +18,6 @@ returns it to ``pending``: the table is the truth, the broker carries hints.
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 import secrets
 import time
@@ -31,10 +30,11 @@ from sqlalchemy import String, bindparam, func, literal, or_, select, text, unio
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from synthq import states, workers
+from synthq import locks, states, workers
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState, SampleState
+from synthq.limits import current_limits, start_limit
 from synthq.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
@@ -122,8 +122,6 @@ def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
                                                                 min(old[1], limit))
     if auto:
         # --inflight auto: the server's adaptive limit (synthq.adaptive), within the cap.
-        from synthq.adaptive import current_limits, start_limit
-
         rows = current_limits(session, list(auto))
         for url, (floor, cap) in auto.items():
             row = rows.get(url)
@@ -254,7 +252,7 @@ def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
 
 
 #: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
-_LOCK_KEY = int.from_bytes(hashlib.sha256(b"synthq:dispatch").digest()[:8], "big", signed=True)
+_LOCK_KEY = locks.DISPATCH
 
 
 def _preference(server: _Server) -> str | None:

@@ -24,16 +24,15 @@ from sqlalchemy.exc import DBAPIError
 
 from synthq import states
 from synthq.adaptive import START_TICK_SECONDS, in_slow_start
-from synthq.adaptive import tick as adapt
 from synthq.config import get_settings
 from synthq.db import database_location, disk_full, service_process, session_scope, utcnow
-from synthq.dispatch import Dispatched, active_servers, dispatch, sweep
+from synthq.dispatch import Dispatched, sweep
 from synthq.enums import INFLIGHT, JobState
 from synthq.errors import DiskFull, UserError
 from synthq.executor import Executor
-from synthq.health import probe_due
 from synthq.models import Job
 from synthq.status import JobStatus, job_status
+from synthq.tick import Effects, run_tick
 
 __all__ = ["run_job", "exclusive"]
 
@@ -91,24 +90,19 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
         while True:
             if engine.writer.disk_full is not None:  # answers cannot be written: stop
                 raise DiskFull(database_location())
-            # A finished sample wakes the loop: refill its slot at once. The probes,
-            # the sweep and the status (a dozen queries) run once per interval, or
-            # when this process holds no call (the job may be ending).
+            # A finished sample wakes the loop: refill its slot at once (the tick's
+            # every-wake stages: the adaptive limit, then the dispatch). The probes, the
+            # sweep and the status (a dozen queries) run once per interval, or when this
+            # process holds no call (the job may be ending). The samples for the free
+            # slots are claimed in the dispatch's own transaction and started on the loop
+            # at once (as a worker's refill does): no carrier thread and no second
+            # transaction per batch.
             full = time.monotonic() - last_tick >= settings.dispatch_interval
             if full:
                 last_tick = time.monotonic()
-                probe_due(active_servers([job_id]))
-                sweep(job_ids=[job_id])
-            # --inflight auto: the limit's controller first, so that a raise decided on
-            # the calls that just ended fills their slots and the new ones at once. It
-            # runs about once a second (more often in slow start), whenever it is called.
-            adapt(job_ids=[job_id])
-            queued = 0
-            if not stop.is_set():
-                # The samples for the free slots are claimed in the dispatch's own
-                # transaction and started on the loop at once (as a worker's refill
-                # does): no carrier thread and no second transaction per batch.
-                queued = dispatch(publish, job_ids=[job_id], local=engine.local_claim())
+            queued = run_tick(Effects(publish=None if stop.is_set() else publish,
+                                      local=engine.local_claim),
+                              job_ids=[job_id], full=full).queued
             # The status (and on_tick) between two ticks only when the job may be ending:
             # while this process holds calls, none of its samples is finished, and a wake
             # that refilled nothing (its slot was taken by the previous refill) needs no

@@ -1,6 +1,6 @@
 """Create a job (or find it again) and insert its samples from a dataset.
 
-Samples are keyed by content (DESIGN invariant 9): enqueueing the same data
+Samples are keyed by content (docs/design.md, invariant 9): enqueueing the same data
 into a job again inserts nothing. Malformed rows become ``skipped`` samples
 with their reason (invariant 8). Rows are inserted in batches: on PostgreSQL
 by a binary ``COPY`` streamed while the rows are read (through a temporary

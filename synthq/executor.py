@@ -41,7 +41,7 @@ from synthq.process import Call, Outcome, effective, get_job, lease_seconds, run
 from synthq.retry import backoff_delay
 from synthq.writer import Writer
 
-__all__ = ["Executor", "default_executor", "reset_default_executor"]
+__all__ = ["Executor", "default_executor", "reset_default_executor", "process_sample"]
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ _default_lock = threading.Lock()
 
 
 def default_executor() -> Executor:
-    """This process's executor for :func:`synthq.process.process_sample` (made once)."""
+    """This process's executor for :func:`process_sample` (made once)."""
     global _default
     with _default_lock:
         if _default is None:
@@ -432,3 +432,14 @@ def reset_default_executor() -> None:
         if _default is not None:
             _default.close(timeout=5)
         _default = None
+
+
+def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
+                   worker: str | None = None) -> Outcome:
+    """Claim one queued sample and run it to its outcome on this process's executor.
+
+    For tests and one-off use; workers run whole batches (:meth:`Executor.run_batch`).
+    """
+    del worker  # the executor's own name is the worker's
+    return default_executor().run_batch([(sample_id, token, job_id)]).get(
+        sample_id, Outcome.STALE)

@@ -35,14 +35,15 @@ from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, wit
 from synthq.enums import SampleState
 from synthq.examples import tokenization_failure, tokenize_sample
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
+from synthq.jobview import OVERRIDABLE, effective
 from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
 from synthq.writer import Writer
 
-__all__ = ["Outcome", "run_claimed", "process_sample", "tokenize_response", "get_job",
-           "lease_seconds", "OVERRIDABLE", "effective"]
+__all__ = ["Outcome", "run_claimed", "tokenize_response", "get_job", "lease_seconds",
+           "OVERRIDABLE", "effective"]
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +61,6 @@ class Outcome(StrEnum):
     #: A turn of a conversation regenerated turn by turn is stored; the sample is
     #: pending again for its next turn.
     TURN = "turn"
-
-
-#: Per-sample settings ``synthq requeue`` may set (``samples.overrides``), as declared.
-OVERRIDABLE = jobspec.OVERRIDABLE
-
-
-class Effective:
-    """A job's settings with one sample's overrides on top (read-only view)."""
-
-    def __init__(self, job: Any, overrides: dict[str, Any]) -> None:
-        self._job = job
-        jobspec.apply_overrides(self, job, overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._job, name)
-
-
-def effective(job: Any, overrides: dict[str, Any] | None) -> Any:
-    """``job`` itself, or a view of it with the sample's ``overrides`` applied."""
-    return Effective(job, overrides) if overrides else job
 
 
 # -- jobs, cached per process --------------------------------------------------------
@@ -422,16 +403,3 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     if not await _write(writer, c, record):
         return Outcome.LOST
     return Outcome.RETRY if decided["retry"] else Outcome.FAILED
-
-
-def process_sample(sample_id: int, token: str, *, job_id: int | None = None,
-                   worker: str | None = None) -> Outcome:
-    """Claim one queued sample and run it to its outcome on this process's executor.
-
-    For tests and one-off use; workers run whole batches (:mod:`synthq.executor`).
-    """
-    from synthq.executor import default_executor
-
-    del worker  # the executor's own name is the worker's
-    return default_executor().run_batch([(sample_id, token, job_id)]).get(
-        sample_id, Outcome.STALE)

@@ -26,9 +26,9 @@ from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
 from synthq.errors import UserError
 from synthq.examples import choose, tokenization_failure, tokenize_sample
+from synthq.jobview import effective
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids
-from synthq.process import effective
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 __all__ = ["configure", "stale_query", "stale_ids", "count_stale", "retokenize_batch",
@@ -71,12 +71,10 @@ def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
     if "examples" in changes or "mask" in changes:  # refused where every sample would fail
         choose(merged["examples"], regenerate=job.regenerate, mask=merged["mask"],
                tokenizer=tok)
-    for name, value in changes.items():
-        setattr(job, name, value)
+    writes = {**changes, "tokenize_version": job.tokenize_version + 1}
     if merged["reasoning"] == "auto":  # stored resolved, as enqueue does
-        job.reasoning = tok.reasoning
-    job.tokenize_version += 1
-    job.updated_at = utcnow()
+        writes["reasoning"] = tok.reasoning
+    states.update_job(session, job, writes, now=utcnow())
     return job.tokenize_version
 
 

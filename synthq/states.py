@@ -3,7 +3,7 @@
 Each sample transition is an ``UPDATE ... WHERE id=? AND state IN (allowed
 sources) [AND claim=?]`` and returns whether it won. A duplicate delivery, a
 worker whose lease expired, or two racing workers therefore can never write a
-result twice or overwrite a newer state (DESIGN invariant 2). A call's
+result twice or overwrite a newer state (docs/design.md, invariant 2). A call's
 ``attempts`` row is written by the transition that records the call's
 outcome, in the same transaction.
 
@@ -325,7 +325,7 @@ def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
     """running → pending with the turn's answer stored and the next turn due now.
 
     A conversation regenerated turn by turn goes round the usual states once per
-    turn (DESIGN, "Regenerating every turn"); each turn gets a fresh attempt budget.
+    turn (docs/design.md, "States"); each turn gets a fresh attempt budget.
     """
     won = _cas(session, sample_id, [SampleState.RUNNING],
                dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,

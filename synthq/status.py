@@ -213,7 +213,10 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     environment's settings) let the CLI's fast path and tests pass their own."""
     reader = reader_of(db)
     now = now or utcnow()
-    settings = settings or StatusSettings.configured()
+    if settings is None:
+        from synthq.config import status_settings  # pydantic-settings: only when not given
+
+        settings = status_settings()
     rows = counted(reader, job.id)
     by_class = sample_counts(reader, job.id, rows)
     counts = state_counts(reader, job.id, by_class)

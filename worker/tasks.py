@@ -12,20 +12,12 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
-from synthq import states
 from synthq.config import get_settings
-from synthq.db import disk_full, safe_url, session_scope, utcnow
-from synthq.dispatch import (
-    Dispatched,
-    active_servers,
-    adopt_stale,
-    database_trouble,
-    dispatch,
-    sweep,
-)
+from synthq.db import disk_full, safe_url
+from synthq.dispatch import Dispatched, adopt_stale, database_trouble, dispatch
 from synthq.executor import Executor
-from synthq.health import probe_due
 from synthq.retokenize import retokenize_batch
+from synthq.tick import Effects, run_tick
 from worker.app import CAPTURE_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE, app
 
 log = logging.getLogger(__name__)
@@ -233,8 +225,8 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
 
 @app.task(name="synthq.dispatch", send_events=False)
 def dispatch_tick() -> int:
-    """Beat: probe servers' health, return expired leases, queue what is due, and mark
-    jobs whose samples are all terminal finished. Logs only what it did."""
+    """Beat: the scheduler tick (synthq.tick: probe, sweep, adapt, dispatch, finish,
+    training readiness). Logs only what it did."""
     try:
         return _tick()
     except DBAPIError as exc:
@@ -248,33 +240,18 @@ def dispatch_tick() -> int:
 
 
 def _tick() -> int:
-    for url, healthy in probe_due(active_servers()).items():
-        if not healthy:
-            log.warning("server %s failed its health probe: nothing is sent to it", url)
-    swept = sweep()
-    if swept:
-        log.info("sweep returned %d samples to pending", swept)
-    _train_tick()
-    _capture_tick()
-    queued = dispatch(publish)
-    _adapt_tick()  # after the dispatch: the limit's use is measured filled
-    with session_scope() as s:
-        finished = states.finish_jobs(s, now=utcnow())
-    if finished:
-        log.info("jobs finished (every sample done, failed or skipped): %s", finished)
-    return queued
-
-
-def _adapt_tick() -> None:
-    """Beat: the adaptive in-flight limits of --inflight auto jobs' servers (synthq.adaptive)."""
-    from synthq.adaptive import tick
-
-    try:
-        tick()
-    except DBAPIError:
-        raise
-    except Exception:  # the limits stay as they are; never stop the dispatcher
-        log.exception("adaptive limit tick failed")
+    """The scheduler tick (synthq.tick) with this deployment's effects: the broker."""
+    done = run_tick(Effects(publish=publish, start_training=publish_train,
+                            start_capture=publish_capture)).did
+    for url in done.get("probe") or ():
+        log.warning("server %s failed its health probe: nothing is sent to it", url)
+    if done.get("sweep"):
+        log.info("sweep returned %d samples to pending", done["sweep"])
+    if done.get("finish"):
+        log.info("jobs finished (every sample done, failed or skipped): %s", done["finish"])
+    if done.get("train"):
+        log.info("readiness: started training runs %s", done["train"])
+    return int(done.get("dispatch") or 0)
 
 
 def publish_retokenize(job_id: int, batches: Sequence[Sequence[int]]) -> None:
@@ -298,23 +275,12 @@ def retokenize(job_id: int, sample_ids: list[int]) -> dict[str, int]:
 _capture_sent: dict[int, float] = {}
 
 
-def _capture_tick() -> None:
-    """Beat: a ``capture`` message for each job whose captures are due (once per
-    ``capture_task_seconds / 6`` at most: a message runs the stage for up to
-    ``capture_task_seconds``)."""
-    from synthq.capture.due import due_jobs
-
-    try:
-        with session_scope() as s:
-            jobs = due_jobs(s, now=utcnow())
-    except DBAPIError:
-        raise
-    except Exception:  # capture must never stop the dispatcher
-        log.exception("capture tick failed")
-        return
+def publish_capture(job_ids: Sequence[int]) -> None:
+    """A ``capture`` message for each job given (once per ``capture_task_seconds / 6``
+    at most: a message runs the job's stage for up to ``capture_task_seconds``)."""
     every = get_settings().capture_task_seconds / 6
     now = time.monotonic()
-    for job_id in jobs:
+    for job_id in job_ids:
         if now - _capture_sent.get(job_id, float("-inf")) >= every:
             _capture_sent[job_id] = now
             capture.apply_async((job_id,), **CAPTURE_ROUTE)
@@ -338,19 +304,6 @@ def publish_train(run_ids: Sequence[int]) -> None:
     with app.producer_or_acquire() as producer:
         for run_id in run_ids:
             train.apply_async((run_id,), producer=producer, **TRAIN_ROUTE)
-
-
-def _train_tick() -> None:
-    """Beat: start runs for jobs whose data is ready; re-send orphaned runs."""
-    from synthq.training.readiness import check_readiness  # no torch: cheap
-
-    try:
-        ready = check_readiness(publish_train)
-    except Exception:  # training must never stop the dispatcher
-        log.exception("training readiness check failed")
-        return
-    if ready.started:
-        log.info("readiness: started training runs %s", ready.started)
 
 
 # Acknowledged on receipt: a run lasts hours (past Redis' visibility timeout);

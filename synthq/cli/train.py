@@ -92,6 +92,7 @@ def train(
 
     Example: `synthq train my-job --target /models/llama-3.1-8b --epochs 2 --lr 1e-4`
     """
+    from synthq import states
     from synthq.config import get_settings
     from synthq.db import utcnow
     from synthq.training.config import parse_when
@@ -124,9 +125,8 @@ def train(
         if threshold is not None:
             if chosen is None and threshold.kind != "never":
                 raise UserError("give --target: the job has no stored target model")
-            j.train_when, j.train_target, j.train_settings = str(threshold), chosen, \
-                cfg.to_dict()
-            j.updated_at = utcnow()
+            states.update_job(s, j, {"train_when": str(threshold), "train_target": chosen,
+                                     "train_settings": cfg.to_dict()}, now=utcnow())
             return {"job": j.name, "train_when": str(threshold), "target": chosen}
         if chosen is None:
             raise UserError("give --target: the job has no stored target model")

@@ -47,7 +47,10 @@ Besides the OpenAI routes it serves ``GET /sim/stats`` (counters, see
 :class:`_Stats`), ``POST /sim/reset`` (zero the counters), ``GET /sim/config``
 and ``POST /sim/overload`` (``{"seconds": 30, "status": 503, "retry_after": 5}``:
 every chat call is answered with that status and Retry-After for that long,
-while ``/health`` stays 200, as a vLLM with a bounded queue or a gateway does).
+while ``/health`` stays 200, as a vLLM with a bounded queue or a gateway does)
+and ``POST /sim/slow`` (``{"seconds": 30, "factor": 5}``: the time to first
+token and every stream ``factor``× slower for that long, as a GPU throttled or
+shared with another tenant).
 Never expose it beyond loopback; it is not a real server.
 """
 
@@ -566,6 +569,9 @@ class _Simulator:
         #: ``POST /sim/overload``: until this monotonic time, answer ``(status, retry_after)``.
         self.overload_until = 0.0
         self.overload: tuple[int, float | None] = (503, None)
+        #: ``POST /sim/slow``: until this monotonic time, everything ``slow_factor``× slower.
+        self.slow_until = 0.0
+        self.slow_factor = 1.0
 
     def reset(self) -> None:
         """Zero counters and directive K-counters; re-seed the fault draws."""
@@ -642,9 +648,13 @@ class _Simulator:
             finally:
                 stats.running -= 1
 
+    def slowdown(self) -> float:
+        """How many times slower than configured the server is now (``POST /sim/slow``)."""
+        return self.slow_factor if time.monotonic() < self.slow_until else 1.0
+
     def stream_rate(self) -> float:
         """Tokens per second of one stream now (knee mode: shared by those running)."""
-        rate = self.config.tokens_per_second
+        rate = self.config.tokens_per_second / self.slowdown()
         knee = self.config.knee
         running = self.stats.running
         if knee and running > knee:
@@ -657,7 +667,7 @@ class _Simulator:
         """Sleep as long as generating ``tokens`` takes at the configured rate."""
         if self.config.tokens_per_second > 0 and tokens > 0:
             if not self.config.knee:
-                await asyncio.sleep(tokens / self.config.tokens_per_second)
+                await asyncio.sleep(tokens / self.config.tokens_per_second * self.slowdown())
                 return
             for _ in range(tokens):
                 await asyncio.sleep(1.0 / self.stream_rate())
@@ -814,7 +824,7 @@ class _ChatCompletions:
         plan = sim.plan(request, fault)
         async with sim.slot():
             if sim.config.latency > 0:
-                await asyncio.sleep(sim.config.latency)
+                await asyncio.sleep(sim.config.latency * sim.slowdown())
             if request.stream:
                 await self._stream(plan, request.include_usage, send, request.return_token_ids)
             else:
@@ -933,6 +943,20 @@ def build_app(config: SimConfig) -> Starlette:
         sim.overload_until = time.monotonic() + seconds
         return JSONResponse({"seconds": seconds, "status": status, "retry_after": retry})
 
+    async def slow(request: Request) -> JSONResponse:
+        """Make the first token and every stream ``factor``× slower for ``seconds``."""
+        try:
+            body = await request.json()
+            seconds = float(body.get("seconds", 30.0))
+            factor = float(body.get("factor", 5.0))
+        except (ValueError, TypeError, AttributeError):
+            return JSONResponse({"error": "expected {seconds, factor}"}, 400)
+        if not (seconds >= 0 and factor >= 1):
+            return JSONResponse({"error": "seconds >= 0, factor >= 1"}, 400)
+        sim.slow_factor = factor
+        sim.slow_until = time.monotonic() + seconds
+        return JSONResponse({"seconds": seconds, "factor": factor})
+
     async def requests_log(request: Request) -> JSONResponse:
         """Every request received since the last reset (``record_requests``)."""
         return JSONResponse(sim.stats.log)
@@ -964,6 +988,7 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/sim/reset", reset, methods=["POST"]),
         Route("/sim/config", show_config),
         Route("/sim/overload", overload, methods=["POST"]),
+        Route("/sim/slow", slow, methods=["POST"]),
         Route("/sim/requests", requests_log),
     ]
     return Starlette(routes=routes)

@@ -98,8 +98,8 @@ def settle(job_id: int, max_rounds: int = 20) -> None:
 
     from synthq.db import session_scope
     from synthq.dispatch import Dispatched, dispatch
+    from synthq.executor import process_sample
     from synthq.models import Sample
-    from synthq.process import process_sample
 
     for _ in range(max_rounds):
         batch: list[Dispatched] = []

@@ -74,7 +74,7 @@ def test_samples_spread_over_servers(job_factory: Callable[..., Any]) -> None:
 
 def test_paused_job_is_not_dispatched_and_its_messages_are_released(
         job_factory: Callable[..., Any]) -> None:
-    from synthq.process import process_sample
+    from synthq.executor import process_sample
 
     report = job_factory(["x", "y"], servers=["http://10.255.0.5:8000/v1"])
     batch: list[Dispatched] = []

@@ -15,8 +15,9 @@ from sqlalchemy import func, select
 
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, dispatch
+from synthq.executor import process_sample
 from synthq.models import Attempt, Sample
-from synthq.process import Outcome, process_sample
+from synthq.process import Outcome
 
 pytestmark = pytest.mark.integration
 
@@ -186,7 +187,7 @@ def test_server_without_health_endpoint_is_watched_passively(
     report = job_factory([f"q{i}" for i in range(3)], servers=[dead], inflight_limit=8,
                          max_attempts=2, backoff_base=0.01, backoff_cap=0.02)
     with pytest.MonkeyPatch.context() as patch:  # as if /health answered 404
-        patch.setattr("synthq.embedded.probe_due", lambda urls: {})
+        patch.setattr("synthq.tick.probe_due", lambda urls: {})
         status = run_job(report.job_id)
     assert status.counts["failed"] == 3  # nothing to reach: every sample fails, bounded
     with session_scope() as s:

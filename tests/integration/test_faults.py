@@ -89,8 +89,9 @@ def test_a_call_ended_by_a_bug_has_its_attempts_row(simulator: Callable[..., Any
     AttributeError once the server had answered) hands the sample back as worker_error;
     the call gets its attempts row, so samples.attempts matches the rows."""
     from synthq.dispatch import Dispatched, dispatch
+    from synthq.executor import process_sample
     from synthq.inference import InferenceClient
-    from synthq.process import Outcome, process_sample
+    from synthq.process import Outcome
 
     sim = simulator("--latency", "0")
     report = job_factory(["paid for"], servers=[sim.url])

@@ -356,6 +356,27 @@ def test_capacity_limits_concurrency(start_sim: Callable[[str], Simulator]) -> N
     assert stats["completed"] == 6
 
 
+def test_slow_makes_every_answer_factor_times_slower_for_a_while(
+        start_sim: Callable[[str], Simulator]) -> None:
+    """``POST /sim/slow``: the first token and the stream ``factor``× slower, then back."""
+    slowed = start_sim("latency=0.1, response_tokens=4, tokens_per_second=40")
+
+    def timed() -> float:
+        started = time.monotonic()
+        assert len(_stream(slowed, _prompt())) > 4
+        return time.monotonic() - started
+
+    timed()  # the client's first call sets up its connection
+    normal = timed()  # 0.1 s + 4 tokens at 40/s: ~0.2 s
+    answer = slowed.http.post("/sim/slow", json={"seconds": 2.0, "factor": 5})
+    assert answer.json() == {"seconds": 2.0, "factor": 5.0}
+    slow = timed()  # ~1 s
+    assert slow >= 0.9 and slow >= normal + 0.5, (normal, slow)
+    time.sleep(2.0)
+    assert timed() < slow - 0.4
+    assert slowed.http.post("/sim/slow", json={"factor": 0.5}).status_code == 400
+
+
 def test_stats_count_prompts_and_reset(sim: Simulator) -> None:
     sim.reset()
     first, second = _prompt("alpha"), _prompt("beta")

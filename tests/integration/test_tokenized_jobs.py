@@ -16,9 +16,9 @@ from support import counts
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, dispatch
 from synthq.embedded import run_job
+from synthq.executor import process_sample
 from synthq.models import Attempt, Job, Sample
 from synthq.packing import unpack_ids, unpack_mask
-from synthq.process import process_sample
 from synthq.tokenize import ChatTokenizer, TokenizeSettings
 
 pytestmark = pytest.mark.integration

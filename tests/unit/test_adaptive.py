@@ -177,3 +177,19 @@ def test_parse_vllm_gauges() -> None:
             'vllm:generation_tokens_total{model_name="m"} 1e6\n')
     assert parse_vllm_gauges(body) == {"waiting": 5.0, "running": 30.0, "kv_usage": 0.42}
     assert parse_vllm_gauges("nothing here\n") == {}
+
+
+def test_the_first_wave_reads_as_in_use() -> None:
+    """16 calls started together at a limit of 16 and ended 1.39 s later; 1.9 s in, the
+    2 s window holds them all. Little's law over the seconds the server had calls reads
+    them as 16 × 1.39 / 1.9 ≈ 11.7 in flight, in use (over the whole 2 s window: 11.1,
+    "not in use", and the limit did not grow: the two-worker e2e test failed so)."""
+    from synthq.adaptive import summarize
+
+    first = [(0.0, 1.39, "ok", 1.39, 0.4, 10)] * 16
+    w = summarize(first, now=1.9, limit=16, inflight=16, since=0.0)
+    assert w.concurrency is not None and w.concurrency >= 0.7 * 16
+    # With calls before the window, it is over the window, as before.
+    older = [(-5.0, -3.6, "ok", 1.4, 0.4, 10)] * 16
+    w = summarize([*older, *first], now=1.9, limit=16, inflight=16, since=0.0)
+    assert w.concurrency is not None and abs(w.concurrency - 16 * 1.39 / 2.0) < 1e-6

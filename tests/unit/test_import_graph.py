@@ -1,0 +1,135 @@
+"""The import graph of synthq/, read from the source (every import statement, those inside
+functions too): no cycle, and the data side (retokenize) never reaches the call module."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def modules(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name → file, for every module of ``package`` under ``root``."""
+    found = {}
+    for path in (root / package).rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The modules of ``known`` that module ``name`` imports, anywhere in its file."""
+
+    def resolve(target: str) -> str | None:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, *([base] if base else [])])
+            # ``from synthq import states`` imports the module synthq.states.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        for target in targets:
+            found = resolve(target)
+            if found is not None and found != name:
+                yield found
+
+
+def graph(root: Path = REPO, package: str = "synthq") -> dict[str, set[str]]:
+    known = modules(root, package)
+    return {name: set(imported(name, path, known)) for name, path in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def path_to(g: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """The shortest chain of imports from ``start`` to ``goal`` (None: it is not reached)."""
+    came: dict[str, str] = {start: start}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        if v == goal:
+            chain = [v]
+            while chain[-1] != start:
+                chain.append(came[chain[-1]])
+            return chain[::-1]
+        for w in sorted(g[v]):
+            if w not in came:
+                came[w] = v
+                todo.append(w)
+    return None
+
+
+def test_the_reader_sees_lazy_imports_and_cycles() -> None:
+    """The reader on a package of its own: a cycle through an import inside a function."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pkg = Path(tmp) / "pkg"
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "a.py").write_text("from pkg import b\n")
+        (pkg / "b.py").write_text("def f():\n    from pkg.c import x\n")
+        (pkg / "c.py").write_text("from . import a\nimport pkg.d\n")
+        (pkg / "d.py").write_text("import os\n")
+        g = graph(Path(tmp), "pkg")
+        assert g["pkg.b"] == {"pkg.c"} and g["pkg.c"] == {"pkg.a", "pkg.d"}
+        assert cycles(g) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_synthq_has_no_import_cycle() -> None:
+    found = cycles(graph())
+    assert not found, "import cycles (each a group of modules that import one another, " \
+        f"counting imports inside functions): {found}"
+
+
+def test_retokenize_does_not_reach_the_call_module() -> None:
+    """Re-tokenizing stored answers is data work: it must not import the server call."""
+    chain = path_to(graph(), "synthq.retokenize", "synthq.process")
+    assert chain is None, f"retokenize imports the call module: {' -> '.join(chain or [])}"
