@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -52,8 +52,10 @@ class _JobSettings(BaseModel):
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options (both through
-        synthq.jobspec.build, which checks each value)."""
-        return cast(JobSpec, jobspec.build(self.model_dump(), source=default_name))
+        synthq.enqueue.build_spec, which checks each value)."""
+        from synthq.enqueue import build_spec
+
+        return build_spec(self.model_dump(), source=default_name)
 
 
 if TYPE_CHECKING:  # the fields are made at import; a type checker sees the base

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -53,40 +53,11 @@ __all__ = ["JobSpec", "EnqueueReport", "enqueue", "insert_rows", "get_or_create_
 BATCH = 20_000
 BATCH_BYTES = 64 << 20
 #: ``--inflight auto``: the default hard cap and floor of the adaptive limit.
-DEFAULT_MAX_INFLIGHT = 256
-DEFAULT_MIN_INFLIGHT = 4
 #: The most requests in flight per server any setting may ask for.
 MAX_INFLIGHT = jobspec.MAX_INFLIGHT
-
-
-def inflight_settings(inflight: str | int, max_inflight: int | None = None,
-                      min_inflight: int | None = None) -> dict[str, Any]:
-    """The job fields of ``--inflight N|auto``, ``--max-inflight``, ``--min-inflight``.
-
-    ``N``: a fixed limit. ``auto``: the servers' adaptive limits (synthq.adaptive)
-    between the floor and the cap (``inflight_limit`` holds the cap). Raises
-    :class:`UserError` with one line for anything else.
-    """
-    value = str(inflight).strip().lower()
-    if value == "auto":
-        cap = DEFAULT_MAX_INFLIGHT if max_inflight is None else max_inflight
-        floor = DEFAULT_MIN_INFLIGHT if min_inflight is None else min_inflight
-        if not (1 <= cap <= MAX_INFLIGHT and 1 <= floor <= MAX_INFLIGHT):
-            raise UserError(f"--max-inflight and --min-inflight must be 1 to {MAX_INFLIGHT:,}")
-        if floor > cap:
-            raise UserError(f"--min-inflight {floor} is above --max-inflight {cap}")
-        return {"inflight_limit": cap, "inflight_auto": True, "min_inflight": floor}
-    try:
-        limit = int(value)
-    except ValueError:
-        raise UserError(f"--inflight must be a number of requests or 'auto', got "
-                        f"{inflight!r}") from None
-    if not 1 <= limit <= MAX_INFLIGHT:
-        raise UserError(f"--inflight must be 1 to {MAX_INFLIGHT:,}, got {limit}")
-    if max_inflight is not None or min_inflight is not None:
-        raise UserError("--max-inflight and --min-inflight go with --inflight auto")
-    return {"inflight_limit": limit, "inflight_auto": False,
-            "min_inflight": DEFAULT_MIN_INFLIGHT}
+DEFAULT_MAX_INFLIGHT = jobspec.DEFAULT_MAX_INFLIGHT
+DEFAULT_MIN_INFLIGHT = jobspec.DEFAULT_MIN_INFLIGHT
+inflight_settings = jobspec.inflight_settings
 
 
 #: Characters a job name may not hold: ``/`` and ``\\`` (paths and URLs), control
@@ -722,3 +693,39 @@ def _check_source_ids(report: EnqueueReport, id_field: str | None) -> None:
             f"{count:,} source ids are held by more than one sample of job "
             f"{report.job_name!r} (different rows with the same id): "
             f"{', '.join(examples)}{more}")
+
+
+def build_spec(values: Mapping[str, Any], *, source: str = "") -> JobSpec:
+    """The :class:`synthq.enqueue.JobSpec` of ``values`` (API form: objects as dicts, the
+    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared).
+    ``source``: the dataset, whose file name names a job given no name."""
+    given = {k: v for k, v in values.items() if k in jobspec.BY_NAME}
+    v = {s.name: given.get(s.name, s.default) for s in jobspec.SETTINGS}
+    # What the JobSpec is made from is checked here; the rest by JobSpec.check, in its order
+    # (the name, the model and the servers first), once the spec is made.
+    for s in jobspec.SETTINGS:
+        if s.field == "" or s.type in (list, dict):
+            v[s.name] = jobspec.check(s, v[s.name])
+    sampling: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    for s in jobspec.SETTINGS:
+        if s.field == "" or v[s.name] is None and s.field and "." in s.field:
+            continue
+        target = s.field or s.name
+        if target.startswith("sampling."):
+            sampling[s.key] = v[s.name]
+        else:
+            fields[target] = v[s.name]
+    body = dict(v["extra_body"] or {})
+    kwargs = dict(v["chat_template_kwargs"] or {})
+    if kwargs:  # the server renders with them, and so does our tokenizer
+        body["chat_template_kwargs"] = kwargs
+    if v["return_token_ids"]:
+        body["return_token_ids"] = True
+    fields.update(
+        name=jobspec.job_name(v["name"], source), servers=[u.rstrip("/") for u in v["servers"]],
+        sampling=sampling, extra_body=body, chat_template_kwargs=kwargs,
+        **jobspec.inflight_settings(v["inflight"], v["max_inflight"], v["min_inflight"]))
+    spec = JobSpec(**fields)
+    spec.check()
+    return spec

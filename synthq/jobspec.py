@@ -31,7 +31,8 @@ from synthq.errors import UserError
 __all__ = ["Setting", "SETTINGS", "BY_NAME", "OVERRIDABLE", "RESERVED_BODY", "default",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
-           "build", "job_name", "setting_for_key"]
+           "inflight_settings", "job_name", "setting_for_key", "DEFAULT_MAX_INFLIGHT",
+           "DEFAULT_MIN_INFLIGHT"]
 
 #: Seconds any timeout or backoff may be: a week. A lease or a retry's due time is
 #: ``now`` plus one of them, which must stay a date (1e308 s overflows it).
@@ -40,6 +41,8 @@ MAX_SECONDS = 7 * 24 * 3600.0
 MAX_TOKENS = 10_000_000
 #: The most requests in flight per server any setting may ask for.
 MAX_INFLIGHT = 100_000
+DEFAULT_MAX_INFLIGHT = 256
+DEFAULT_MIN_INFLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -354,8 +357,6 @@ def requeue_settings(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
         return overrides, None
     if inflight["inflight"] is None:
         raise UserError("--max-inflight and --min-inflight go with --inflight auto")
-    from synthq.enqueue import inflight_settings
-
     checked = {k: check(BY_NAME[k], v) for k, v in inflight.items()}
     return overrides, inflight_settings(checked["inflight"], checked["max_inflight"],
                                         checked["min_inflight"])
@@ -393,39 +394,31 @@ def job_name(given: str | None, source: str) -> str:
         or "job"
 
 
-def build(values: Mapping[str, Any], *, source: str = "") -> Any:
-    """The :class:`synthq.enqueue.JobSpec` of ``values`` (API form: objects as dicts, the
-    chat template as text), checked (:meth:`JobSpec.check`: each setting as declared).
-    ``source``: the dataset, whose file name names a job given no name."""
-    from synthq.enqueue import JobSpec, inflight_settings
+def inflight_settings(inflight: str | int, max_inflight: int | None = None,
+                      min_inflight: int | None = None) -> dict[str, Any]:
+    """The job fields of ``--inflight N|auto``, ``--max-inflight``, ``--min-inflight``.
 
-    given = {k: v for k, v in values.items() if k in BY_NAME}
-    v = {s.name: given.get(s.name, s.default) for s in SETTINGS}
-    # What the JobSpec is made from is checked here; the rest by JobSpec.check, in its order
-    # (the name, the model and the servers first), once the spec is made.
-    for s in SETTINGS:
-        if s.field == "" or s.type in (list, dict):
-            v[s.name] = check(s, v[s.name])
-    sampling: dict[str, Any] = {}
-    fields: dict[str, Any] = {}
-    for s in SETTINGS:
-        if s.field == "" or v[s.name] is None and s.field and "." in s.field:
-            continue
-        target = s.field or s.name
-        if target.startswith("sampling."):
-            sampling[s.key] = v[s.name]
-        else:
-            fields[target] = v[s.name]
-    body = dict(v["extra_body"] or {})
-    kwargs = dict(v["chat_template_kwargs"] or {})
-    if kwargs:  # the server renders with them, and so does our tokenizer
-        body["chat_template_kwargs"] = kwargs
-    if v["return_token_ids"]:
-        body["return_token_ids"] = True
-    fields.update(
-        name=job_name(v["name"], source), servers=[u.rstrip("/") for u in v["servers"]],
-        sampling=sampling, extra_body=body, chat_template_kwargs=kwargs,
-        **inflight_settings(v["inflight"], v["max_inflight"], v["min_inflight"]))
-    spec = JobSpec(**fields)
-    spec.check()
-    return spec
+    ``N``: a fixed limit. ``auto``: the servers' adaptive limits (synthq.adaptive)
+    between the floor and the cap (``inflight_limit`` holds the cap). Raises
+    :class:`UserError` with one line for anything else.
+    """
+    value = str(inflight).strip().lower()
+    if value == "auto":
+        cap = DEFAULT_MAX_INFLIGHT if max_inflight is None else max_inflight
+        floor = DEFAULT_MIN_INFLIGHT if min_inflight is None else min_inflight
+        if not (1 <= cap <= MAX_INFLIGHT and 1 <= floor <= MAX_INFLIGHT):
+            raise UserError(f"--max-inflight and --min-inflight must be 1 to {MAX_INFLIGHT:,}")
+        if floor > cap:
+            raise UserError(f"--min-inflight {floor} is above --max-inflight {cap}")
+        return {"inflight_limit": cap, "inflight_auto": True, "min_inflight": floor}
+    try:
+        limit = int(value)
+    except ValueError:
+        raise UserError(f"--inflight must be a number of requests or 'auto', got "
+                        f"{inflight!r}") from None
+    if not 1 <= limit <= MAX_INFLIGHT:
+        raise UserError(f"--inflight must be 1 to {MAX_INFLIGHT:,}, got {limit}")
+    if max_inflight is not None or min_inflight is not None:
+        raise UserError("--max-inflight and --min-inflight go with --inflight auto")
+    return {"inflight_limit": limit, "inflight_auto": False,
+            "min_inflight": DEFAULT_MIN_INFLIGHT}

@@ -139,7 +139,7 @@ def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
                  limit: int = 1000) -> tuple[EnqueueReport, list[tuple[int, str]]]:
     """Enqueue ``source``; the report and every malformed row (up to ``limit``) with its reason.
 
-    Good rows are inserted whatever the bad ones are (DESIGN invariant 8).
+    Good rows are inserted whatever the bad ones are (docs/design.md, invariant 8).
     """
     report = enqueue(spec, source, id_field=id_field)
     if not report.skipped:

@@ -4,7 +4,7 @@
 (`enqueue`, `run`, `requeue`): its flags, type, default, choices and help come
 from the :class:`synthq.jobspec.Setting`, so a setting added there shows up
 here without a line of its own. :func:`job_spec` turns the options' values
-into the JobSpec (through :func:`synthq.jobspec.build`, as the API does).
+into the JobSpec (through :func:`synthq.enqueue.build_spec`, as the API does).
 """
 
 from __future__ import annotations
@@ -127,4 +127,6 @@ def changed(values: dict[str, Any]) -> list[str]:
 
 def job_spec(values: dict[str, Any], dataset: str):  # type: ignore[no-untyped-def]
     """The JobSpec of the settings' options, for ``dataset``."""
-    return jobspec.build(api_values(values), source=dataset)
+    from synthq.enqueue import build_spec
+
+    return build_spec(api_values(values), source=dataset)

@@ -14,7 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 FIRST_PARTY = {"synthq", "worker", "api", "__future__"}
 #: Which extras (besides the base dependencies) the code under a folder may rely on.
-EXTRAS = {"api/": {"api"}, "synthq/training/": {"train"}}
+# synthq/testing/tiny.py builds the tiny target with torch (``synthq testing``).
+EXTRAS = {"api/": {"api"}, "synthq/training/": {"train"}, "synthq/testing/": {"train"}}
 #: Imports behind a check that says which extra to install (module → the extra).
 GUARDED = {"datasets": "hf"}
 

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from synthq import jobspec
-from synthq.enqueue import JobSpec
+from synthq.enqueue import JobSpec, build_spec
 from synthq.errors import UserError
 
 
@@ -41,7 +41,7 @@ def test_every_front_end_has_every_setting_with_the_declared_default() -> None:
 
 
 def test_build_is_the_spec_of_the_defaults() -> None:
-    built = jobspec.build({"model": "m", "servers": ["http://h:8000/v1/"]}, source="d.jsonl")
+    built = build_spec({"model": "m", "servers": ["http://h:8000/v1/"]}, source="d.jsonl")
     assert built == JobSpec(name="d", model="m", servers=["http://h:8000/v1"])
 
 
