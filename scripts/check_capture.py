@@ -115,7 +115,9 @@ def main() -> int:
     try:
         dataset = root / "prompts.jsonl"
         with dataset.open("w") as fh:
-            for n, start in prompts(args.samples, seed=7):
+            # Distinct prompts: the same prompt twice is one sample (its content key).
+            unique = list(dict.fromkeys(prompts(args.samples * 2, seed=7)))[:args.samples]
+            for n, start in unique:
                 fh.write(json.dumps({"messages": [
                     {"role": "user", "content": count_prompt(n, start)}]}) + "\n")
         t0 = time.perf_counter()
