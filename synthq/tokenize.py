@@ -631,6 +631,10 @@ def _reasoning_mode(render: Callable[[list[dict[str, Any]]], str],
         with_field = render([user, {"role": "assistant", "content": "a",
                                     "reasoning_content": _PROBE}])
     except Exception as exc:  # noqa: BLE001 - a template that cannot render a turn
+        from synthq.sandbox import TemplateLimitError
+
+        if isinstance(exc, TemplateLimitError):  # over synthq's budget: its own line
+            raise TokenizerSetupError(str(exc)) from exc
         raise TokenizerSetupError(f"the chat template cannot render a conversation: "
                                   f"{exc}") from exc
     if _PROBE in with_field:
@@ -667,13 +671,14 @@ def precheck_reasoning(settings: TokenizeSettings) -> str | None:
     template, specials = _template_text(settings)
     if template is None:
         return None
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from synthq.sandbox import PROBE_SECONDS, BoundedSandbox, TemplateLimitError, limits
 
+    try:
         def raise_exception(message: str) -> None:
             raise ValueError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # synthq's bounded sandbox, as every render: the template may be hostile.
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
         compiled = env.from_string(template)
@@ -685,8 +690,11 @@ def precheck_reasoning(settings: TokenizeSettings) -> str | None:
         return str(compiled.render(messages=messages, add_generation_prompt=False, **kwargs))
 
     try:
-        _, mode = _reasoning_mode(render, settings)
+        with limits(seconds=PROBE_SECONDS):
+            _, mode = _reasoning_mode(render, settings)
     except TokenizerSetupError as exc:
+        if isinstance(exc.__cause__, TemplateLimitError):
+            raise
         if "cannot render" in str(exc):
             return None  # maybe only under transformers' environment: the full load says
         raise

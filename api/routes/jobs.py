@@ -155,8 +155,10 @@ def create_job(body: JobCreate, settings: SettingsDep) -> Response:
     else:
         source = _hf_source(str(body.hf_dataset))
     name = Path(source.rstrip("/")).name.split(".")[0]
+    # Confined before the spec is made: its checks would open the path otherwise.
+    body = body.model_copy(update={
+        "tokenizer": _tokenizer_source(settings.data_dir, body.tokenizer)})
     spec = body.to_spec(name)
-    spec.tokenizer = _tokenizer_source(settings.data_dir, spec.tokenizer)
     warnings = _check_model(spec)
     root = str(settings.data_dir.expanduser().resolve())
     try:
@@ -181,8 +183,9 @@ def upload_job(file: Annotated[UploadFile, File(description="JSONL (.jsonl, .jso
                             f"spec is not valid JobSettings JSON: {exc}") from None
     filename = Path(file.filename or "upload.jsonl").name
     suffix = _upload_suffix(filename)
+    job_settings = job_settings.model_copy(update={
+        "tokenizer": _tokenizer_source(settings.data_dir, job_settings.tokenizer)})
     job_spec = job_settings.to_spec(filename.split(".")[0])
-    job_spec.tokenizer = _tokenizer_source(settings.data_dir, job_spec.tokenizer)
     warnings = _check_model(job_spec)
     limit = settings.api_upload_max_bytes
     settings.uploads_dir.mkdir(parents=True, exist_ok=True)
