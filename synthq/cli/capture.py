@@ -73,6 +73,8 @@ def capture(
     synthq's store (SYNTHQ_CAPTURE_STORE, default DATA_DIR/hidden-states).
     Rerun to resume: what is done stays done. The disk plan is printed first,
     and the stage refuses to start when the store's free space is short.
+
+    Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
     from synthq.capture import plan as planning
     from synthq.capture import stage as capture_stage

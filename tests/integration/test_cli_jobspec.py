@@ -75,12 +75,12 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
         for flag, row in rows.items():
             assert "<bool>" not in row, (command, flag, row)
     run = helps["run"]
-    for flag, choices in (("--reasoning", "<keep|drop>"), ("--regenerate", "<last|all>"),
+    for flag, choices in (("--reasoning", "<auto|keep|drop>"), ("--regenerate", "<last|all>"),
                           ("--mask", "<last_turn|all_assistant_turns>"),
                           ("--history-reasoning", "<drop|keep>"), ("--inflight", "<N|auto>")):
         assert choices in run[flag] and choices in helps["enqueue"][flag], run[flag]
     assert "<parquet|jsonl>" in helps["export"]["--format"]
-    assert "<online|offline>" in helps["train"]["--hidden-states"]
+    assert "<online|offline|captured>" in helps["train"]["--hidden-states"]
     assert "<now|ready|done:F|count:N|never>" in helps["train"]["--when"]
     for flag in ("--temperature", "--top-p"):
         assert "[default: not sent: the server's own]" in run[flag], run[flag]
@@ -88,6 +88,6 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
     for flag in ("--tokenizer", "--chat-template", "--chat-template-kwargs", "--max-seq-len",
                  "--reasoning", "--mask"):
         assert "[default: the job's]" in helps["retokenize"][flag], helps["retokenize"][flag]
-    assert "<keep|drop>" in helps["retokenize"]["--reasoning"]
+    assert "<auto|keep|drop>" in helps["retokenize"]["--reasoning"]
     for flag in ("--max-tokens", "--temperature", "--max-attempts", "--extra-body"):
         assert "[default: the job's]" in helps["requeue"][flag], helps["requeue"][flag]
