@@ -159,10 +159,10 @@ def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
     victim = workers.worker(concurrency=2, name="cap1", queues="capture,control")
     workers.worker(concurrency=2, name="cap2", queues="capture,control")
     workers.beat()
-    wait_for(lambda: _states(job_id).get("done", 0) >= 8, 90,
+    wait_for(lambda: _states(job_id).get("done", 0) >= 8, 240,
              f"no capture progress: {_states(job_id)}\n{workers.logs()}")
     victim.kill9()
-    wait_for(lambda: _states(job_id).get("done", 0) == n, 120,
+    wait_for(lambda: _states(job_id).get("done", 0) == n, 240,
              f"the stage did not finish after the kill: {_states(job_id)}\n{workers.logs()}")
     # The exact limit held across both processes, kill and reclaim included.
     assert fake_engine.most <= limit, fake_engine.most
