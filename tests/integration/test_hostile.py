@@ -397,7 +397,8 @@ def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any
     import synthq.process
     from synthq import states
     from synthq.db import utcnow
-    from synthq.process import Outcome, process_sample
+    from synthq.executor import process_sample
+    from synthq.process import Outcome
 
     report = job_factory(["stored"])
     with session_scope() as s:

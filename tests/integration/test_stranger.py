@@ -75,7 +75,7 @@ def test_run_exits_non_zero_when_every_sample_failed(tmp_path: Path, sim: Simula
 def test_bad_settings_are_refused_without_a_tokenizer(tmp_path: Path) -> None:
     data = write_rows(tmp_path / "d.jsonl", ["hi"])
     server = f"http://127.0.0.1:{free_port()}/v1"
-    for args, message in ((["--reasoning", "maybe"], "--reasoning must be auto, keep or drop"),
+    for args, message in ((["--reasoning", "maybe"], "--reasoning must be one of auto, keep, drop"),
                           (["--mask", "all"], "--mask must be last_turn or all_assistant"),
                           (["--temperature", "-1"], "--temperature must be 0 to 100"),
                           (["--tokenizer", "/no/such/tok"], "--tokenizer /no/such/tok: no such "
