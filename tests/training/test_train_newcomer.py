@@ -171,7 +171,10 @@ def test_two_cpu_ranks_train_the_model_one_process_trains(
                for r in (one, two, other))
     assert get_run(one).step == get_run(two).step == 4
     assert set(a) == set(b) == set(c)
-    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+    # d2t/t2d only where the draft vocabulary is smaller than the target's (vLLM's rule).
+    for key in ("d2t", "t2d"):
+        if key in a:
+            assert torch.equal(a[key], b[key])
     for name in a:
         if not a[name].is_floating_point():
             continue
