@@ -99,6 +99,12 @@ def capture(
             changes["capture_limit"] = limit
         if target is not None:
             changes["train_target"] = target
+        if "capture_servers" in changes:  # each must answer before the job stores it
+            import httpx
+
+            with httpx.Client(timeout=httpx.Timeout(10.0)) as client:
+                for url in changes["capture_servers"]:
+                    capture_stage.describe(client, url)
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
