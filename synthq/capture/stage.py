@@ -132,11 +132,17 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str)
     except httpx.HTTPError as exc:
         raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
     try:
-        return Path(answer["kv_transfer_params"]["hidden_states_path"])
+        path = Path(str(answer["kv_transfer_params"]["hidden_states_path"]))
     except (KeyError, TypeError) as exc:
         raise BadRequest("the server's answer has no kv_transfer_params.hidden_states_path: "
                          "start it with extract_hidden_states and a hidden-states connector") \
             from exc
+    # The file is read and then deleted: only the one this request named is ever
+    # touched, whatever path a server answers (synthq_connector names it so).
+    if path.name != f"{name}.safetensors":
+        raise BadRequest(f"the server answered the file {path.name!r}, not this request's "
+                         f"{name}.safetensors: start it with synthq_connector")
+    return path
 
 
 def _take(chunks: Any, limit: int) -> list[bytes]:

@@ -44,6 +44,8 @@ class FakeCaptureServer:
     def __init__(self, engine_dir: Path, hold: float = 0.3) -> None:
         self.engine_dir, self.hold = engine_dir, hold
         self.active = self.most = self.requests = 0
+        #: A hostile server's answer: this path instead of the file it wrote.
+        self.answer_path: Path | None = None
         self.lock = threading.Lock()
         server = self
 
@@ -85,8 +87,9 @@ class FakeCaptureServer:
                 finally:
                     with server.lock:
                         server.active -= 1
+                answer = server.answer_path or path
                 self._json({"choices": [{"text": ""}],
-                            "kv_transfer_params": {"hidden_states_path": str(path)}})
+                            "kv_transfer_params": {"hidden_states_path": str(answer)}})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -172,3 +175,18 @@ def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
     assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
     # Sent twice: only what the victim held at the kill (at most the limit).
     assert n <= fake_engine.requests <= n + limit
+
+
+def test_a_server_naming_another_file_gets_it_neither_read_nor_deleted(
+        job_factory: Any, fake_engine: FakeCaptureServer, tmp_path: Path) -> None:
+    """The stage deletes the engine's file once stored: a hostile server answering the path
+    of some other file of this host must not get it read into the store or deleted."""
+    from synthq.capture.stage import Stage
+
+    victim = tmp_path / "victim.safetensors"
+    victim.write_text("not yours")
+    fake_engine.answer_path = victim
+    job_id = _done_samples(job_factory, 3, fake_engine.url, 2)
+    left = Stage(job_id).run()
+    assert victim.read_text() == "not yours"
+    assert left.done == 0 and left.failures == {"bad_request": 3}, left
