@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     #: (no broker round trip, no second transaction). Those samples are
     #: then no Celery tasks: False shows every batch in Flower.
     local_refill: bool = True
+    #: Seconds a sample may stay queued while a worker has free slots before that
+    #: worker claims it from SQL itself (its message stuck in a half-open broker
+    #: connection, or lost); 0: twice the heartbeat interval, at least 1 s.
+    adopt_after: float = Field(default=0.0, ge=0)
     #: Seconds a worker told to stop (SIGTERM) lets its calls finish; then it
     #: cuts them and returns their samples to pending (due at once).
     shutdown_grace: float = 60.0

@@ -94,7 +94,8 @@ class _Refill:
     def _idle_seconds(self) -> float:
         if self.idle is not None:
             return self.idle
-        return max(1.0, 2 * get_settings().heartbeat_interval)
+        settings = get_settings()
+        return settings.adopt_after or max(1.0, 2 * settings.heartbeat_interval)
 
     def _adopt(self) -> None:
         """Idle with free slots: claim what SQL says was queued and never delivered."""

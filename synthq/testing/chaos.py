@@ -543,7 +543,11 @@ def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 
     from synthq.models import Attempt, Sample
 
     started = time.monotonic()
-    cluster.setenv(SYNTHQ_BATCH_SIZE=str(batch), SYNTHQ_WORKER_CAPACITY=str(limit))
+    # The victim's free slots (64 against the 32 its threads run) would otherwise claim
+    # its own prefetched samples from SQL after a few idle seconds (the half-open broker
+    # path), leaving none queued at the kill on a loaded machine.
+    cluster.setenv(SYNTHQ_BATCH_SIZE=str(batch), SYNTHQ_WORKER_CAPACITY=str(limit),
+                   SYNTHQ_ADOPT_AFTER="600")
     sim = cluster.simulator("--latency", "0", "--tokens-per-second", "5",
                             "--response-tokens", "20", "--capacity", "128")
     job_id = create_job(prompts(n, "dead"), [sim.url], inflight_limit=limit,
@@ -997,7 +1001,9 @@ def disk_full(cluster: Cluster, *, n: int = 600, size_mb: int = 12, limit: int =
         wait_until(lambda: done() >= 50 or first.proc.poll() is not None, 120,
                    "50 samples done", logs=cluster.logs)
         filler = vol / "filler"
-        with open(filler, "wb") as fh, contextlib.suppress(OSError):
+        # The run's own writes may have filled the volume already (a WAL that grew
+        # under load): then even creating the filler fails, and the volume is full.
+        with contextlib.suppress(OSError), open(filler, "wb") as fh:
             block = b"\0" * (64 << 10)
             while True:
                 fh.write(block)
@@ -1007,7 +1013,7 @@ def disk_full(cluster: Cluster, *, n: int = 600, size_mb: int = 12, limit: int =
         stopped_s = time.monotonic() - filled
         out1 = first.log()
         at_stop = done()
-        filler.unlink()
+        filler.unlink(missing_ok=True)
         requests_before = sim.stats()["requests"]
         second = Proc(cmd, env, cluster.tmp / "run2.log", name="run2")
         cluster.procs.append(second)
