@@ -104,7 +104,7 @@ class EnqueueResult(BaseModel):
 # The job list's items are synthq.query.JobSummary itself.
 
 
-# A job's status is synthq.status.JobStatus itself (the record `synthq status --json`
+# A job's status is synthq.report.JobStatus itself (the record `synthq status --json`
 # prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 

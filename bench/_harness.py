@@ -378,8 +378,8 @@ def prompts(n: int, tag: str = "bench") -> list[str]:
 
 
 def counts(job_id: int) -> dict[str, int]:
+    from synthq.counts import state_counts
     from synthq.db import session_scope
-    from synthq.status import state_counts
 
     with session_scope() as s:
         return state_counts(s, job_id)

@@ -15,7 +15,7 @@ function, in this process, against that database:
 * **dispatch tick**: :func:`synthq.dispatch.dispatch` with a publisher that
   drops the samples and room for 64, then those samples put back to pending
   (not timed), so every tick finds the same work;
-* **status --json**: :func:`synthq.status.job_status` (what ``synthq status
+* **status --json**: :func:`synthq.report.job_status` (what ``synthq status
   JOB --json`` prints, without the process start), and ``status_no_cost``
   without the cost report (:mod:`synthq.cost`); the statements of one call
   that took longest are printed first;
@@ -162,7 +162,7 @@ def main() -> None:
         from synthq.dispatch import Dispatched, dispatch
         from synthq.models import Attempt, Job, Sample
         from synthq.query import metrics_snapshot
-        from synthq.status import job_status
+        from synthq.report import job_status
 
         t0 = time.monotonic()
         job_id = populate(args.samples, args.attempts)

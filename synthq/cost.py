@@ -58,7 +58,7 @@ _OPEN_SQL = "(" + ", ".join(f"'{s.value}'" for s in OPEN) + ")"
 
 class CostJob(Protocol):
     """What the cost report reads of a job: a :class:`synthq.models.Job`, or the CLI's
-    fast path's :class:`synthq.status.JobRow`."""
+    fast path's :class:`synthq.report.JobRow`."""
 
     @property
     def id(self) -> int: ...

@@ -2,7 +2,7 @@
 outcome, and the job list `synthq jobs` prints.
 
 The triggers of migration 0016 keep ``sample_counts`` and ``call_counts``: a
-few rows per job, however many samples. Apart from :mod:`synthq.status` (which
+few rows per job, however many samples. Apart from :mod:`synthq.report` (which
 re-exports these) so that `synthq jobs` on its fast path (:mod:`synthq.cli.fast`)
 loads only this and :mod:`synthq.sqlread`.
 """

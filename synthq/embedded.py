@@ -31,7 +31,7 @@ from synthq.enums import INFLIGHT, JobState
 from synthq.errors import DiskFull, UserError
 from synthq.executor import Executor
 from synthq.models import Job
-from synthq.status import JobStatus, job_status
+from synthq.report import JobStatus, job_status
 from synthq.tick import Effects, run_tick
 
 __all__ = ["run_job", "exclusive"]

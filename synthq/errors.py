@@ -242,7 +242,7 @@ TOKENIZATION_CLASSES = frozenset({"boundary_unstable", "mask_mismatch", "no_supe
 
 #: The samples `retokenize` works on, of those whose response is stored: state → the
 #: error classes it needs there (None: any). The one rule: ``synthq.retokenize``
-#: selects by it in SQL, ``synthq.status`` counts by it (:func:`retokenizable`).
+#: selects by it in SQL, ``synthq.report`` counts by it (:func:`retokenizable`).
 RETOKENIZABLE: dict[str, frozenset[str] | None] = {
     "done": None, "failed": TOKENIZATION_CLASSES, "skipped": TOKENIZATION_CLASSES}
 

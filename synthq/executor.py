@@ -32,12 +32,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from synthq import states, workers
+from synthq.call import Call, Outcome, run_claimed
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
 from synthq.dispatch import LocalClaim
 from synthq.errors import DiskFull, brief
 from synthq.inference import InferenceClient
-from synthq.process import Call, Outcome, effective, get_job, lease_seconds, run_claimed
+from synthq.jobview import effective, get_job, lease_seconds
 from synthq.retry import backoff_delay
 from synthq.writer import Writer
 
@@ -285,7 +286,7 @@ class Executor:
             outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
                                         worker=self.name, tokenize_pool=self._tokenize_pool)
         except DiskFull:  # nothing can be written: the lease (or the next run) brings it back
-            outcome = Outcome.LOST
+            outcome = Outcome.NOT_WRITTEN
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
             self._log_unexpected(c.sample_id, exc)
             outcome = await self._give_back(c, brief(exc), call, job)
@@ -351,9 +352,9 @@ class Executor:
         except Exception as exc:  # noqa: BLE001 - the lease is the last line of defence
             if not isinstance(exc, DiskFull):
                 log.exception("sample %s: could not hand it back", c.sample_id)
-            return Outcome.LOST
+            return Outcome.NOT_WRITTEN
         if not won:
-            return Outcome.LOST
+            return Outcome.NOT_WRITTEN
         return Outcome.RETRY if retry else Outcome.FAILED
 
     def _heartbeat_now(self) -> None:

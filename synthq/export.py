@@ -552,7 +552,7 @@ def export_job(job_id: int, out_dir: Path, *, fmt: str = "parquet", shard_size: 
             has_tokenizer = bool(job.tokenizer)
             settings = {k: getattr(job, k) for k in SETTINGS}
             fingerprint = tokenizer_fingerprint(job.tokenizer, job.chat_template)
-            from synthq.status import state_counts
+            from synthq.counts import state_counts
 
             counts = state_counts(s, job.id)
             from synthq.cost import job_cost

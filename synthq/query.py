@@ -2,7 +2,7 @@
 
 Nothing here writes: changes go through :mod:`synthq.states` (and
 :func:`synthq.enqueue.enqueue`). The CLI's ``status`` shares
-:func:`synthq.status.job_status`; this module adds what a web page needs:
+:func:`synthq.report.job_status`; this module adds what a web page needs:
 job lists, filtered sample pages (keyset pagination), one sample with its
 attempts and loss mask, samples done per minute, and the figures behind
 ``/metrics``.

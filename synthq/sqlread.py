@@ -4,7 +4,7 @@
 the CLI answers it with the standard library's ``sqlite3``
 (:mod:`synthq.cli.fast`): loading SQLAlchemy alone costs more CPU than a whole
 bare Typer command. So that every figure of a status keeps one definition, the
-reads behind it (:mod:`synthq.status`, :mod:`synthq.cost`, and the reads of
+reads behind it (:mod:`synthq.report`, :mod:`synthq.cost`, and the reads of
 :mod:`synthq.health`, :mod:`synthq.workers` and :mod:`synthq.limits` they use)
 are SQL text run through a :class:`Reader`: a SQLAlchemy session on the
 ordinary path (PostgreSQL or SQLite), a ``sqlite3`` connection on the fast one.
@@ -108,7 +108,7 @@ class SqliteReader:
 
 def reader_of(db: Session | Reader) -> Reader:
     """``db`` itself when it is a Reader, else a :class:`SessionReader` over the session
-    (so the functions of :mod:`synthq.status` keep taking a session, as they always did)."""
+    (so the functions of :mod:`synthq.report` keep taking a session, as they always did)."""
     if hasattr(db, "rows"):
         return db  # type: ignore[return-value]
     return SessionReader(db)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ same order. Any other answer at a turn that has more turns after it cuts the
 conversation there (:func:`cut_reason`): the sample ends with that turn, the cut
 recorded, never dropped silently.
 
-Nothing here touches the database: the worker (:mod:`synthq.process`), the
+Nothing here touches the database: the worker (:mod:`synthq.call`), the
 export and ``synthq sample`` call these functions on stored columns.
 """
 

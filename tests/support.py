@@ -128,7 +128,7 @@ TEST_ENV = {
 
 
 def _reset_process_state() -> None:
-    from synthq import process
+    from synthq import jobview
     from synthq.config import get_settings
     from synthq.db import dispose_engines
     from synthq.executor import reset_default_executor
@@ -136,7 +136,7 @@ def _reset_process_state() -> None:
     reset_default_executor()
     get_settings.cache_clear()
     dispose_engines()
-    process._jobs.clear()  # job ids restart at 1 in every test
+    jobview._jobs.clear()  # job ids restart at 1 in every test
 
 
 class Simulator:
@@ -283,8 +283,8 @@ def wait_for(predicate: Callable[[], Any], timeout: float, message: str = "",
 
 
 def counts(job_id: int) -> dict[str, int]:
+    from synthq.counts import state_counts
     from synthq.db import session_scope
-    from synthq.status import state_counts
 
     with session_scope() as s:
         return state_counts(s, job_id)

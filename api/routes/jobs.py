@@ -33,7 +33,7 @@ from synthq.db import safe_url, session_scope
 from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.enums import JobState
 from synthq.errors import UserError
-from synthq.status import JobStatus, job_status
+from synthq.report import JobStatus, job_status
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 

@@ -1,6 +1,6 @@
 """The job page at /ui: server-rendered Jinja templates, no front-end build step.
 
-Pages read through :mod:`synthq.query` and :func:`synthq.status.job_status`;
+Pages read through :mod:`synthq.query` and :func:`synthq.report.job_status`;
 their forms change state through :mod:`synthq.service`, like the API routes.
 The token is typed once at /ui/login and kept as an HttpOnly, SameSite=Strict
 session cookie; every form carries a CSRF field.
@@ -31,7 +31,7 @@ from synthq.config import get_settings
 from synthq.db import safe_url, session_scope, utcnow
 from synthq.enums import JobState
 from synthq.errors import UserError
-from synthq.status import job_status
+from synthq.report import job_status
 from synthq.workers import live
 
 router = APIRouter(prefix="/ui", include_in_schema=False)

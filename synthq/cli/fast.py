@@ -7,7 +7,7 @@ CPU of a bare Typer app. When the settings are the embedded defaults (no
 these commands read it with the standard library's ``sqlite3``:
 
 * the job list through :func:`synthq.counts.job_list`, and a job's status
-  through :func:`synthq.status.job_status`: the functions the ordinary path
+  through :func:`synthq.report.job_status`: the functions the ordinary path
   calls, whose reads are plain SQL (:mod:`synthq.sqlread`), so the same
   figures come from the same code.
 
@@ -35,7 +35,7 @@ from synthq.defaults import DATA_DIR, StatusSettings
 if TYPE_CHECKING:
     import sqlite3
 
-    from synthq.status import JobStatus
+    from synthq.report import JobStatus
 
 __all__ = ["eligible", "job_rows", "job_status"]
 
@@ -162,9 +162,9 @@ def job_status(ref: str | None, *, now: datetime | None = None) -> JobStatus | N
     import sqlite3
 
     from synthq.defaults import StatusSettings
+    from synthq.report import find_job_row
+    from synthq.report import job_status as status_of
     from synthq.sqlread import SqliteReader
-    from synthq.status import find_job_row
-    from synthq.status import job_status as status_of
 
     pg = _pg_settings()
     if pg is not None:
@@ -226,8 +226,8 @@ def _pg_job_status(pg: _PgSettings, ref: str | None, *, now: datetime | None) ->
 
     from synthq import clock
     from synthq.migrate import HEAD
-    from synthq.status import find_job_row
-    from synthq.status import job_status as status_of
+    from synthq.report import find_job_row
+    from synthq.report import job_status as status_of
 
     try:
         conn = psycopg.connect(pg.url, connect_timeout=10)

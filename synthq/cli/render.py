@@ -10,7 +10,7 @@ from synthq.cli import console, escape
 from synthq.enums import FINISHED, SampleState
 
 if TYPE_CHECKING:
-    from synthq.status import JobStatus
+    from synthq.report import JobStatus
 
 
 @contextmanager

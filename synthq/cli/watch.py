@@ -73,7 +73,7 @@ def status(
     Example: `synthq status my-job --watch`
     """
     from synthq.cli.render import job_progress, print_status  # not for --json
-    from synthq.status import job_status
+    from synthq.report import job_status
 
     if not watch:
         from synthq.cli import fast

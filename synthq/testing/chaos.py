@@ -331,7 +331,7 @@ class Cluster:
 
 
 def reset_process_state() -> None:
-    from synthq import process
+    from synthq import jobview
     from synthq.config import get_settings
     from synthq.db import dispose_engines
     from synthq.executor import reset_default_executor
@@ -339,7 +339,7 @@ def reset_process_state() -> None:
     reset_default_executor()
     get_settings.cache_clear()
     dispose_engines()
-    process._jobs.clear()
+    jobview._jobs.clear()
 
 
 # -- jobs and figures --------------------------------------------------------------------
@@ -371,8 +371,8 @@ def create_job(prompt_texts: Sequence[str], servers: Sequence[str], **fields: An
 
 
 def counts(job_id: int) -> dict[str, int]:
+    from synthq.counts import state_counts
     from synthq.db import session_scope
-    from synthq.status import state_counts
 
     with session_scope() as s:
         return dict(state_counts(s, job_id))

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from sqlalchemy import exists, select
 
 from synthq.config import get_settings
+from synthq.counts import state_counts
 from synthq.db import session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, TrainingRun
 from synthq.states import INFLIGHT, JobState, SampleState
-from synthq.status import state_counts
 from synthq.training import states
 from synthq.training.config import TrainConfig, parse_when
 from synthq.training.runs import new_run

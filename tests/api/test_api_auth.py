@@ -61,8 +61,8 @@ def test_every_route_is_in_the_schema_or_known(client: Any) -> None:
 
 def test_the_page_cookie_is_httponly_strict_and_forms_need_csrf(
         client: Any, sample_factory: Any) -> None:
+    from synthq.counts import state_counts
     from synthq.db import session_scope
-    from synthq.status import state_counts
 
     sid = sample_factory("failed", error_class="timeout")
     r = client.post("/ui/login", data={"token": "wrong"}, headers={"Authorization": ""})

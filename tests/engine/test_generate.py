@@ -122,7 +122,7 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
     from synthq.adaptive import _scrape
     from synthq.db import session_scope
     from synthq.models import Job, Sample, Server
-    from synthq.status import job_status
+    from synthq.report import job_status
 
     pairs = prompts(40, seed=5)
     report = job_factory([count_prompt(*p) for p in pairs], servers=[engine.url],
@@ -156,7 +156,7 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
 def job_status_done(job_id: int) -> bool:
     from synthq.db import session_scope
     from synthq.models import Job
-    from synthq.status import job_status
+    from synthq.report import job_status
 
     with session_scope() as s:
         return job_status(s, s.get_one(Job, job_id), cost=False).finished

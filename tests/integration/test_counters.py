@@ -17,14 +17,15 @@ import pytest
 from sqlalchemy import delete, func, select, text, update
 
 from synthq import states
+from synthq.counts import call_counts, state_counts
 from synthq.dataset import Row
 from synthq.db import session_scope, utcnow
 from synthq.dispatch import Dispatched, dispatch
 from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
 from synthq.enums import JobState
 from synthq.models import Attempt, CallCount, Job, Sample, SampleCount
+from synthq.report import job_status
 from synthq.retokenize import stale_query
-from synthq.status import call_counts, job_status, state_counts
 
 pytestmark = pytest.mark.integration
 

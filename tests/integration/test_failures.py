@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from synthq.call import Outcome
 from synthq.db import session_scope
 from synthq.dispatch import Dispatched, dispatch
 from synthq.executor import process_sample
 from synthq.models import Attempt, Sample
-from synthq.process import Outcome
 
 pytestmark = pytest.mark.integration
 

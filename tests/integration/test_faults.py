@@ -88,10 +88,10 @@ def test_a_call_ended_by_a_bug_has_its_attempts_row(simulator: Callable[..., Any
     """D: an unexpected error during the call (the `import httpx` race raised
     AttributeError once the server had answered) hands the sample back as worker_error;
     the call gets its attempts row, so samples.attempts matches the rows."""
+    from synthq.call import Outcome
     from synthq.dispatch import Dispatched, dispatch
     from synthq.executor import process_sample
     from synthq.inference import InferenceClient
-    from synthq.process import Outcome
 
     sim = simulator("--latency", "0")
     report = job_factory(["paid for"], servers=[sim.url])
@@ -167,11 +167,11 @@ def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
 
     from sqlalchemy.exc import OperationalError
 
-    from synthq import process
+    from synthq import jobview
     from synthq.db import CLAIM_PATH_ATTEMPTS
 
     report = job_factory(["x"])
-    real = process.session_scope
+    real = jobview.session_scope
     failures = {"left": 10}
 
     @contextmanager
@@ -182,10 +182,10 @@ def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
         with real() as s:
             yield s
 
-    monkeypatch.setattr(process, "session_scope", flaky)
+    monkeypatch.setattr(jobview, "session_scope", flaky)
     monkeypatch.setattr("synthq.db.time.sleep", lambda _s: None)
-    process._jobs.clear()
-    assert process.get_job(report.job_id).id == report.job_id
+    jobview._jobs.clear()
+    assert jobview.get_job(report.job_id).id == report.job_id
     assert failures["left"] == 0 and CLAIM_PATH_ATTEMPTS > 10
 
 

@@ -367,7 +367,7 @@ def test_a_database_refusal_never_puts_sql_in_the_message(
     try:
         server = hostile()
         report = job_factory(["refused"], servers=[server.url])
-        caplog.set_level(logging.WARNING, logger="synthq.process")
+        caplog.set_level(logging.WARNING, logger="synthq.call")
         run_job(report.job_id)
     finally:
         with engine.begin() as conn:
@@ -394,11 +394,11 @@ def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any
 
     from sqlalchemy import update
 
-    import synthq.process
+    import synthq.call
     from synthq import states
+    from synthq.call import Outcome
     from synthq.db import utcnow
     from synthq.executor import process_sample
-    from synthq.process import Outcome
 
     report = job_factory(["stored"])
     with session_scope() as s:
@@ -412,7 +412,7 @@ def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any
     def broken(c: Any) -> Any:
         raise RuntimeError("a bug on the stored path")
 
-    monkeypatch.setattr(synthq.process, "_stored", broken)
+    monkeypatch.setattr(synthq.call, "_stored", broken)
     assert process_sample(smp_id, "t1", job_id=report.job_id) is Outcome.FAILED
     [smp] = samples(report.job_id)
     assert (smp.state, smp.error_class, smp.response_content) == \

@@ -124,9 +124,9 @@ def test_piped_output_is_not_wrapped(tmp_path: Path) -> None:
 def test_a_rerun_with_the_right_server_redoes_its_404s(pg: str, job_factory: Any,
                                                        sample_factory: Any) -> None:
     from synthq import service
+    from synthq.counts import state_counts
     from synthq.db import session_scope
     from synthq.enqueue import find_job
-    from synthq.status import state_counts
 
     report = job_factory([], servers=["http://h:8000/v1"])
     for server, cls in (("http://h:8000", "bad_request"), ("http://h:8000", "timeout"),

@@ -69,9 +69,9 @@ def test_tokenization_failure_keeps_the_response_and_requeue_does_not_regenerate
         s.execute(update(Sample).values(state="failed"))
     with session_scope() as s:
         assert states.requeue(s, report.job_id, now=utcnow()) == 1
-    from synthq import process
+    from synthq import jobview
 
-    process._jobs.clear()
+    jobview._jobs.clear()
     run_job(report.job_id)
     with session_scope() as s:
         smp = s.scalars(select(Sample)).one()
@@ -146,7 +146,7 @@ def test_server_token_ids_are_compared(simulator: Callable[..., Any],
     # The simulator's ids are not a real model's: a mismatch, counted, not fatal.
     assert smp.token_mismatch is True
     with session_scope() as s:
-        from synthq.status import job_status
+        from synthq.report import job_status
 
         assert job_status(s, s.get_one(Job, report.job_id)).token_mismatches == 1
     assert counts(report.job_id)["done"] == 1

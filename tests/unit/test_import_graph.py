@@ -131,5 +131,5 @@ def test_synthq_has_no_import_cycle() -> None:
 
 def test_retokenize_does_not_reach_the_call_module() -> None:
     """Re-tokenizing stored answers is data work: it must not import the server call."""
-    chain = path_to(graph(), "synthq.retokenize", "synthq.process")
+    chain = path_to(graph(), "synthq.retokenize", "synthq.call")
     assert chain is None, f"retokenize imports the call module: {' -> '.join(chain or [])}"

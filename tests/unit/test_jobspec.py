@@ -52,7 +52,7 @@ def test_overrides_apply_as_the_job_would() -> None:
         extra_body = {"seed": 1, "chat_template_kwargs": {"a": 1}}
         chat_template_kwargs = {"a": 1}
 
-    from synthq.process import effective
+    from synthq.jobview import effective
 
     view = effective(Job(), {"max_tokens": 20, "top_p": 0.5, "extra_body": {"x": 2},
                              "chat_template_kwargs": {"b": 2}})

@@ -35,7 +35,7 @@ from synthq.db import session_scope, utcnow
 from synthq.dispatch import Dispatched, dispatch
 from synthq.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job, insert_rows
 from synthq.enums import JobState
-from synthq.status import job_status
+from synthq.report import job_status
 
 A, B = "http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"
 CONVERSATION = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},

@@ -11,8 +11,8 @@ from typing import Any
 import chat_tokenizers as ct
 import pytest
 
+from synthq.examples import tokenize_sample
 from synthq.packing import unpack_ids, unpack_mask
-from synthq.process import tokenize_response
 from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
 
 
@@ -61,19 +61,19 @@ ANSWERS = [{"content": f"Regenerated answer {t}.", "finish_reason": "stop"} for 
 
 
 def test_three_turns_supervise_exactly_the_three_regenerated_answers(llama: str) -> None:
-    example = tokenize_response(job(llama), CONVERSATION, "", None, None, answers=ANSWERS)
+    example = tokenize_sample(job(llama), CONVERSATION, "", None, None, answers=ANSWERS)
     on, off = supervised(llama, example)
     assert on == "".join(f"Regenerated answer {t}.<|eot_id|>" for t in range(3))
     assert "Dataset answer" not in on + off  # the dataset's answers are not in the example
     assert all(f"Question number {t}?" in off for t in range(3))
     # last_turn on the same job supervises only the third.
-    last = tokenize_response(job(llama, mask="last_turn"), CONVERSATION, "", None, None,
+    last = tokenize_sample(job(llama, mask="last_turn"), CONVERSATION, "", None, None,
                              answers=ANSWERS)
     assert supervised(llama, last)[0] == "Regenerated answer 2.<|eot_id|>"
 
 
 def test_a_cut_conversation_supervises_the_turns_it_kept(llama: str) -> None:
-    example = tokenize_response(job(llama), CONVERSATION, "", None, None, answers=ANSWERS[:2])
+    example = tokenize_sample(job(llama), CONVERSATION, "", None, None, answers=ANSWERS[:2])
     on, off = supervised(llama, example)
     assert on == "Regenerated answer 0.<|eot_id|>Regenerated answer 1.<|eot_id|>"
     assert "Question number 2?" not in off
@@ -87,7 +87,7 @@ CALL = [{"id": "call_1", "type": "function",
 
 def test_generated_tool_call_tokens_are_supervised(tools_tok: str) -> None:
     prompt = [{"role": "user", "content": "Weather in Oslo?"}]
-    example = tokenize_response(job(tools_tok, mask="last_turn"), prompt, "", None, None,
+    example = tokenize_sample(job(tools_tok, mask="last_turn"), prompt, "", None, None,
                                 tool_calls=CALL, tools=TOOLS)
     on, off = supervised(tools_tok, example)
     assert on == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
@@ -102,7 +102,7 @@ def test_tool_results_and_the_answer_after_them(tools_tok: str) -> None:
                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
                     {"role": "assistant", "content": "Sunny."}]
     answers = [{"content": "", "tool_calls": CALL}, {"content": "It is sunny and 21 C."}]
-    example = tokenize_response(job(tools_tok), conversation, "", None, None, tools=TOOLS,
+    example = tokenize_sample(job(tools_tok), conversation, "", None, None, tools=TOOLS,
                                 answers=answers)
     on, off = supervised(tools_tok, example)
     assert on == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'

@@ -29,21 +29,20 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from synthq import errors, jobspec, states, turns
+from synthq import errors, states, turns
 from synthq.config import get_settings
-from synthq.db import CLAIM_PATH_ATTEMPTS, disk_full, session_scope, utcnow, with_db_retry
+from synthq.db import disk_full, utcnow
 from synthq.enums import SampleState
 from synthq.examples import tokenization_failure, tokenize_sample
 from synthq.inference import ChatRequest, ChatResult, InferenceClient
-from synthq.jobview import OVERRIDABLE, effective
+from synthq.jobview import effective
 from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
 from synthq.writer import Writer
 
-__all__ = ["Outcome", "run_claimed", "tokenize_response", "get_job", "lease_seconds",
-           "OVERRIDABLE", "effective"]
+__all__ = ["Outcome", "Call", "run_claimed", "wrong_base_url"]
 
 log = logging.getLogger(__name__)
 
@@ -56,55 +55,13 @@ class Outcome(StrEnum):
     FAILED = "failed"
     #: Tokenization left no supervised token: skipped, not failed.
     SKIPPED = "skipped"
-    #: The lease was lost (the sweep gave the sample to someone else).
-    LOST = "lost"
+    #: The call ended but nothing of it was written: the compare-and-set lost (the
+    #: lease had passed to another worker) or the database refused the write. The
+    #: sample's lease, or whoever holds it now, carries it on.
+    NOT_WRITTEN = "not_written"
     #: A turn of a conversation regenerated turn by turn is stored; the sample is
     #: pending again for its next turn.
     TURN = "turn"
-
-
-# -- jobs, cached per process --------------------------------------------------------
-
-#: Seconds a process trusts its copy of a job's settings.
-JOB_CACHE_SECONDS = 5.0
-_jobs: dict[int, tuple[float, Job]] = {}
-
-
-def get_job(job_id: int, session: Session | None = None) -> Job:
-    """The job's settings; re-read at most every JOB_CACHE_SECONDS (call off the event loop).
-
-    Inside a transaction pass its ``session``: on SQLite a second connection's
-    ``BEGIN IMMEDIATE`` would wait for that transaction's lock (a deadlock).
-    """
-    now = time.monotonic()
-    hit = _jobs.get(job_id)
-    if hit and now - hit[0] < JOB_CACHE_SECONDS:
-        return hit[1]
-    if session is not None:
-        job = session.get_one(Job, job_id)
-        session.expunge(job)
-        _jobs[job_id] = (now, job)
-        return job
-
-    def load() -> Job:
-        with session_scope() as s:
-            job = s.get_one(Job, job_id)
-            s.expunge(job)
-            return job
-
-    job = with_db_retry(load, attempts=CLAIM_PATH_ATTEMPTS, what=f"job {job_id}")
-    _jobs[job_id] = (now, job)
-    return job
-
-
-def lease_seconds(job: Job) -> float:
-    """A running sample's lease: the worker gives up on a silent server after the
-    stall timeout, and the lease outlives that by a margin, so a live worker never
-    loses it."""
-    # Bounded (a job stored before its timeouts were): now + the lease must stay a date, or
-    # one job's value would fail the dispatch of every job.
-    return min(job.stall_timeout, job.total_timeout, jobspec.MAX_SECONDS) + \
-        get_settings().lease_margin
 
 
 # -- pieces ---------------------------------------------------------------------------
@@ -140,10 +97,6 @@ def _answer(result: ChatResult) -> dict[str, Any]:
 def _multi(job: Any, c: Claimed) -> bool:
     """Whether the sample is regenerated turn by turn."""
     return job.regenerate == "all" and bool(c.turn_count)
-
-
-#: The example's columns for one response (kept under its old name for callers).
-tokenize_response = tokenize_sample
 
 
 def _stored(c: Claimed) -> ChatResult | None:
@@ -225,13 +178,13 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
                 s, c.sample_id, c.token, now=now, next_attempt_at=now,
                 error_class="interrupted", error_message=message,
                 attempt=attempt("interrupted", message, None)))
-            return Outcome.RETRY if won else Outcome.LOST
+            return Outcome.RETRY if won else Outcome.NOT_WRITTEN
         if not call.lost:
             raise
         log.warning("sample %s: lease lost mid-call; dropping the call", c.sample_id)
         await writer.write(lambda s, now: states.lose(s, attempt=attempt(
             "lost", "lease lost mid-call", None)))
-        return Outcome.LOST
+        return Outcome.NOT_WRITTEN
     except errors.SampleError as exc:
         call.calling = False
         return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
@@ -261,7 +214,7 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
             won = await _write(writer, c, lambda s, now: states.advance_turn(
                 s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
                 attempt=attempt), since=since)
-            return Outcome.TURN if won else Outcome.LOST
+            return Outcome.TURN if won else Outcome.NOT_WRITTEN
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
                          extra=extra, since=since)
@@ -278,14 +231,14 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
             s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since)
-        return Outcome.DONE if won else Outcome.LOST
+        return Outcome.DONE if won else Outcome.NOT_WRITTEN
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
             s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since):
-        return Outcome.LOST
+        return Outcome.NOT_WRITTEN
     loop = asyncio.get_running_loop()
     try:
-        example = await loop.run_in_executor(tokenize_pool, lambda: tokenize_response(
+        example = await loop.run_in_executor(tokenize_pool, lambda: tokenize_sample(
             job, c.prompt, result.content, result.reasoning_content,
             result.completion_token_ids, tool_calls=result.tool_calls, tools=c.tools,
             answers=answers, finish_reason=result.finish_reason))
@@ -295,7 +248,7 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
         return await _tokenization_failed(c, exc, writer)
     won = await _write(writer, c, lambda s, now: states.complete(
         s, c.sample_id, c.token, now=now, **example))
-    return Outcome.DONE if won else Outcome.LOST
+    return Outcome.DONE if won else Outcome.NOT_WRITTEN
 
 
 async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
@@ -328,7 +281,7 @@ async def _tokenization_failed(c: Claimed, exc: BaseException, writer: Writer) -
         s, c.sample_id, c.token, error_class=error.error_class, error_message=str(error),
         now=now))
     if not won:
-        return Outcome.LOST
+        return Outcome.NOT_WRITTEN
     return Outcome.SKIPPED if skip else Outcome.FAILED
 
 
@@ -360,7 +313,7 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
                             charge=False)
 
     log.warning("job %s paused: %s", c.job_id, hint)
-    return Outcome.RETRY if await _write(writer, c, record) else Outcome.LOST
+    return Outcome.RETRY if await _write(writer, c, record) else Outcome.NOT_WRITTEN
 
 
 async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
@@ -401,5 +354,5 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
                            error_message=gave_up, attempt=attempt)
 
     if not await _write(writer, c, record):
-        return Outcome.LOST
+        return Outcome.NOT_WRITTEN
     return Outcome.RETRY if decided["retry"] else Outcome.FAILED

@@ -1,5 +1,7 @@
 """What a job is doing: counts per state, rate, ETA, failures, load per server.
 
+This module only reads (:mod:`synthq.states` is the only writer).
+
 Every figure is defined once, here (and in :mod:`synthq.cost` for the cost
 report): a few reads in plain SQL (:mod:`synthq.sqlread`), and Python that
 computes the figures from their rows. The CLI, the API and the job page pass
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
-from synthq.counts import Counted, call_counts, counted, sample_counts, state_counts
+from synthq.counts import call_counts, counted, sample_counts, state_counts
 from synthq.defaults import StatusSettings
 from synthq.enums import INFLIGHT, SampleState
 from synthq.errors import retokenizable
@@ -32,8 +34,7 @@ if TYPE_CHECKING:
 
     from sqlalchemy.orm import Session
 
-__all__ = ["JobStatus", "job_status", "state_counts", "sample_counts", "call_counts", "counted",
-           "Counted", "StatusJob", "JobRow", "find_job_row", "server_limits", "retokenizable"]
+__all__ = ["JobStatus", "job_status", "StatusJob", "JobRow", "find_job_row", "server_limits"]
 
 #: Window for the done/s rate.
 RATE_WINDOW = timedelta(minutes=5)
