@@ -59,9 +59,9 @@ def _hub_only(dataset: str) -> bool:
     """True when ``dataset`` is no local path, so only the Hub can answer (slowly)."""
     from pathlib import Path
 
-    from synthq.dataset import _looks_like_path
+    from synthq.dataset.read import looks_like_path
 
-    return not Path(dataset).expanduser().exists() and not _looks_like_path(dataset)
+    return not Path(dataset).expanduser().exists() and not looks_like_path(dataset)
 
 
 def _check_broker() -> None:

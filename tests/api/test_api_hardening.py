@@ -64,7 +64,7 @@ def test_a_folder_linking_out_of_the_data_dir_is_refused(client: Any, tmp_path: 
 
 def test_upload_limits_count_what_is_read(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from api.config import api_settings
-    from synthq import dataset
+    from synthq.dataset import read as dataset
 
     monkeypatch.setenv("SYNTHQ_API_UPLOAD_MAX_BYTES", "100000")
     api_settings.cache_clear()

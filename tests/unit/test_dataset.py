@@ -29,6 +29,7 @@ from synthq.dataset import (
     row_tools,
     source_id,
 )
+from synthq.dataset import read as ds_read
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
@@ -459,7 +460,7 @@ def test_parquet_list_of_struct_messages(tmp_path: Path) -> None:
 
 def test_parquet_sharegpt_many_batches(tmp_path: Path) -> None:
     turn = pa.struct([("from", pa.string()), ("value", pa.string())])
-    count = ds.PARQUET_BATCH_SIZE * 2 + 7
+    count = ds_read.PARQUET_BATCH_SIZE * 2 + 7
     table = pa.table(
         {
             "conversations": pa.array(
@@ -537,17 +538,17 @@ def test_hf_id_without_datasets_package(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_hf_id_split_parsing() -> None:
-    assert ds._split_hf_id("org/name") == ("org/name", "train")
-    assert ds._split_hf_id("org/name:test") == ("org/name", "test")
-    assert ds._split_hf_id("name:") == ("name", "train")
+    assert ds_read._split_hf_id("org/name") == ("org/name", "train")
+    assert ds_read._split_hf_id("org/name:test") == ("org/name", "test")
+    assert ds_read._split_hf_id("name:") == ("name", "train")
 
 
 def test_looks_like_path() -> None:
-    assert ds._looks_like_path("./x")
-    assert ds._looks_like_path("/x")
-    assert ds._looks_like_path("prompts.jsonl")
-    assert not ds._looks_like_path("HuggingFaceH4/ultrachat_200k")
-    assert not ds._looks_like_path("Org/dataset-v1.5")
+    assert ds_read.looks_like_path("./x")
+    assert ds_read.looks_like_path("/x")
+    assert ds_read.looks_like_path("prompts.jsonl")
+    assert not ds_read.looks_like_path("HuggingFaceH4/ultrachat_200k")
+    assert not ds_read.looks_like_path("Org/dataset-v1.5")
 
 
 # --------------------------------------------------------------------------
@@ -776,7 +777,7 @@ def test_a_hub_that_does_not_answer_fails_in_seconds(monkeypatch: pytest.MonkeyP
     import socket
     import time
 
-    from synthq import dataset
+    from synthq.dataset import read as dataset
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
