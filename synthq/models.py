@@ -220,7 +220,7 @@ class Sample(Base):
         Index("ix_samples_dispatch", "job_id", "state", "next_attempt_at", "id"),
         # In-flight count per server, and the lease sweep.
         Index("ix_samples_server_state", "server", "state"),
-        Index("ix_samples_state_lease", "state", "lease_expires_at"),
+        Index("ix_samples_state_lease", "state", "expires_at"),
         # Rates for `status`.
         Index("ix_samples_job_finished", "job_id", "finished_at"),
     )
@@ -241,7 +241,7 @@ class Sample(Base):
     #: A pending sample is due at this time (later than now while backing off).
     next_attempt_at: Mapped[datetime | None]
     #: Queued: deadline to be claimed. Running: the worker's lease.
-    lease_expires_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
     #: Random token; every transition out of queued/running must present it.
     claim: Mapped[str | None] = mapped_column(String(32))
     worker: Mapped[str | None] = mapped_column(String(200))

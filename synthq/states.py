@@ -201,8 +201,8 @@ def _queue_statement() -> Any:
             .values(state=SampleState.QUEUED,
                     server=bindparam("server", type_=columns["server"].type),
                     claim=bindparam("token", type_=columns["claim"].type),
-                    lease_expires_at=bindparam("deadline",
-                                               type_=columns["lease_expires_at"].type),
+                    expires_at=bindparam("deadline",
+                                               type_=columns["expires_at"].type),
                     queued_at=now, updated_at=now))
 
 
@@ -244,8 +244,8 @@ def _claim_statement() -> Any:
         .where(pairs, Sample.state == SampleState.QUEUED, job_active)
         .values(state=SampleState.RUNNING,
                 claim=bindparam("new_token", type_=columns["claim"].type),
-                lease_expires_at=bindparam("lease_until",
-                                           type_=columns["lease_expires_at"].type),
+                expires_at=bindparam("lease_until",
+                                           type_=columns["expires_at"].type),
                 worker=bindparam("worker", type_=columns["worker"].type), started_at=now,
                 updated_at=now,
                 attempts=case((Sample.response_content.is_(None), Sample.attempts + 1),
@@ -272,14 +272,14 @@ def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
         update(Sample)
         .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
                Sample.state == SampleState.QUEUED)
-        .values(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+        .values(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
                 updated_at=now))
     return int(result.rowcount)
 
 
 def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
     """running → running with a later lease. False means the lease was lost."""
-    return _cas(session, sample_id, [SampleState.RUNNING], dict(lease_expires_at=lease_until),
+    return _cas(session, sample_id, [SampleState.RUNNING], dict(expires_at=lease_until),
                 token=token)
 
 
@@ -291,7 +291,7 @@ def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime
         update(Sample)
         .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
                Sample.state == SampleState.RUNNING)
-        .values(lease_expires_at=lease_until)
+        .values(expires_at=lease_until)
         .returning(Sample.id))
     return {r[0] for r in rows}
 
@@ -303,7 +303,7 @@ def complete(session: Session, sample_id: int, token: str, *, now: datetime,
              attempt: dict[str, Any] | None = None, **result: Any) -> bool:
     """running → done, writing the result in the same statement (invariant 3)."""
     won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.DONE, claim=None, lease_expires_at=None,
+               dict(state=SampleState.DONE, claim=None, expires_at=None,
                     error_class=None, error_message=None, finished_at=now, updated_at=now,
                     **result), token=token)
     _attempt(session, attempt, won=won)
@@ -328,7 +328,7 @@ def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
     turn (docs/design.md, "States"); each turn gets a fresh attempt budget.
     """
     won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+               dict(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
                     next_attempt_at=now, attempts=0, turn=turn, turns=turns,
                     error_class=None, error_message=None, updated_at=now), token=token)
     _attempt(session, attempt, won=won)
@@ -339,7 +339,7 @@ def skip(session: Session, sample_id: int, token: str, *, error_class: str, erro
          now: datetime) -> bool:
     """running → skipped: the sample is fine but yields no training example."""
     return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(state=SampleState.SKIPPED, claim=None, lease_expires_at=None,
+                dict(state=SampleState.SKIPPED, claim=None, expires_at=None,
                      error_class=error_class, error_message=error_message, finished_at=now,
                      updated_at=now), token=token)
 
@@ -353,7 +353,7 @@ def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: date
     overload answer: the server asked us to come back later)."""
     extra = {} if charge else {"attempts": Sample.attempts - 1}
     won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+               dict(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
                     last_server=Sample.server, next_attempt_at=next_attempt_at,
                     error_class=error_class, error_message=error_message, updated_at=now,
                     **extra),
@@ -366,7 +366,7 @@ def fail(session: Session, sample_id: int, token: str, *, error_class: str, erro
          now: datetime, attempt: dict[str, Any] | None = None) -> bool:
     """running → failed."""
     won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.FAILED, claim=None, lease_expires_at=None,
+               dict(state=SampleState.FAILED, claim=None, expires_at=None,
                     error_class=error_class, error_message=error_message, finished_at=now,
                     updated_at=now), token=token)
     _attempt(session, attempt, won=won)
@@ -621,7 +621,7 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     flight. Returns ``(sample_id, new_state)`` for each sample moved.
     """
     cutoff = cutoff or now
-    gone = Sample.lease_expires_at < cutoff
+    gone = Sample.expires_at < cutoff
     if worker_timeout is not None:
         live = select(Worker.name).where(
             Worker.heartbeat_at >= now - timedelta(seconds=worker_timeout))
@@ -645,7 +645,7 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     if back:
         session.execute(
             update(Sample).where(Sample.id.in_(back), *where)
-            .values(state=SampleState.PENDING, claim=None, server=None, lease_expires_at=None,
+            .values(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
                     last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
                                      else_=Sample.last_server),
                     next_attempt_at=now, updated_at=now)
@@ -654,7 +654,7 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     if exhausted:
         session.execute(
             update(Sample).where(Sample.id.in_(exhausted), *where)
-            .values(state=SampleState.FAILED, claim=None, lease_expires_at=None,
+            .values(state=SampleState.FAILED, claim=None, expires_at=None,
                     error_class="connection",
                     error_message="the worker stopped reporting during its last attempt",
                     finished_at=now, updated_at=now)

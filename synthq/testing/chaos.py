@@ -392,7 +392,7 @@ def holders() -> str:
             now = utcnow()
             held = s.execute(
                 select(Sample.state, Sample.worker, func.count(),
-                       func.min(Sample.lease_expires_at), func.min(Sample.updated_at))
+                       func.min(Sample.expires_at), func.min(Sample.updated_at))
                 .where(Sample.state.in_(("queued", "running")))
                 .group_by(Sample.state, Sample.worker)).all()
             rows = s.execute(select(Worker.name, Worker.capacity, Worker.inflight,

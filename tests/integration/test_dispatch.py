@@ -93,7 +93,7 @@ def test_paused_job_is_not_dispatched_and_its_messages_are_released(
 def test_claim_is_compare_and_set(sample_factory: Callable[..., int]) -> None:
     now = utcnow()
     sid = sample_factory("queued", claim="tok", server="http://s/v1",
-                         lease_expires_at=now + timedelta(seconds=60))
+                         expires_at=now + timedelta(seconds=60))
     with session_scope() as s:
         assert states.claim(s, sid, "wrong", new_token="n1", lease_until=now, worker="w",
                             now=now) is None
@@ -117,18 +117,18 @@ def test_sweep_returns_expired_leases_and_fails_exhausted(
     job_id = job_factory([], max_attempts=3).job_id
     past = utcnow() - timedelta(seconds=1)
     future = utcnow() + timedelta(seconds=60)
-    lost_queued = sample_factory("queued", job_id=job_id, claim="a", lease_expires_at=past)
+    lost_queued = sample_factory("queued", job_id=job_id, claim="a", expires_at=past)
     lost_running = sample_factory("running", job_id=job_id, claim="b", attempts=1,
-                                  lease_expires_at=past)
+                                  expires_at=past)
     exhausted = sample_factory("running", job_id=job_id, claim="c", attempts=3,
-                               lease_expires_at=past)
+                               expires_at=past)
     alive = sample_factory("running", job_id=job_id, claim="d", attempts=1,
-                           lease_expires_at=future)
+                           expires_at=future)
     # `requeue --max-attempts` bounds a sample by its own setting, not the job's.
     raised = sample_factory("running", job_id=job_id, claim="e", attempts=3,
-                            lease_expires_at=past, overrides={"max_attempts": 5})
+                            expires_at=past, overrides={"max_attempts": 5})
     lowered = sample_factory("running", job_id=job_id, claim="f", attempts=2,
-                             lease_expires_at=past, overrides={"max_attempts": 2})
+                             expires_at=past, overrides={"max_attempts": 2})
     assert sweep() == 5
     with session_scope() as s:
         got = {i: (s.get_one(Sample, i).state, s.get_one(Sample, i).claim)

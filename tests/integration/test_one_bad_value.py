@@ -27,12 +27,12 @@ def test_a_huge_stored_value_leaves_the_sweep_and_the_other_jobs_moving(
     past = utcnow() - timedelta(seconds=30)
     huge = sample_factory("running", job_id=bad.job_id, attempts=1, claim="t",
                           server="http://10.255.3.1:8000/v1", worker="gone@host",
-                          started_at=past, lease_expires_at=past,
+                          started_at=past, expires_at=past,
                           overrides={"max_attempts": 10**12})
     # One more with a value of a type no front end writes.
     odd = sample_factory("running", job_id=bad.job_id, attempts=1, claim="u",
                          server="http://10.255.3.1:8000/v1", started_at=past,
-                         lease_expires_at=past, overrides={"max_attempts": "many"})
+                         expires_at=past, overrides={"max_attempts": "many"})
     # And the job's own timeouts, stored as create accepted them then.
     with session_scope() as s:
         s.execute(update(Job).where(Job.id == bad.job_id).values(
