@@ -254,7 +254,7 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
 async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
                  since: float | None = None) -> bool:
     """A write of this sample's; one the database refuses (not a transient error, e.g.
-    text PostgreSQL cannot store) fails the sample with ``invalid_input`` instead.
+    text PostgreSQL cannot store) fails the sample with ``unstorable`` instead.
     ``since``: the write makes an answer that arrived then durable (measured)."""
     try:
         return bool(await writer.write(fn, since=since) if since is not None
@@ -266,9 +266,9 @@ async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], b
             raise
         # The whole error (SQL included) to the log; the sample's message is one line.
         log.warning("sample %s: write refused: %s", c.sample_id, exc)
-        message = f"the result could not be stored: {errors.brief(exc)}"
+        refused = errors.Unstorable(f"the result could not be stored: {errors.brief(exc)}")
         return bool(await writer.write(lambda s, now: states.fail(
-            s, c.sample_id, c.token, error_class="invalid_input", error_message=message,
+            s, c.sample_id, c.token, error_class=refused.error_class, error_message=str(refused),
             now=now)))
 
 

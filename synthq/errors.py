@@ -17,6 +17,8 @@
             ├── BadRequest            HTTP 4xx other than below        (bad_request)
             ├── ContextLength         prompt + max_tokens over window  (context_length)
             ├── InvalidInput          the sample itself is unusable    (invalid_input)
+            │   └── TokenizerCrashed      the tokenizer or template raised on it
+            ├── Unstorable            the database refused the result  (unstorable)
             ├── EmptyResponse         the server answered nothing      (empty_response)
             ├── Truncated             finish_reason=length, not kept   (truncated)
             ├── ResponseTooLarge      answer over max_response_bytes   (response_too_large)
@@ -44,6 +46,8 @@ __all__ = [
     "SampleError",
     "RetryableError",
     "PermanentError",
+    "TokenizerCrashed",
+    "Unstorable",
     "TimeoutError_",
     "StalledError",
     "ConnectionFailed",
@@ -188,6 +192,19 @@ class InvalidInput(PermanentError):
     error_class = "invalid_input"
 
 
+class TokenizerCrashed(InvalidInput):
+    """The tokenizer or the chat template raised on this conversation (not one of the
+    tokenization errors below): the row, as the template sees it, is unusable. The
+    response stays stored, so ``synthq retokenize`` may try again with other settings."""
+
+
+class Unstorable(PermanentError):
+    """The database refused to store the result (a value it cannot hold, a constraint):
+    retrying would be refused the same way. The message is the driver's, never the SQL."""
+
+    error_class = "unstorable"
+
+
 class EmptyResponse(PermanentError):
     """The server answered with no content at all."""
 
@@ -261,7 +278,7 @@ RETRYABLE_CLASSES = frozenset(
 PERMANENT_CLASSES = frozenset(
     c.error_class
     for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable,
-              MaskMismatch, NoSupervisedTokens, ResponseTooLarge, RequestTooLarge)
+              MaskMismatch, NoSupervisedTokens, ResponseTooLarge, RequestTooLarge, Unstorable)
 )
 
 

@@ -184,7 +184,7 @@ def tokenization_failure(exc: BaseException) -> tuple[SampleState, errors.Perman
     surprise) as ``invalid_input`` naming it, never retried. The response stays stored
     either way: ``synthq retokenize`` may try again."""
     if not isinstance(exc, errors.PermanentError):
-        exc = errors.InvalidInput(f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000])
+        exc = errors.TokenizerCrashed(f"tokenization crashed: {type(exc).__name__}: {exc}"[:2000])
     skipped = isinstance(exc, errors.NoSupervisedTokens)
     return (SampleState.SKIPPED if skipped else SampleState.FAILED), exc
 

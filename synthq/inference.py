@@ -196,7 +196,7 @@ def _parse(data: bytes, repairs: dict[str, int]) -> Any:
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
-def storable(text: str | None, repairs: dict[str, int]) -> str | None:
+def replace_unstorable(text: str | None, repairs: dict[str, int]) -> str | None:
     """``text`` with NUL and lone surrogates replaced by U+FFFD, each counted in ``repairs``."""
     if text is None or not _UNSTORABLE.search(text):
         return text
@@ -335,9 +335,10 @@ class _Accumulator:
     def tool_calls(self, repairs: dict[str, int]) -> list[dict[str, Any]] | None:
         if not self.calls:
             return None
-        return [{"id": storable(c["id"], repairs) or f"call_{i}", "type": "function",
-                 "function": {"name": storable(c["name"], repairs) or "",
-                              "arguments": storable("".join(c["arguments"]), repairs) or ""}}
+        fix = replace_unstorable
+        return [{"id": fix(c["id"], repairs) or f"call_{i}", "type": "function",
+                 "function": {"name": fix(c["name"], repairs) or "",
+                              "arguments": fix("".join(c["arguments"]), repairs) or ""}}
                 for i, c in sorted(self.calls.items())]
 
 
@@ -405,11 +406,12 @@ def _tool_calls(calls: Any, repairs: dict[str, int]) -> list[dict[str, Any]] | N
     out = []
     for i, call in enumerate(c for c in calls if isinstance(c, dict)):
         function = call.get("function") or {}
-        out.append({"id": storable(str(call.get("id") or ""), repairs) or f"call_{i}",
+        fix = replace_unstorable
+        out.append({"id": fix(str(call.get("id") or ""), repairs) or f"call_{i}",
                     "type": "function",
-                    "function": {"name": storable(str(function.get("name") or ""), repairs) or "",
-                                 "arguments": storable(str(function.get("arguments") or ""),
-                                                       repairs) or ""}})
+                    "function": {"name": fix(str(function.get("name") or ""), repairs) or "",
+                                 "arguments": fix(str(function.get("arguments") or ""),
+                                                  repairs) or ""}})
     return out or None
 
 
@@ -436,8 +438,8 @@ def _completion_result(document: Any, repairs: dict[str, int], start: float,
                            text=bool(content or reasoning))
     finish = choice.get("finish_reason")
     return ChatResult(
-        content=storable(_text(content, "message.content"), repairs) or "",
-        reasoning_content=storable(_text(reasoning, "message.reasoning_content"), repairs)
+        content=replace_unstorable(_text(content, "message.content"), repairs) or "",
+        reasoning_content=replace_unstorable(_text(reasoning, "message.reasoning_content"), repairs)
         if reasoning else None,
         finish_reason=_finish(finish) if finish is not None else None,
         prompt_tokens=usage.prompt,
@@ -714,10 +716,10 @@ class InferenceClient:
         usage = _checked_usage(acc.usage, ceiling=_ceiling(request), ids=ids,
                                prompt_ids=acc.prompt_token_ids, streamed=acc.pieces(),
                                text=bool(acc.content or acc.reasoning))
-        content = storable("".join(acc.content), repairs) or ""
+        content = replace_unstorable("".join(acc.content), repairs) or ""
         result = ChatResult(
             content=content,
-            reasoning_content=storable("".join(acc.reasoning), repairs) or None,
+            reasoning_content=replace_unstorable("".join(acc.reasoning), repairs) or None,
             finish_reason=acc.finish_reason,
             prompt_tokens=usage.prompt,
             completion_tokens=usage.completion,

@@ -47,9 +47,9 @@ from synthq.dataset.rows import (
     REGENERATE_MODES,
     InvalidRow,
     Row,
+    escape_unstorable,
     normalize,
     row_tools,
-    storable,
 )
 
 __all__ = [
@@ -68,6 +68,6 @@ __all__ = [
     "REGENERATE_MODES",
     "row_tools",
     "source_id",
-    "storable",
+    "escape_unstorable",
     "unread_files",
 ]

@@ -24,10 +24,10 @@ from synthq.dataset.rows import (
     InvalidRow,
     Row,
     check_storable,
+    escape_unstorable,
     is_mapping,
     normalize,
     row_tools,
-    storable,
 )
 
 PARQUET_BATCH_SIZE = 1024
@@ -169,14 +169,15 @@ def _rows_from_objects(records: Iterable[_Record], max_chars: int,
                 skip_reason = exc.reason
             else:
                 yield Row(index=index, messages=messages, skip_reason=None, raw=None,
-                          source_id=storable(sid) if sid is not None else None, where=where,
-                          tools=tools)
+                          source_id=escape_unstorable(sid) if sid is not None else None,
+                          where=where, tools=tools)
                 continue
         if raw is None:
             raw = _preview(obj)
         yield Row(index=index, messages=None, skip_reason=skip_reason,
-                  raw=storable(raw[:RAW_PREVIEW_CHARS]),
-                  source_id=storable(sid) if sid is not None else None, where=storable(where))
+                  raw=escape_unstorable(raw[:RAW_PREVIEW_CHARS]),
+                  source_id=escape_unstorable(sid) if sid is not None else None,
+                  where=escape_unstorable(where))
 
 
 def _preview(obj: Any) -> str:

@@ -363,7 +363,7 @@ def check_storable(value: Any, what: str) -> None:
             check_storable(item, what)
 
 
-def storable(text: str) -> str:
+def escape_unstorable(text: str) -> str:
     """``text`` as a database stores it: NUL written as ``\\u0000``, lone surrogates as
     ``\\udXXX`` escapes (a skipped row's preview, ids, file names)."""
     if "\x00" in text:

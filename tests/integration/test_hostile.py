@@ -375,7 +375,7 @@ def test_a_database_refusal_never_puts_sql_in_the_message(
         engine.dispose()
     [smp] = samples(report.job_id)
     message = smp.error_message or ""
-    assert (smp.state, smp.error_class) == ("failed", "invalid_input"), message
+    assert (smp.state, smp.error_class) == ("failed", "unstorable"), message
     assert message.startswith("the result could not be stored: CheckViolation: "), message
     assert "hostile_refuses" in message
     for leak in ("UPDATE", "[SQL", "claim", "%(", "parameters", "\n"):
