@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 __all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "CAPTURE_ROUTE",
-           "send", "transport_options", "redis_options"]
+           "send", "transport_options", "redis_options", "ping"]
 
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
@@ -50,6 +50,18 @@ def redis_options() -> dict[str, Any]:
             "redis_socket_connect_timeout": t["socket_connect_timeout"],
             "redis_socket_keepalive": True, "redis_retry_on_timeout": True,
             "redis_backend_health_check_interval": t["health_check_interval"]}
+
+
+def ping(url: str, timeout: float = 2.0) -> None:
+    """Raise unless the Redis at ``url`` answers PING within ``timeout`` seconds
+    (``redis.RedisError``, ``OSError``, or ``ValueError`` for a malformed URL)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        client.ping()
+    finally:
+        client.close()
 
 
 @lru_cache(maxsize=1)

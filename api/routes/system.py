@@ -47,14 +47,10 @@ def ready() -> Response:
         checks["database"] = "unavailable"
     broker = get_settings().broker_url
     if broker:
-        import redis
+        from synthq.broker import ping
 
         try:
-            client = redis.Redis.from_url(broker, socket_timeout=2, socket_connect_timeout=2)
-            try:
-                client.ping()
-            finally:
-                client.close()
+            ping(broker)
             checks["broker"] = "ok"
         except Exception as exc:  # noqa: BLE001
             log.warning("/ready: broker unavailable: %s", _reason(exc))

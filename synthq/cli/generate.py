@@ -68,15 +68,12 @@ def _check_broker() -> None:
     """Warn when the broker cannot be reached: the samples are stored all the same."""
     import redis
 
+    from synthq.broker import ping
     from synthq.config import get_settings
 
     url = get_settings().broker_url
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
-        try:
-            client.ping()
-        finally:
-            client.close()
+        ping(url)
     except (redis.RedisError, OSError, ValueError) as exc:
         warn(f"cannot reach the broker {url} ({exc}): the samples are stored and will run "
              "once workers and beat can reach it")
