@@ -133,3 +133,30 @@ def test_retokenize_does_not_reach_the_call_module() -> None:
     """Re-tokenizing stored answers is data work: it must not import the server call."""
     chain = path_to(graph(), "synthq.retokenize", "synthq.call")
     assert chain is None, f"retokenize imports the call module: {' -> '.join(chain or [])}"
+
+
+#: What the runtime may import of synthq.testing: the simulator (the demo and
+#: ``synthq simulate``) and the tiny-target recipe (``synthq testing tiny-target``).
+RUNTIME_MAY_USE = {"synthq.testing", "synthq.testing.simulator", "synthq.testing.tiny"}
+
+
+def runtime_graph() -> dict[str, set[str]]:
+    """The imports among synthq, api and worker, read as one tree."""
+    known = {**modules(REPO, "synthq"), **modules(REPO, "api"), **modules(REPO, "worker")}
+    return {name: set(imported(name, path, known)) for name, path in known.items()}
+
+
+def test_test_tooling_is_outside_the_runtime_import_graph() -> None:
+    """No module of the service (synthq outside synthq.testing, api, worker) reaches the
+    chaos cluster, the hostile servers, the process helpers or the vLLM launcher."""
+    g = runtime_graph()
+    tooling = {m for m in g if m.startswith("synthq.testing.")} - RUNTIME_MAY_USE
+    assert tooling, "the tooling modules moved: update this test"
+    runtime = [m for m in g if not m.startswith("synthq.testing")]
+    for start in runtime:
+        for goal in tooling:
+            chain = path_to(g, start, goal)
+            assert chain is None, f"the runtime imports test tooling: {' -> '.join(chain)}"
+    for allowed in RUNTIME_MAY_USE - {"synthq.testing"}:
+        for goal in tooling:
+            assert path_to(g, allowed, goal) is None, (allowed, goal)
