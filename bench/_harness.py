@@ -362,7 +362,8 @@ def create_job(spec: Any, prompts: Sequence[str]) -> Any:
     :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.enqueue.insert_rows`)."""
     from synthq.dataset import Row
     from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, get_or_create_job, insert_rows
+    from synthq.enqueue import EnqueueReport, get_or_create_job
+    from synthq.samplecopy import insert_rows
 
     with session_scope() as s:
         job, created, _ = get_or_create_job(s, spec)

@@ -76,7 +76,8 @@ def main() -> None:
     from _harness import service_cpu_seconds
 
     from synthq.dataset import content_key, iter_rows
-    from synthq.enqueue import EnqueueReport, JobSpec, enqueue, insert_rows
+    from synthq.enqueue import EnqueueReport, JobSpec, enqueue
+    from synthq.samplecopy import insert_rows
 
     def spec(name: str) -> JobSpec:
         return JobSpec(name=name, model="sim-model", servers=["http://127.0.0.1:9/v1"],

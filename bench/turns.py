@@ -97,7 +97,8 @@ def main() -> None:
 
     from synthq.dataset import Row
     from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.samplecopy import insert_rows
 
     ideal = args.limit / args.latency if args.latency > 0 else float("inf")
     calls = 3 * args.conversations

@@ -134,7 +134,8 @@ def job_factory(pg: str) -> Callable[..., Any]:
     """``job_factory(prompts=[...], servers=[url], **JobSpec fields)`` → EnqueueReport."""
     from synthq.dataset import Row
     from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.samplecopy import insert_rows
 
     counter = iter(range(1, 10**6))
 

@@ -353,7 +353,8 @@ def create_job(prompt_texts: Sequence[str], servers: Sequence[str], **fields: An
     """A job with one user-message sample per prompt; returns its id."""
     from synthq.dataset import Row
     from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.samplecopy import insert_rows
 
     fields.setdefault("name", "chaos")
     fields.setdefault("model", "sim-model")

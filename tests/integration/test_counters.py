@@ -21,11 +21,12 @@ from synthq.counts import call_counts, state_counts
 from synthq.dataset import Row
 from synthq.db import session_scope, utcnow
 from synthq.dispatch import Dispatched, dispatch
-from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job, insert_rows
+from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
 from synthq.enums import JobState
 from synthq.models import Attempt, CallCount, Job, Sample, SampleCount
 from synthq.report import job_status
 from synthq.retokenize import stale_query
+from synthq.samplecopy import insert_rows
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,10 @@ from support import run_cli
 
 from synthq.db import session_scope
 from synthq.embedded import run_job
-from synthq.enqueue import JobSpec, enqueue, get_or_create_job, insert_rows
+from synthq.enqueue import JobSpec, enqueue, get_or_create_job
 from synthq.export import export_job
 from synthq.models import Job, Sample
+from synthq.samplecopy import insert_rows
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from synthq import enqueue as enqueue_mod
+from synthq import samplecopy
 from synthq.dataset import content_key
 from synthq.db import session_scope
 from synthq.enqueue import JobSpec, enqueue
@@ -102,8 +102,8 @@ def test_postgres_copy_and_sqlite_insert_write_the_same_samples(
         pg: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, size: int) -> None:
     # Small batches (by rows, or by the prompts' size): direct COPYs, a duplicate within
     # a batch, a re-enqueue, and a batch that holds old and new rows all happen.
-    monkeypatch.setattr(enqueue_mod, "BATCH", rows)
-    monkeypatch.setattr(enqueue_mod, "BATCH_BYTES", size)
+    monkeypatch.setattr(samplecopy, "BATCH", rows)
+    monkeypatch.setattr(samplecopy, "BATCH_BYTES", size)
     on_postgres = _run(tmp_path / "pg")
 
     from synthq.config import get_settings

@@ -33,9 +33,10 @@ from synthq.cli import fast
 from synthq.dataset import Row
 from synthq.db import session_scope, utcnow
 from synthq.dispatch import Dispatched, dispatch
-from synthq.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job, insert_rows
+from synthq.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job
 from synthq.enums import JobState
 from synthq.report import job_status
+from synthq.samplecopy import insert_rows
 
 A, B = "http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"
 CONVERSATION = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
