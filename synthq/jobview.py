@@ -33,6 +33,11 @@ class Effective:
         jobspec.apply_overrides(self, job, overrides)
 
     def __getattr__(self, name: str) -> Any:
+        # What the overrides did not set is the job's own: only what a job has (a column,
+        # a method), so a misspelt name fails here, naming the view, and never reaches
+        # some other attribute of the job's object by accident.
+        if name.startswith("_") or not hasattr(type(self._job), name):
+            raise AttributeError(f"a job has no setting {name!r}")
         return getattr(self._job, name)
 
 

@@ -60,6 +60,8 @@ def test_overrides_apply_as_the_job_would() -> None:
     assert view.sampling == {"temperature": 0.1, "top_p": 0.5}
     assert view.extra_body == {"seed": 1, "x": 2, "chat_template_kwargs": {"b": 2}}
     assert view.chat_template_kwargs == {"b": 2}
+    with pytest.raises(AttributeError, match="a job has no setting 'max_token'"):
+        view.max_token  # noqa: B018 - a misspelt setting is an error, not the job's attribute
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
