@@ -55,7 +55,8 @@ from synthq.errors import (
 from synthq.models import Capture, Job, Sample
 from synthq.retry import backoff_delay
 
-__all__ = ["Engine", "Stage", "Summary", "describe", "plan", "store", "summary"]
+__all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
+           "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,10 @@ def describe(client: httpx.Client, url: str) -> Engine:
     try:
         models = _get(client, f"{url.rstrip('/')}/models")
         model = str(models["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
-        raise UserError(f"capture server {url} does not list a model at /models: {exc}") \
+    except (httpx.HTTPError, SampleError, KeyError, IndexError, TypeError) as exc:
+        hint = "" if url.rstrip("/").endswith("/v1") else " (is it the base URL, ending in /v1?)"
+        raise UserError(f"capture server {url} does not list a model at /models{hint}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
             from exc
     root = url.rstrip("/").removesuffix("/v1")
     try:
@@ -114,6 +117,15 @@ def describe(client: httpx.Client, url: str) -> Engine:
     except (httpx.HTTPError, SampleError, KeyError, TypeError):
         version = "unknown"
     return Engine(url, model, version)
+
+
+def check_answer(urls: list[str]) -> list[Engine]:
+    """Each capture server as it describes itself; a :class:`UserError` for the first that
+    does not answer. Every way a job gets capture servers asks this before the job stores
+    them (`synthq capture --server`, `--capture-server` of `synthq enqueue` and `synthq
+    run`, ``POST /api/jobs``): a dead URL is refused, not kept as the job's."""
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client:
+        return [describe(client, url) for url in urls]
 
 
 def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str) -> Path:
