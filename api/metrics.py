@@ -89,6 +89,45 @@ class SqlCollector(Collector):
         yield capacity
         yield held
         yield from _limits_and_cost(costs)
+        yield from _captures()
+
+
+def _captures() -> Iterator[Metric]:
+    """Each capturing job's stage (synthq.capture.progress, what its status shows)."""
+    from sqlalchemy import select
+
+    from synthq.capture.progress import capture_progress
+    from synthq.config import status_settings
+    from synthq.models import Job
+    from synthq.sqlread import reader_of
+
+    store = status_settings().capture_store or ""
+    with session_scope() as s:
+        reader = reader_of(s)
+        found = [(name, capture_progress(reader, job_id, store=store))
+                 for job_id, name in s.execute(select(Job.id, Job.name).order_by(Job.name))]
+    jobs = [(name, p) for name, p in found if p is not None]
+    states = GaugeMetricFamily("synthq_captures", "Hidden-state captures by job and state "
+                               "(waiting: done samples the stage has not picked up yet).",
+                               labels=["job", "state"])
+    failures = GaugeMetricFamily("synthq_capture_failures", "Failed captures by job and class.",
+                                 labels=["job", "class"])
+    disk = {key: GaugeMetricFamily(f"synthq_capture_{key}", doc, labels=["job"]) for key, doc in (
+        ("bytes", "Bytes of the job's captured files on disk."),
+        ("projected_bytes", "Bytes the job's captures not yet done will take."),
+        ("free_bytes", "Free bytes where the capture store lives."))}
+    for name, p in jobs:
+        for state, n in sorted({**p.counts, "waiting": p.waiting}.items()):
+            states.add_metric([name, state], n)
+        for cls, n in sorted(p.failures.items()):
+            failures.add_metric([name, cls], n)
+        for key, gauge in disk.items():
+            value = getattr(p, key)
+            if value is not None:
+                gauge.add_metric([name], float(value))
+    yield states
+    yield failures
+    yield from disk.values()
 
 
 def _limits_and_cost(snap: query.CostSnapshot) -> Iterator[Metric]:

@@ -27,3 +27,5 @@ class StatusSettings(NamedTuple):
 
     worker_timeout: float = WORKER_TIMEOUT
     gpu_hour_price: float | None = GPU_HOUR_PRICE
+    #: Where captured hidden states live (None: ``<SYNTHQ_DATA_DIR>/hidden-states``).
+    capture_store: str | None = None

@@ -20,7 +20,6 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -36,6 +35,7 @@ from synthq.db import session_scope, utcnow
 from synthq.errors import UserError
 from synthq.models import Job, Sample
 from synthq.samplecopy import insert_rows
+from synthq.secrets import safe_url
 
 __all__ = ["JobSpec", "EnqueueReport", "enqueue", "get_or_create_job",
            "find_job", "inflight_settings", "DEFAULT_MAX_INFLIGHT", "DEFAULT_MIN_INFLIGHT"]
@@ -118,6 +118,8 @@ class JobSpec:
     history_reasoning: str = jobspec.default("history_reasoning")
     #: ``conversation`` or ``per-turn`` (synthq.examples); None: chosen at enqueue.
     examples: str | None = None
+    #: Hidden-state capture servers (synthq.capture); empty: no capture stage.
+    capture_servers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mask is None:
@@ -138,15 +140,8 @@ class JobSpec:
             raise UserError("--model must name the served model")
         if not self.servers:
             raise UserError("give at least one --server URL, e.g. http://localhost:8000/v1")
-        for url in self.servers:
-            parsed = urlparse(url)
-            if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise UserError(f"--server {url!r} is not an http(s) URL such as "
-                                "http://localhost:8000/v1")
-        if len(set(self.servers)) != len(self.servers):
-            raise UserError("the same --server is given twice")
         # Each declared setting's type, bounds and choices (synthq.jobspec), as a front
-        # end checks them; then what relates settings to each other.
+        # end checks them (the servers' URLs too); then what relates settings to each other.
         for s in jobspec.SETTINGS:
             if s.field == "" or s.name == "name":
                 continue
@@ -220,12 +215,6 @@ class EnqueueReport:
         return json.dumps(asdict(self))
 
 
-#: Settings that may change on an existing job (how to run it, not what it makes).
-_OPERATIONAL = ("servers", "total_timeout", "stall_timeout", "max_attempts", "backoff_base",
-                "backoff_cap", "inflight_limit", "keep_truncated", "max_response_bytes",
-                "inflight_auto", "min_inflight", "gpus", "gpu_hour_price", "stream")
-
-
 def find_job(session: Session, ref: str | int) -> Job:
     """A job by id or name, or a :class:`UserError` that lists what exists."""
     job = None
@@ -278,8 +267,9 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
         raise UserError(
             f"job {spec.name!r} was created by a newer synthq (key version {job.key_version}; "
             f"this one knows up to {KEY_VERSION}): upgrade synthq to add rows to it")
-    changed = [k for k in _OPERATIONAL if getattr(job, k) != getattr(spec, k)]
-    described = [f"{k} {getattr(job, k)!r} -> {getattr(spec, k)!r}" for k in changed]
+    # The settings that may change on an existing job: how to run it, not what it makes.
+    changed = [k for k in jobspec.OPERATIONAL if getattr(job, k) != getattr(spec, k)]
+    described = [safe_url(f"{k} {getattr(job, k)!r} -> {getattr(spec, k)!r}") for k in changed]
     states.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
     return job, False, described
 
@@ -495,8 +485,8 @@ def build_spec(values: Mapping[str, Any], *, source: str = "") -> JobSpec:
     if v["return_token_ids"]:
         body["return_token_ids"] = True
     fields.update(
-        name=jobspec.job_name(v["name"], source), servers=[u.rstrip("/") for u in v["servers"]],
-        sampling=sampling, extra_body=body, chat_template_kwargs=kwargs,
+        name=jobspec.job_name(v["name"], source), sampling=sampling, extra_body=body,
+        chat_template_kwargs=kwargs,
         **jobspec.inflight_settings(v["inflight"], v["max_inflight"], v["min_inflight"]))
     spec = JobSpec(**fields)
     spec.check()

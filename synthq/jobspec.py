@@ -28,7 +28,8 @@ from typing import Any
 
 from synthq.errors import UserError
 
-__all__ = ["Setting", "SETTINGS", "BY_NAME", "OVERRIDABLE", "RESERVED_BODY", "default",
+__all__ = ["Setting", "SETTINGS", "BY_NAME", "OVERRIDABLE", "OPERATIONAL", "RESERVED_BODY",
+           "default", "urls",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
            "inflight_settings", "job_name", "setting_for_key", "DEFAULT_MAX_INFLIGHT",
@@ -84,6 +85,13 @@ class Setting:
     metavar: str | None = None
     #: A further check of a valid value (raises UserError).
     also: Callable[[Any], None] | None = None
+    #: A list of servers' base URLs: each an http(s) URL, none twice, its trailing ``/``
+    #: dropped; the API takes only hosts of SYNTHQ_ALLOWED_SERVERS (:func:`urls`), and
+    #: every output shows them masked.
+    urls: bool = False
+    #: How the job runs, not what it makes: enqueueing the job again with another value
+    #: changes it on the job (synthq.enqueue.get_or_create_job).
+    operational: bool = False
 
     @property
     def flag(self) -> str:
@@ -127,7 +135,8 @@ def _below_visibility(total_timeout: float) -> None:
 _POSITIVE_SECONDS = dict(low=0.0, high=MAX_SECONDS, low_open=True)
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("servers", list, required=True, flags=("--server", "-s"), cli="list",
+    Setting("servers", list, required=True, flags=("--server", "-s"), cli="list", urls=True,
+            operational=True,
             help="Base URL of an OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat "
                  "for several."),
     Setting("model", str, required=True, flags=("--model", "-m"), max_len=200,
@@ -146,42 +155,45 @@ SETTINGS: tuple[Setting, ...] = (
             field="sampling.top_p", omitted="not sent: the server's own", requeue="sample",
             requeue_help="top_p for the requeued samples only."),
     Setting("timeout", float, 1800.0, "Total seconds one call may take.",
-            field="total_timeout", also=_below_visibility, requeue="sample",
+            field="total_timeout", also=_below_visibility, requeue="sample", operational=True,
             requeue_help="Total seconds one call of the requeued samples may take.",
             **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("stall_timeout", float, 300.0, "Seconds without a streamed chunk before a call "
             "counts as stalled.", requeue="sample", requeue_help="Stall timeout of the "
-            "requeued samples' calls.", **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+            "requeued samples' calls.", operational=True, **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("max_attempts", int, 5, "Calls per sample before it is failed.", low=1,
-            high=1000, requeue="sample",
+            high=1000, requeue="sample", operational=True,
             requeue_help="Calls per requeued sample before it is failed."),
     Setting("backoff_base", float, 2.0, "Backoff base seconds (doubles per attempt, full "
-            "jitter).", low=0, high=MAX_SECONDS),
-    Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.",
+            "jitter).", low=0, high=MAX_SECONDS, operational=True),
+    Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.", operational=True,
             **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     # inflight is "N" or "auto"; its three settings are read together by
     # synthq.enqueue.inflight_settings, which words their errors.
     Setting("inflight", str, "64", "Most requests in flight per server (set it to what the "
             "server batches, e.g. vLLM's max_num_seqs), or `auto`: each server's limit follows "
             "its latency and errors (see `synthq status`).", field="", requeue="job",
-            metavar="<N|auto>",
+            metavar="<N|auto>", operational=True,
             requeue_help="The servers' in-flight limit from now on: a number, or `auto` "
             "(adaptive per server)."),
     Setting("max_inflight", int, None, "With --inflight auto: the hard cap per server.",
             low=1, high=MAX_INFLIGHT, field="", omitted="256", requeue="job"),
     Setting("min_inflight", int, None, "With --inflight auto: the floor per server.",
             low=1, high=MAX_INFLIGHT, field="", omitted="4", requeue="job"),
-    Setting("gpus", int, 1, "GPUs behind each server (cost report).", low=1, high=100_000),
+    Setting("gpus", int, 1, "GPUs behind each server (cost report).", low=1, high=100_000,
+            operational=True),
     Setting("gpu_hour_price", float, None, "Dollars per GPU-hour: status shows dollars "
             "spent, $/1M generated tokens and the projected cost.", low=0, high=999_999,
-            must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE"),
+            must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE",
+            operational=True),
     Setting("max_response_bytes", int, 4 << 20, "Bytes of answer after which a call fails "
-            "as response_too_large.", low=1, high=1 << 30),
+            "as response_too_large.", low=1, high=1 << 30, operational=True),
     Setting("keep_truncated", bool, False, "Keep answers cut by max_tokens "
-            "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",)),
+            "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",),
+            operational=True),
     Setting("stream", bool, True, "Stream answers (a stall clock: a silent server is caught "
             "mid-answer). --no-stream: one plain call per sample, less CPU per sample, the "
-            "total --timeout only.", flags=("--stream/--no-stream",)),
+            "total --timeout only.", flags=("--stream/--no-stream",), operational=True),
     Setting("chat_template_kwargs", dict, None, "JSON object sent as chat_template_kwargs "
             "(and used by the tokenizer), e.g. '{\"enable_thinking\": true}'.", cli="json",
             requeue="sample", requeue_help="JSON object sent as chat_template_kwargs for the "
@@ -227,6 +239,11 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("conversation", "per-turn"),
             omitted="per-turn where the template cannot mask several turns at once (tried at "
             "enqueue), else conversation"),
+    Setting("capture_servers", list, [], "Base URL of a capture server (…/v1): a vLLM started "
+            "with extract_hidden_states and synthq's connector; each done sample's hidden "
+            "states are captured there (the stage `synthq capture` runs alone). Repeat for "
+            "several. Each must answer before the job stores it.",
+            flags=("--capture-server",), cli="list", urls=True, operational=True),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -286,11 +303,34 @@ def check(s: Setting, value: Any) -> Any:
     elif s.type is list and not (isinstance(value, list)
                                  and all(isinstance(v, str) for v in value)):
         raise UserError(f"{s.flag} must be a list of strings")
+    if s.urls:
+        value = _urls(s, value)
     if s.name == "extra_body":
         check_body(value)
     if s.also is not None:
         s.also(value)
     return value
+
+
+def _urls(s: Setting, given: list[str]) -> list[str]:
+    """Base URLs, each http(s), none twice, without a trailing ``/``."""
+    from urllib.parse import urlparse
+
+    for url in given:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UserError(f"{s.flag} {url!r} is not an http(s) URL such as "
+                            "http://localhost:8000/v1")
+    stripped = [u.rstrip("/") for u in given]
+    if len(set(stripped)) != len(stripped):
+        raise UserError(f"the same {s.flag} is given twice")
+    return stripped
+
+
+def urls(spec: Any) -> list[str]:
+    """Every server URL a JobSpec names (its ``servers``, ``capture_servers``, ...): what
+    the API checks against SYNTHQ_ALLOWED_SERVERS before it sends anything anywhere."""
+    return [u for s in SETTINGS if s.urls for u in getattr(spec, s.key)]
 
 
 def _number(s: Setting, value: Any) -> Any:
@@ -422,3 +462,10 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
         raise UserError("--max-inflight and --min-inflight go with --inflight auto")
     return {"inflight_limit": limit, "inflight_auto": False,
             "min_inflight": DEFAULT_MIN_INFLIGHT}
+
+
+#: The job columns of the operational settings: what enqueueing a job again may change
+#: (``--inflight`` stands for the three columns of :func:`inflight_settings`).
+OPERATIONAL: tuple[str, ...] = tuple(
+    key for s in SETTINGS if s.operational
+    for key in (inflight_settings("auto") if s.name == "inflight" else [s.key]))

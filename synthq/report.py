@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from synthq.capture.progress import CaptureProgress, capture_progress, store_root
 from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import call_counts, counted, sample_counts, state_counts
@@ -168,6 +169,8 @@ class JobStatus:
     finished: bool = True
     #: Things an operator should fix that stop nothing (a worker's clock is off).
     warnings: list[str] = field(default_factory=list)
+    #: The hidden-state capture stage (None: the job captures nothing).
+    capture: CaptureProgress | None = None
 
     def __post_init__(self) -> None:
         c = self.counts
@@ -285,6 +288,8 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         status.num_tokens = sum(c.tokens for c in done)
         status.num_supervised = sum(c.supervised for c in done)
         status.token_mismatches = sum(c.mismatches for c in done)
+    status.capture = capture_progress(  # its URLs masked there
+        reader, job.id, store=store_root(settings.capture_store))
     return _masked(status)
 
 

@@ -21,7 +21,8 @@ from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLA
 from synthq.models import Job
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requeue_with",
-           "set_job_state", "data_path", "enqueue_file", "bad_rows", "requeue_left_servers"]
+           "set_job_state", "data_path", "enqueue_file", "bad_rows", "requeue_left_servers",
+           "preflight"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
@@ -66,6 +67,19 @@ def check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     :class:`UserError` naming the option (``--max-tokens``) for a bad one.
     """
     return jobspec.check_overrides(overrides)
+
+
+def preflight(spec: JobSpec) -> list[str]:
+    """What the CLI and the API ask the servers before a job is stored: each capture server
+    must answer, and no generation server may list its models without ``spec.model``
+    (each a :class:`UserError`); warnings to show (a server not up yet), one line each."""
+    from synthq.health import check_model
+
+    if spec.capture_servers:
+        from synthq.capture.stage import check_answer
+
+        check_answer(spec.capture_servers)
+    return check_model(spec.servers, spec.model)
 
 
 def requeue_left_servers(session: Session, job: Job) -> int:

@@ -323,3 +323,44 @@ def sqlite_rows(db: Path, query: str) -> list[tuple[Any, ...]]:
         return []
     finally:
         conn.close()
+
+
+def capture_rows(job_id: int, server: str) -> None:
+    """Real ``captures`` rows for the job through synthq.capture.states: its first four
+    samples tokenized (done, with input_ids), then one capture done (4,096 bytes, 8
+    tokens), one failed as ``capture_mismatch``, one waiting to retry after a timeout,
+    one pending; the other done samples have none yet."""
+    from datetime import timedelta
+
+    import numpy as np
+    from sqlalchemy import select, update
+
+    from synthq.capture import states as capture_states
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Sample
+
+    now = utcnow()
+    with session_scope() as s:
+        ids = list(s.scalars(select(Sample.id).where(Sample.job_id == job_id)
+                             .order_by(Sample.id)))
+        for sid in ids[:4]:
+            tokens = np.arange(8, dtype="<i4") + sid
+            s.execute(update(Sample).where(Sample.id == sid).values(
+                state="done", input_ids=tokens.tobytes(), num_tokens=8, tokenize_version=1,
+                finished_at=now))
+        capture_states.add_missing(s, job_id, now=now)
+        done, failed, retried = capture_states.claim(
+            s, job_id, server=server, limit=8, most=3, worker="test", token="t" * 32,
+            lease=60, now=now)
+        assert capture_states.done(s, done, now=now, path="ab/ab.safetensors", sha256="ab" * 32,
+                                   nbytes=4096, num_tokens=8, layer_ids=[2, 4, 5, 8],
+                                   dtype="float32", engine="vllm test", engine_model="m")
+        assert capture_states.fail(s, failed, now=now, error_class="capture_mismatch",
+                                   error_message="the engine's token ids are not the sample's")
+        assert capture_states.retry(s, retried, now=now, error_class="timeout",
+                                    next_attempt_at=now + timedelta(hours=1),
+                                    error_message="the capture request timed out")
+        for sid in ids[4:6]:  # done after the stage last ran: no capture row yet
+            s.execute(update(Sample).where(Sample.id == sid).values(
+                state="done", input_ids=np.arange(4, dtype="<i4").tobytes(), num_tokens=4,
+                tokenize_version=1, finished_at=now))

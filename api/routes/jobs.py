@@ -28,7 +28,7 @@ from api.schemas import (
     RowError,
     TrainingRunSummary,
 )
-from synthq import query, service
+from synthq import jobspec, query, service
 from synthq.db import safe_url, session_scope
 from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.enums import JobState
@@ -130,12 +130,11 @@ def check_servers(servers: list[str]) -> None:
 
 
 def _check_model(spec: JobSpec) -> list[str]:
-    """The CLI's model check: a server that lists its models but not this one is a 422."""
-    from synthq.health import check_model
-
+    """The CLI's checks of the servers (synthq.service.preflight): a server that lists its
+    models but not this one, or a capture server that does not answer, is a 422."""
     spec.check()
-    check_servers(spec.servers)  # before the probe: the API host fetches nothing else
-    return check_model(spec.servers, spec.model)
+    check_servers(jobspec.urls(spec))  # before the probe: the API host fetches nothing else
+    return service.preflight(spec)
 
 
 def _created(report: EnqueueReport, bad: list[tuple[int, str]], warnings: list[str]) -> Response:

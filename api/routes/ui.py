@@ -27,6 +27,7 @@ from api.auth import (
 )
 from api.deps import JobRef, SessionDep, SettingsDep, job_or_404
 from synthq import query, service
+from synthq.capture.progress import size
 from synthq.config import get_settings
 from synthq.db import safe_url, session_scope, utcnow
 from synthq.enums import JobState
@@ -37,6 +38,7 @@ from synthq.workers import live
 router = APIRouter(prefix="/ui", include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parents[1] / "templates"))
 templates.env.filters["safe_url"] = safe_url
+templates.env.globals["size"] = size
 
 
 def _page(request: Request, name: str, code: int = 200, **context: object) -> HTMLResponse:

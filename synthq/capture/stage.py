@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,9 @@ from sqlalchemy import func, select
 
 from synthq import workers
 from synthq.capture import ingest, states
-from synthq.capture.plan import DTYPES, Plan, check_space, layers_for, target_config
+from synthq.capture.plan import Plan, check_space, layers_for
+from synthq.capture.progress import CaptureCounts, counts, store_root
+from synthq.capture.progress import plan as progress_plan
 from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
@@ -54,8 +56,10 @@ from synthq.errors import (
 )
 from synthq.models import Capture, Job, Sample
 from synthq.retry import backoff_delay
+from synthq.sqlread import reader_of
 
-__all__ = ["Engine", "Stage", "Summary", "describe", "plan", "store", "summary"]
+__all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
+           "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ NAME_KEY = "synthq_name"
 
 def store() -> Store:
     settings = get_settings()
-    return Store(settings.capture_store or settings.data_dir / "hidden-states")
+    return Store(store_root(settings.capture_store, settings.data_dir))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +109,10 @@ def describe(client: httpx.Client, url: str) -> Engine:
     try:
         models = _get(client, f"{url.rstrip('/')}/models")
         model = str(models["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, TypeError) as exc:
-        raise UserError(f"capture server {url} does not list a model at /models: {exc}") \
+    except (httpx.HTTPError, SampleError, KeyError, IndexError, TypeError) as exc:
+        hint = "" if url.rstrip("/").endswith("/v1") else " (is it the base URL, ending in /v1?)"
+        raise UserError(f"capture server {url} does not list a model at /models{hint}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
             from exc
     root = url.rstrip("/").removesuffix("/v1")
     try:
@@ -114,6 +120,15 @@ def describe(client: httpx.Client, url: str) -> Engine:
     except (httpx.HTTPError, SampleError, KeyError, TypeError):
         version = "unknown"
     return Engine(url, model, version)
+
+
+def check_answer(urls: list[str]) -> list[Engine]:
+    """Each capture server as it describes itself; a :class:`UserError` for the first that
+    does not answer. Every way a job gets capture servers asks this before the job stores
+    them (`synthq capture --server`, `--capture-server` of `synthq enqueue` and `synthq
+    run`, ``POST /api/jobs``): a dead URL is refused, not kept as the job's."""
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client:
+        return [describe(client, url) for url in urls]
 
 
 def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str) -> Path:
@@ -168,64 +183,17 @@ def _status_error(status: int, text: str, headers: Any) -> SampleError:
     return err
 
 
-@dataclass(slots=True)
-class Summary:
-    total: int = 0
-    by_state: dict[str, int] = field(default_factory=dict)
-    failures: dict[str, int] = field(default_factory=dict)
-    bytes: int = 0
-    tokens: int = 0
-    calls: int = 0
-
-    @property
-    def done(self) -> int:
-        return self.by_state.get(CaptureState.DONE, 0)
-
-    @property
-    def open(self) -> int:
-        return self.by_state.get(CaptureState.PENDING, 0) + \
-            self.by_state.get(CaptureState.RUNNING, 0)
+#: A job's captures summed (synthq.capture.progress.counts, what a status shows too).
+Summary = CaptureCounts
 
 
 def summary(session: Any, job_id: int) -> Summary:
-    out = Summary()
-    for state, error_class, n, nbytes, tokens, calls in session.execute(
-            select(Capture.state, Capture.error_class, func.count(),
-                   func.coalesce(func.sum(Capture.bytes), 0),
-                   func.coalesce(func.sum(Capture.num_tokens), 0),
-                   func.coalesce(func.sum(Capture.attempts), 0))
-            .where(Capture.job_id == job_id)
-            .group_by(Capture.state, Capture.error_class)):
-        state = str(state)
-        out.total += n
-        out.by_state[state] = out.by_state.get(state, 0) + n
-        out.calls += int(calls)
-        if state == CaptureState.FAILED:
-            out.failures[error_class or "error"] = out.failures.get(error_class or "error", 0) + n
-        if state == CaptureState.DONE:
-            out.bytes += int(nbytes)
-            out.tokens += int(tokens)
-    return out
+    return counts(reader_of(session), job_id)
 
 
 def plan(session: Any, job: Job, *, at: Store | None = None) -> Plan:
     """What the job's captures not yet done will take on disk."""
-    layers = layers_for(job)
-    where_done = select(Capture.sample_id).where(Capture.job_id == job.id,
-                                                 Capture.state == CaptureState.DONE)
-    samples, tokens = session.execute(
-        select(func.count(), func.coalesce(func.sum(Sample.num_tokens), 0)).where(
-            Sample.job_id == job.id, Sample.input_ids.is_not(None),
-            Sample.id.not_in(where_done))).one()
-    config = target_config(job.train_target, job.tokenizer)
-    hidden = int(config["hidden_size"]) if config and "hidden_size" in config else None
-    if hidden is None:  # from a file already captured: bytes / (tokens × layers × width)
-        row = session.execute(select(Capture.bytes, Capture.num_tokens, Capture.dtype).where(
-            Capture.job_id == job.id, Capture.state == CaptureState.DONE).limit(1)).first()
-        if row and row[1]:
-            hidden = int(row[0] / row[1] / len(layers) / DTYPES.get(row[2], 4))
-    return Plan(int(samples), int(tokens), layers, job.capture_dtype, hidden,
-                (at or store()).free_bytes())
+    return progress_plan(reader_of(session), job.id, job, free=(at or store()).free_bytes())
 
 
 class Stage:

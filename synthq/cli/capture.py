@@ -24,28 +24,14 @@ def _layers(text: str | None) -> list[int] | None:
     return layers
 
 
-def _server(url: str) -> str:
-    """An http(s) base URL; a bare ``http://host:port`` gets vLLM's ``/v1`` (said once)."""
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise UserError(f"--server {url!r} is not an http(s) URL such as "
-                        "http://localhost:8000/v1")
-    url = url.rstrip("/")
-    if parsed.path in ("", "/"):
-        warn(f"--server {url}: no path, using {url}/v1 (vLLM's OpenAI routes)")
-        url += "/v1"
-    return url
-
-
 @app.command()
 def capture(
     job: JobArg,
     server: Annotated[list[str] | None, typer.Option(
-        "--server", "-s", help="A capture server's base URL (…/v1): a vLLM started with "
-        "extract_hidden_states and synthq's connector (see `scripts/vllm-cpu.sh --capture`). "
-        "Repeat for several. Stored on the job [default: the job's].")] = None,
+        "--server", "-s", "--capture-server", help="A capture server's base URL (…/v1): a "
+        "vLLM started with extract_hidden_states and synthq's connector (see "
+        "`scripts/vllm-cpu.sh --capture`). Repeat for several. It must answer; it is stored "
+        "on the job [default: the job's].")] = None,
     layers: Annotated[str | None, typer.Option(
         help="output_hidden_states indices to capture, comma-separated; must be the server's "
         "eagle_aux_hidden_state_layer_ids [default: the drafter's three and the last "
@@ -76,6 +62,7 @@ def capture(
 
     Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
+    from synthq import jobspec
     from synthq.capture import plan as planning
     from synthq.capture import stage as capture_stage
     from synthq.capture import states as capture_states
@@ -87,8 +74,10 @@ def capture(
     try:
         ensure_db()
         changes: dict[str, Any] = {}
-        if server:
-            changes["capture_servers"] = [_server(u) for u in server]
+        if server:  # checked as `synthq enqueue --capture-server` checks them
+            urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
+            capture_stage.check_answer(urls)  # each must answer before the job stores it
+            changes["capture_servers"] = urls
         if (parsed := _layers(layers)) is not None:
             changes["capture_layers"] = parsed
         if dtype is not None:
@@ -99,12 +88,6 @@ def capture(
             changes["capture_limit"] = limit
         if target is not None:
             changes["train_target"] = target
-        if "capture_servers" in changes:  # each must answer before the job stores it
-            import httpx
-
-            with httpx.Client(timeout=httpx.Timeout(10.0)) as client:
-                for url in changes["capture_servers"]:
-                    capture_stage.describe(client, url)
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id

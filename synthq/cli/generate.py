@@ -27,12 +27,13 @@ from synthq.errors import DiskFull, UserError
 
 def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ignore[no-untyped-def]
     from synthq.enqueue import enqueue
-    from synthq.health import check_model
+    from synthq.service import preflight
 
     spec.check()
     ensure_db()
-    # A model the servers do not serve is refused here, not failed sample by sample.
-    for line in check_model(spec.servers, spec.model):
+    # A model the servers do not serve, or a capture server that does not answer, is
+    # refused here, not failed sample by sample.
+    for line in preflight(spec):
         warn(line)
     if not quiet and _hub_only(dataset):
         warn(f"no local file or folder {dataset!r}: loading it as a Hugging Face dataset id")

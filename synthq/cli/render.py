@@ -106,6 +106,8 @@ def print_status(status: JobStatus, *, stopped: bool = False) -> None:
                           highlight=False)
     if status.cost:
         console.print(cost_line(status.cost), highlight=False)
+    for line in status.capture.lines() if status.capture else ():
+        console.print(escape(line), highlight=False)
     if status.workers and not status.finished:  # a finished job holds no worker's load
         console.print("workers: " + ", ".join(
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))

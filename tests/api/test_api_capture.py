@@ -1,0 +1,81 @@
+"""``capture_servers`` through the REST API (the declared setting, as `synthq enqueue
+--capture-server` takes it): accepted when it answers, 422 when malformed or silent, 403
+outside SYNTHQ_ALLOWED_SERVERS; and the capture stage in GET /api/jobs/{id} (the record
+`synthq status --json` prints), the job page and /metrics, from real rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TOKEN
+from sqlalchemy import func, select
+from support import capture_rows, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def _body(sim_url: str, capture: list[str], **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "servers": [sim_url], "path": "p.jsonl",
+            "capture_servers": capture, **extra}
+
+
+def test_the_api_takes_capture_servers_checked_as_the_cli_does(
+        client: Any, simulator: Any, tmp_path: Path) -> None:
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    sim = simulator("--latency", "0")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "p.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n"
+                                          for i in range(8)))
+    for capture, code, said in (
+            (["ftp://nope"], 422, "--capture-server 'ftp://nope' is not an http(s) URL"),
+            (["http://127.0.0.1:9/v1"], 422, "capture server http://127.0.0.1:9/v1 does not "
+                                             "list a model"),
+            (["http://10.9.8.7:8000/v1"], 403, "not in SYNTHQ_ALLOWED_SERVERS"),
+            ("http://127.0.0.1:9/v1", 422, "")):
+        r = client.post("/api/jobs", json=_body(sim.url, capture, name="bad"))  # type: ignore[arg-type]
+        assert r.status_code == code, (capture, r.text)
+        assert said in json.dumps(r.json()), r.text
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(Job)) == 0  # nothing stored
+
+    r = client.post("/api/jobs", json=_body(sim.url, [sim.url], name="cap",
+                                            capture_layers=None))
+    assert r.status_code == 422  # no such setting: the schema is the declared list
+    r = client.post("/api/jobs", json=_body(sim.url, [sim.url + "/"], name="cap"))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+    with session_scope() as s:
+        assert s.get_one(Job, job_id).capture_servers == [sim.url]
+        s.get_one(Job, job_id).capture_layers = [2, 4, 5, 8]
+    capture_rows(job_id, sim.url)
+
+    api = client.get(f"/api/jobs/{job_id}").json()["capture"]
+    cli = json.loads(run_cli("status", str(job_id), "--json").stdout)["capture"]
+    assert api.pop("free_bytes") > 0 and cli.pop("free_bytes") > 0  # the disk moves
+    assert api == cli  # one record
+    assert api["counts"] == {"pending": 2, "running": 0, "done": 1, "failed": 1}
+    assert api["failures"] == {"capture_mismatch": 1} and api["bytes"] == 4096
+    assert api["servers"] == [sim.url] and api["projected_bytes"] == 512 * 32
+
+    metrics = client.get("/metrics").text
+    for line in ('synthq_captures{job="cap",state="done"} 1.0',
+                 'synthq_captures{job="cap",state="pending"} 2.0',
+                 'synthq_captures{job="cap",state="waiting"} 2.0',
+                 'synthq_capture_failures{class="capture_mismatch",job="cap"} 1.0',
+                 'synthq_capture_bytes{job="cap"} 4096.0',
+                 'synthq_capture_projected_bytes{job="cap"} 16384.0'):
+        assert line in metrics, (line, [m for m in metrics.splitlines() if "capture" in m])
+
+    login = client.post("/ui/login", data={"token": TOKEN}, headers={"Authorization": ""},
+                        follow_redirects=False)
+    assert login.status_code == 303, login.text
+    page = client.get(f"/ui/jobs/{job_id}", headers={"Authorization": ""}).text
+    assert 'id="capture"' in page and "Hidden-state capture" in page
+    assert 'data-class="capture_mismatch"' in page and "4.1 kB" in page
+    assert "the engine&#39;s token ids are not the sample&#39;s" in page
