@@ -97,6 +97,15 @@ def _bounded_json(response: httpx.Response) -> Any:
         raise ServerError(f"the server's answer is not JSON: {bytes(body[:200])!r}") from exc
 
 
+def server_key(request: httpx.Request) -> httpx.Request:
+    """httpx auth: ``SYNTHQ_API_KEY`` on a request to a host ``SYNTHQ_ALLOWED_SERVERS``
+    allows (any host when it is empty), as the generation calls send it; none elsewhere."""
+    settings = get_settings()
+    if settings.sends_key_to(str(request.url)):
+        request.headers["Authorization"] = f"Bearer {settings.api_key}"
+    return request
+
+
 def _get(client: httpx.Client, url: str) -> Any:
     with client.stream("GET", url) as response:
         if response.status_code >= 400:
@@ -127,7 +136,7 @@ def check_answer(urls: list[str]) -> list[Engine]:
     does not answer. Every way a job gets capture servers asks this before the job stores
     them (`synthq capture --server`, `--capture-server` of `synthq enqueue` and `synthq
     run`, ``POST /api/jobs``): a dead URL is refused, not kept as the job's."""
-    with httpx.Client(timeout=httpx.Timeout(10.0)) as client:
+    with httpx.Client(timeout=httpx.Timeout(10.0), auth=server_key) as client:
         return [describe(client, url) for url in urls]
 
 
@@ -214,7 +223,7 @@ class Stage:
         settings = get_settings()
         self.timeout = settings.capture_timeout
         self.client = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0),
-                                   headers={"Authorization": f"Bearer {settings.api_key}"})
+                                   auth=server_key)
         #: Captures this process is running, and on which server.
         self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
         self.pool: ThreadPoolExecutor | None = None
