@@ -10,17 +10,19 @@ function's result: nothing is acknowledged before its commit. An idle writer
 commits at once and a busy one amortises the transaction over everything that
 finished meanwhile.
 
-On PostgreSQL two threads take batches from the one queue (``threads``), so an
-answer that arrives while a commit is under way starts its own at once instead
-of waiting for that one to end. A commit is a few milliseconds of CPU but five
-or more round trips to the database, and on a loaded machine each round trip
-waits for a core (the backend's and this thread's): measured at 2 CPU hogs on
-2 cores, a transaction took ~10 ms of wall time for ~2 ms of CPU, and the wait
-behind the previous commit was a third of an answer's whole wait
+On PostgreSQL a second thread helps (``threads``): once a commit has run for
+``HELP_AFTER`` (5 ms), what queued up meanwhile is committed by the helper instead
+of waiting for that commit to end. A commit shorter than that never wakes the
+helper, so batches stay whole where the machine is fast (splitting every batch
+between two threads cost 12-15 % of ``bench/throughput.py``). A commit is a few
+milliseconds of CPU but five or more round trips to the database, and on a loaded
+machine each round trip waits for a core (the backend's and this thread's): measured
+at 2 CPU hogs on 2 cores, a transaction took ~10 ms of wall time for ~2 ms of CPU,
+and the wait behind the previous commit was a third of an answer's whole wait
 (``bench/commit_wait.py``; the design's bound is 50 ms, and every answer not
-committed is paid for again after a ``kill -9``). Writes of one sample are
-never in two batches at once (each awaits its commit before the next), and two
-batches touch their rows as any two workers' do: each row is a compare-and-set.
+committed is paid for again after a ``kill -9``). Writes of one sample are never in
+two batches at once (each awaits its commit before the next), and two batches touch
+their rows as any two workers' do: each row is a compare-and-set.
 SQLite takes one writer at a time anyway (``BEGIN IMMEDIATE``): one thread there.
 
 A database outage does not drop answers in hand: the batch is retried with
@@ -84,7 +86,11 @@ def _resolve(future: Future[Any], result: Any = None, *,
 
 
 class Writer:
-    """One thread that commits batches of writes; :meth:`submit` from any thread."""
+    """One thread that commits batches of writes (and, on PostgreSQL, a second one that
+    helps while a commit runs long); :meth:`submit` from any thread."""
+
+    #: Seconds a commit runs before the helper commits what queued up meanwhile.
+    HELP_AFTER = 0.005
 
     def __init__(self, *, retry_seconds: float = 600.0, max_batch: int = 1000,
                  disk_full_level: int = logging.ERROR, threads: int | None = None) -> None:
@@ -104,8 +110,16 @@ class Writer:
         self._count_lock = threading.Lock()
         if threads is None:
             threads = 1 if _sqlite() else 2
-        self._threads = [threading.Thread(target=self._run, name=f"synthq-writer-{i}",
-                                          daemon=True) for i in range(max(1, threads))]
+        #: Commits under way, a count of those begun, set while one runs (for the helper).
+        self._busy = 0
+        self._busy_gen = 0
+        self._busy_lock = threading.Lock()
+        self._busy_event = threading.Event()
+        self._stop_help = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name="synthq-writer", daemon=True)]
+        if threads > 1:
+            self._threads.append(threading.Thread(target=self._help, name="synthq-writer-help",
+                                                  daemon=True))
         #: While the database's disk is full: the error's first line (writes wait in memory).
         self.disk_full: str | None = None
         self._abandoned = threading.Event()
@@ -144,8 +158,9 @@ class Writer:
 
     def close(self, timeout: float = 30.0) -> None:
         """Commit what is queued, then stop the threads."""
-        for _ in self._threads:
-            self._queue.put(None)
+        self._stop_help.set()
+        self._busy_event.set()  # wakes the helper, which then stops
+        self._queue.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -158,22 +173,66 @@ class Writer:
             first = self._queue.get()
             if first is None:
                 break
-            batch = [first]
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:  # this thread's stop: the others get their own
-                    stopping = True
-                    break
-                batch.append(item)
+            batch, stopping = self._drain([first])
+            with self._busy_lock:
+                self._busy += 1
+                self._busy_gen += 1
+                self._busy_event.set()
             try:
-                self._commit(batch)
-            except Exception as exc:  # a bug: fail this batch's writes, keep the thread
-                log.exception("writer: batch of %d writes failed", len(batch))
-                for _, future in batch:
-                    self._fail(future, exc)
+                self._commit_guarded(batch)
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+                    if not self._busy:
+                        self._busy_event.clear()
+
+    def _help(self) -> None:
+        """The second thread: while a commit has run for ``HELP_AFTER`` seconds, commit what
+        queued up meanwhile (it would wait for that commit to end). A commit shorter than
+        that (an idle or a fast machine) never wakes it: the batches stay whole."""
+        while not self._stop_help.is_set():
+            self._busy_event.wait()
+            if self._stop_help.is_set():
+                return
+            gen = self._busy_gen
+            time.sleep(self.HELP_AFTER)
+            with self._busy_lock:
+                still = self._busy and self._busy_gen == gen
+            if not still:
+                continue
+            try:
+                first = self._queue.get_nowait()
+            except queue.Empty:
+                time.sleep(self.HELP_AFTER)  # nothing waits: look again a moment later
+                continue
+            if first is None:  # the main thread's stop: hand it back
+                self._queue.put(None)
+                continue
+            batch, stopping = self._drain([first])
+            if stopping:
+                self._queue.put(None)
+            self._commit_guarded(batch)
+
+    def _drain(self, batch: list[tuple[Write, Future[Any]]]
+               ) -> tuple[list[tuple[Write, Future[Any]]], bool]:
+        """``batch`` plus whatever is queued (up to ``max_batch``); True when a stop came."""
+        while len(batch) < self.max_batch:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _commit_guarded(self, batch: list[tuple[Write, Future[Any]]]) -> None:
+        try:
+            self._commit(batch)
+        except Exception as exc:  # a bug: fail this batch's writes, keep the thread
+            log.exception("writer: batch of %d writes failed", len(batch))
+            for _, future in batch:
+                self._fail(future, exc)
 
     def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         deadline = time.monotonic() + self.retry_seconds
