@@ -22,6 +22,7 @@ Needs PostgreSQL's server binaries (``initdb``, ``pg_ctl``; run as the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -42,8 +43,8 @@ from synthq.testing.procs import REPO, Proc, free_port
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
            "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full",
-           "silent_worker",
-           "can_mount_tmpfs", "REQUIRES"]
+           "silent_worker", "postgres_half_open", "clock_skew", "faked", "LIBFAKETIME",
+           "has_libfaketime", "PG_HALF_OPEN_LIMITS", "can_mount_tmpfs", "REQUIRES"]
 
 
 
@@ -937,6 +938,133 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
                    "SIGCONT -> every sample done", stopped_s=stopped,
                    cut_calls=len(running), lost_rows=lost_rows,
                    worker_alive=victim.proc.poll() is None)
+
+
+# -- issue 24: half-open PostgreSQL, a skewed clock -----------------------------------------
+
+#: Small database limits for :func:`postgres_half_open`: a stranded answer is given up
+#: after 3 + 2 s, a stranded transaction is ended by the server after 3 s.
+PG_HALF_OPEN_LIMITS = {"SYNTHQ_DB_STATEMENT_TIMEOUT": "3", "SYNTHQ_DB_ANSWER_MARGIN": "2",
+                       "SYNTHQ_DB_LOCK_TIMEOUT": "2",
+                       "SYNTHQ_DB_IDLE_IN_TRANSACTION_TIMEOUT": "3"}
+
+
+def _hold_dispatch_lock(url: str) -> Any:
+    """A session like a worker's (the service limits) that takes the dispatch lock and
+    stays in its transaction: once stranded it is a dead session holding the lock."""
+    import psycopg
+
+    from synthq.db import pg_connect_args
+    from synthq.dispatch import _LOCK_KEY
+
+    conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
+                           **pg_connect_args(service=True))  # type: ignore[arg-type]
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+    return conn
+
+
+def postgres_half_open(cluster: Cluster, *, n: int = 80, limit: int = 8) -> Result:
+    """Issue 24 item 12: every connection of the worker and beat to PostgreSQL stranded
+    mid-run by a TCP proxy (:mod:`synthq.testing.halfopen`: no byte forwarded, nothing
+    closed, new connections pass), one of them holding the dispatch lock in an open
+    transaction. Before the fix the job froze for good.
+
+    Recovery: from the strand until more samples were done than the calls in flight
+    (target < 60 s). ``requests - n`` and ``doubled`` may reach the calls in flight.
+    """
+    from synthq.testing.halfopen import StrandingProxy
+
+    assert cluster.pg is not None
+    started = time.monotonic()
+    cluster.setenv(**PG_HALF_OPEN_LIMITS)
+    with StrandingProxy("127.0.0.1", cluster.pg.port) as proxy:
+        via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
+        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+        job_id = create_job(prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
+        cluster.worker(concurrency=limit, **via)
+        cluster.beat(**via)
+        wait_until(lambda: counts(job_id)["done"] >= 15, 90, "15 samples done",
+                   logs=cluster.logs)
+        holder = _hold_dispatch_lock(via["SYNTHQ_DATABASE_URL"])
+        stranded = proxy.strand()
+        at = time.monotonic()
+        before = counts(job_id)["done"]
+        moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
+                           60, "the job to move again after the strand", interval=0.2,
+                           logs=cluster.logs)
+        wait_until(lambda: counts(job_id)["done"] >= n, 120, "every sample done",
+                   interval=0.25, logs=cluster.logs)
+        requests = sim.stats()["requests"]
+        del holder  # its socket is stranded; the proxy's close ends it
+    return _result("postgres_half_open", job_id, n, requests, started, moved - at,
+                   "strand -> more done than the calls in flight", stranded=stranded,
+                   limit=limit)
+
+
+#: libfaketime's multi-threaded library (Debian's ``faketime`` package), or None.
+LIBFAKETIME = next((p for p in (Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"),
+                                Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"),
+                                Path("/usr/lib/faketime/libfaketimeMT.so.1")) if p.exists()),
+                   None)
+
+
+def faked(offset: str) -> dict[str, str]:
+    """The environment that runs a process with its wall clock moved by ``offset``
+    (``-120s``; monotonic time stays true: durations are measured right)."""
+    return {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": offset,
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_DONT_RESET": "1"}
+
+
+def has_libfaketime() -> str | None:
+    """Why the skewed-clock scenario cannot run here, or None."""
+    return None if LIBFAKETIME else "libfaketime is not installed (apt-get install faketime)"
+
+
+def clock_skew(cluster: Cluster, *, offset: str = "-120s", n: int = 96,
+               limit: int = 16) -> Result:
+    """Issue 24 item 14: a real worker whose wall clock is ``offset`` off (libfaketime)
+    beside a worker and beat on the true time; every 4th prompt fails its first call, so
+    retries are due too. Before the fix its heartbeats looked dead at once and its leases
+    expired as it took them: 57 answers paid twice, 22 in flight against a limit of 16.
+
+    Figures: ``skew_s`` (what a faked process reads, minus the true time),
+    ``planned_errors``, ``max_active`` (the server's peak in flight; must be <= ``limit``),
+    ``prompt_max_calls``, and what ``synthq status --json`` says of the workers
+    (``status_skews``, ``status_warnings``). Recovery: the job's duration.
+    """
+    check = subprocess.run([sys.executable, "-c", "import time; print(time.time())"],
+                           env=cluster.child_env(**faked(offset)), capture_output=True,
+                           text=True, check=True)
+    skew = float(check.stdout) - time.time()
+    started = time.monotonic()
+    sim = cluster.simulator("--latency", "0.4", "--capacity", "64")
+    texts = [p + (" [[sim:error*1]]" if i % 4 == 0 else "")
+             for i, p in enumerate(prompts(n, "skew"))]
+    job_id = create_job(texts, [sim.url], inflight_limit=limit)
+    cluster.worker(concurrency=limit // 2, name="skewed", **faked(offset))
+    cluster.worker(concurrency=limit // 2, name="true")
+    cluster.wait_workers(2)
+    cluster.beat()
+    _poll_done(cluster, job_id, n, 120)
+    took = time.monotonic() - started
+    stats = sim.stats()
+    status = subprocess.run([sys.executable, "-m", "synthq.cli", "status", str(job_id),
+                             "--json"], env=cluster.child_env(), capture_output=True,
+                            text=True, timeout=60)
+    try:
+        data = json.loads(status.stdout)
+    except ValueError:
+        data = {"workers": [], "warnings": [f"status failed: {status.stderr[-300:]}"]}
+    planned = sum(stats["faults"].values())
+    # The planned errors are paid calls by design: only the rest counts as extra.
+    result = _result("clock_skew", job_id, n, stats["requests"] - planned, started, took,
+                     "the job's duration", offset=offset, skew_s=round(skew, 1),
+                     planned_errors=planned, max_active=stats["max_active"], limit=limit,
+                     prompt_max_calls=max(stats["prompts"].values()))
+    result.figures["status_skews"] = {w["name"]: w.get("clock_skew_s")
+                                      for w in data.get("workers", [])}
+    result.figures["status_warnings"] = list(data.get("warnings", []))
+    return result
 
 
 def can_mount_tmpfs() -> str | None:

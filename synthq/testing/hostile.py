@@ -12,20 +12,29 @@ thread (tests) or a process (``python -m synthq.testing.hostile``):
   non-streamed answer of any shape (``document``);
 * answers carrying a reasoning of any size (``reasoning_bytes``).
 
-It counts the chat calls it gets and the size of each request body.
+It counts the chat calls it gets and the size of each request body (``GET
+/hostile/stats`` from another process). :class:`HostileProcess` runs it as a
+process of its own and :func:`run_measured` runs a command with its peak RSS:
+the e2e tests and ``scripts/check_hostile.py`` share them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Script", "Hostile", "GOOD_CHUNKS", "main"]
+from synthq.testing.procs import REPO, Proc, free_port
+
+__all__ = ["Script", "Hostile", "GOOD_CHUNKS", "MALFORMED", "HostileProcess", "run_measured",
+           "main"]
 
 #: A well-formed answer: role, two words, the finish, the usage.
 GOOD_CHUNKS: list[Any] = [
@@ -34,6 +43,31 @@ GOOD_CHUNKS: list[Any] = [
     {"choices": [{"index": 0, "delta": {"content": " hostile"}, "finish_reason": "stop"}]},
     {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}},
 ]
+
+#: Stream chunks of the wrong shape (issue 24, item 3), each sent before GOOD_CHUNKS:
+#: before the fix each raised in the worker and was retried at once, for ever.
+MALFORMED: dict[str, list[Any]] = {
+    "delta-str": [{"choices": [{"index": 0, "delta": "str"}]}],
+    "choices-items": [{"choices": ["str", 5]}],
+    "choices-object": [{"choices": {"index": 0}}],
+    "content-number": [{"choices": [{"index": 0, "delta": {"content": 5}}]}],
+    "content-list": [{"choices": [{"index": 0, "delta": {"content": ["a"]}}]}],
+    "reasoning-object": [{"choices": [{"index": 0, "delta": {"reasoning_content": {"a": 1}}}]}],
+    "tool-index-list": [{"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": [1], "function": {"name": "f"}}]}}]}],
+    "tool-function-str": [{"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": "f"}]}}]}],
+    "tool-calls-object": [{"choices": [{"index": 0, "delta": {"tool_calls": {"index": 0}}}]}],
+    "tool-arguments-number": [{"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "c", "function": {"name": "f", "arguments": 7}}]}}]}],
+    "token-ids-str": [{"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": "ab"}]}],
+    "token-ids-huge": [{"choices": [{"index": 0, "delta": {"content": "a"},
+                                     "token_ids": [1 << 40]}]}],
+    "finish-number": [{"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": 7}]}],
+    "finish-long": [{"choices": [{"index": 0, "delta": {"content": "a"},
+                                  "finish_reason": "s" * 200}]}],
+    "prompt-ids-object": [{"prompt_token_ids": {"a": 1}, "choices": []}],
+}
 
 _FILLER = b"x" * (64 << 10)
 
@@ -118,6 +152,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/v1/models":
             data = [{"id": m, "object": "model"} for m in script.models]
             self._send(200, json.dumps({"object": "list", "data": data}).encode())
+        elif path == "/hostile/stats":  # for a test or check in another process
+            self._send(200, json.dumps({"calls": self.hostile.calls,
+                                        "request_sizes": self.hostile.request_sizes}).encode())
         elif path == "/metrics":
             self._send(200, b"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n",
                        "text/plain")
@@ -190,6 +227,57 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
         self.close_connection = True
+
+
+class HostileProcess(Proc):
+    """``python -m synthq.testing.hostile`` on a free port, in its own process group (so a
+    3 GB body is not written by the process that measures the client); ``args`` as
+    :func:`main` takes them."""
+
+    def __init__(self, log_path: Path, env: dict[str, str], *args: str,
+                 timeout: float = 20.0) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base_url}/v1"
+        super().__init__([sys.executable, "-m", "synthq.testing.hostile", "--port",
+                          str(self.port), *args], env, log_path, name="hostile")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the hostile server exited: {self.log()[-2000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the hostile server did not start: {self.log()[-2000:]}")
+            time.sleep(0.1)
+
+    def calls(self) -> int:
+        """Chat calls the server has had."""
+        import httpx
+
+        return int(httpx.get(f"{self.base_url}/hostile/stats", timeout=5).json()["calls"])
+
+
+#: Runs a command and prints the peak RSS of its process tree (KiB) as the last line.
+_PEAK = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
+def run_measured(cmd: list[str], env: dict[str, str],
+                 timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``cmd`` (from the repository root) to its end; its result (the peak line taken
+    off its stdout) and the peak RSS of its process tree in MB."""
+    done = subprocess.run([sys.executable, "-c", _PEAK, *cmd], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.rstrip("\n").split("\n")
+    peak_mb = int(lines[-1]) / 1024 if lines and lines[-1].strip().isdigit() else float("nan")
+    done.stdout = "\n".join(lines[:-1]) + "\n"
+    return done, peak_mb
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,9 +7,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
-__all__ = ["REPO", "free_port", "Proc"]
+__all__ = ["REPO", "free_port", "Proc", "ApiServer"]
 
 #: The repository root (the working directory of every process started here).
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +69,28 @@ class Proc:
             self.proc.wait(5)
         if not self._log.closed:
             self._log.close()
+
+
+class ApiServer(Proc):
+    """``synthq api`` on a free port (``env`` holds its settings, ``SYNTHQ_API_TOKEN``
+    among them); returns once ``/health`` answers."""
+
+    def __init__(self, log_path: Path, env: dict[str, str], timeout: float = 30.0) -> None:
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)],
+                         env, log_path, name="api")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"synthq api died: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"synthq api did not start: {self.log()}")
+            time.sleep(0.1)

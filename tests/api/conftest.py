@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from support import Proc, child_env, free_port
+from support import child_env
+
+from synthq.testing import procs
 
 #: The token the tests' API runs with (not the .env.example placeholder).
 TOKEN = "test-token-5f0c2a9b7e41d3c8a6"
@@ -55,26 +54,11 @@ def client(api_env: str) -> Iterator[Any]:
         yield c
 
 
-class ApiServer(Proc):
+class ApiServer(procs.ApiServer):
     """`synthq api` in a subprocess on a free port, its output in a log file."""
 
     def __init__(self, log_path: Path, **env: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)],
-                         child_env(SYNTHQ_API_TOKEN=TOKEN, **env), log_path, name="api")
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"synthq api died: {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"synthq api did not start: {self.log()}")
-            time.sleep(0.1)
+        super().__init__(log_path, child_env(SYNTHQ_API_TOKEN=TOKEN, **env))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Half-open connections (issue 24, items 12-13): a TCP proxy of the test's own
-(:mod:`halfopen`) between the processes and PostgreSQL or Redis strands every
+(:mod:`synthq.testing.halfopen`) between the processes and PostgreSQL or Redis strands every
 connection open at one moment (no byte forwarded, nothing closed) while new ones
 pass. Before the fix the job froze for good: each thread waited forever on a socket
 whose peer still acknowledged every packet, and a dead session "idle in transaction"
@@ -15,65 +15,23 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from halfopen import StrandingProxy
 
 from synthq.testing import chaos
+from synthq.testing.halfopen import StrandingProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-
-#: Small database limits: a stranded answer is given up after 3 + 2 s, a stranded
-#: transaction is ended by the server after 3 s.
-PG_LIMITS = {"SYNTHQ_DB_STATEMENT_TIMEOUT": "3", "SYNTHQ_DB_ANSWER_MARGIN": "2",
-             "SYNTHQ_DB_LOCK_TIMEOUT": "2", "SYNTHQ_DB_IDLE_IN_TRANSACTION_TIMEOUT": "3"}
-
-
-def _hold_dispatch_lock(url: str) -> object:
-    """A session like a worker's (the service limits) that takes the dispatch lock and
-    stays in its transaction: once stranded it is a dead session holding the lock."""
-    import psycopg
-
-    from synthq.db import pg_connect_args
-    from synthq.dispatch import _LOCK_KEY
-
-    conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
-                           **pg_connect_args(service=True))  # type: ignore[arg-type]
-    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-    return conn
-
 
 def test_postgres_half_open(cluster: chaos.Cluster) -> None:
     """Every connection of the worker and beat to PostgreSQL stranded mid-run, one of
     them holding the dispatch lock in an open transaction: the job moves again within
-    60 s and finishes, nothing lost, no answer paid twice beyond the calls in flight."""
-    assert cluster.pg is not None
-    n, limit = 80, 8
-    cluster.setenv(**PG_LIMITS)
-    with StrandingProxy("127.0.0.1", cluster.pg.port) as proxy:
-        via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
-        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-        job_id = chaos.create_job(chaos.prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
-        cluster.worker(concurrency=limit, **via)
-        cluster.beat(**via)
-        chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= 15, 90, "15 samples done",
-                         logs=cluster.logs)
-        holder = _hold_dispatch_lock(via["SYNTHQ_DATABASE_URL"])
-        stranded = proxy.strand()
-        at = time.monotonic()
-        before = chaos.counts(job_id)["done"]
-        moved = chaos.wait_until(
-            lambda: chaos.counts(job_id)["done"] > before + limit and time.monotonic(), 60,
-            "the job to move again after the strand", interval=0.2, logs=cluster.logs)
-        chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= n, 120, "every sample done",
-                         interval=0.25, logs=cluster.logs)
-        requests = sim.stats()["requests"]
-        del holder  # its socket is stranded; the proxy's close ends it
-    doubled = sum(1 for v in chaos.ok_calls_per_sample(job_id).values() if v > 1)
-    print(f"\npostgres half-open: {stranded} connections stranded; moved again after "
-          f"{moved - at:.1f} s; requests {requests} for {n} samples; doubled {doubled}")
-    assert stranded >= 2  # the worker's and beat's, and the lock holder's
-    assert chaos.counts(job_id)["done"] == n
-    assert moved - at < 60
-    assert doubled <= limit and requests - n <= limit
+    60 s and finishes, nothing lost, no answer paid twice beyond the calls in flight
+    (:func:`synthq.testing.chaos.postgres_half_open`, also run by scripts/check_hostile.py)."""
+    r = chaos.postgres_half_open(cluster)
+    print(f"\n{r.line()}")
+    assert r.figures["stranded"] >= 2  # the worker's and beat's, and the lock holder's
+    assert r.lost == 0
+    assert r.recovery_s < 60
+    assert r.doubled <= r.figures["limit"] and r.extra_requests <= r.figures["limit"]
 
 
 #: Small broker limits: a command waits 2 s for its answer, a silent BRPOP connection

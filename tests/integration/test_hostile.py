@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from synthq.db import session_scope
 from synthq.models import Attempt, Sample
-from synthq.testing.hostile import GOOD_CHUNKS, Hostile, Script
+from synthq.testing.hostile import GOOD_CHUNKS, MALFORMED, Hostile, Script
 
 pytestmark = pytest.mark.integration
 
@@ -127,30 +127,6 @@ def test_the_bounded_read_keeps_a_whole_small_body(hostile: Callable[..., Hostil
 
 
 # -- 3. stream chunks of the wrong shape ------------------------------------------------------
-
-MALFORMED = {
-    "delta-str": [{"choices": [{"index": 0, "delta": "str"}]}],
-    "choices-items": [{"choices": ["str", 5]}],
-    "choices-object": [{"choices": {"index": 0}}],
-    "content-number": [{"choices": [{"index": 0, "delta": {"content": 5}}]}],
-    "content-list": [{"choices": [{"index": 0, "delta": {"content": ["a"]}}]}],
-    "reasoning-object": [{"choices": [{"index": 0, "delta": {"reasoning_content": {"a": 1}}}]}],
-    "tool-index-list": [{"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": [1], "function": {"name": "f"}}]}}]}],
-    "tool-function-str": [{"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "function": "f"}]}}]}],
-    "tool-calls-object": [{"choices": [{"index": 0, "delta": {"tool_calls": {"index": 0}}}]}],
-    "tool-arguments-number": [{"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "c", "function": {"name": "f", "arguments": 7}}]}}]}],
-    "token-ids-str": [{"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": "ab"}]}],
-    "token-ids-huge": [{"choices": [{"index": 0, "delta": {"content": "a"},
-                                     "token_ids": [1 << 40]}]}],
-    "finish-number": [{"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": 7}]}],
-    "finish-long": [{"choices": [{"index": 0, "delta": {"content": "a"},
-                                  "finish_reason": "s" * 200}]}],
-    "prompt-ids-object": [{"prompt_token_ids": {"a": 1}, "choices": []}],
-}
-
 
 @pytest.mark.parametrize("shape", list(MALFORMED))
 def test_a_chunk_of_the_wrong_shape_is_a_server_error_within_its_attempts(

@@ -61,8 +61,10 @@ class StrandingProxy:
             return
         conn.writers = [writer, up_writer]
         self._conns.append(conn)
-        await asyncio.gather(self._pump(reader, up_writer, conn),
-                             self._pump(up_reader, writer, conn), return_exceptions=True)
+        # Cancelled at close(): ended quietly (asyncio would log the cancelled handler).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(self._pump(reader, up_writer, conn),
+                                 self._pump(up_reader, writer, conn), return_exceptions=True)
 
     @staticmethod
     async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, conn: _Conn) -> None:
