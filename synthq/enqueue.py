@@ -268,7 +268,8 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
             f"job {spec.name!r} was created by a newer synthq (key version {job.key_version}; "
             f"this one knows up to {KEY_VERSION}): upgrade synthq to add rows to it")
     # The settings that may change on an existing job: how to run it, not what it makes.
-    changed = [k for k in jobspec.OPERATIONAL if getattr(job, k) != getattr(spec, k)]
+    changed = [k for k in jobspec.OPERATIONAL if getattr(job, k) != getattr(spec, k)
+               and not (jobspec.kept_when_omitted(k) and not getattr(spec, k))]
     described = [safe_url(f"{k} {getattr(job, k)!r} -> {getattr(spec, k)!r}") for k in changed]
     states.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
     return job, False, described

@@ -92,6 +92,9 @@ class Setting:
     #: How the job runs, not what it makes: enqueueing the job again with another value
     #: changes it on the job (synthq.enqueue.get_or_create_job).
     operational: bool = False
+    #: With ``operational``: enqueueing the job again without the setting (an empty
+    #: value) keeps the job's, rather than clearing what ``synthq capture`` set.
+    kept_when_omitted: bool = False
 
     @property
     def flag(self) -> str:
@@ -243,7 +246,8 @@ SETTINGS: tuple[Setting, ...] = (
             "with extract_hidden_states and synthq's connector; each done sample's hidden "
             "states are captured there (the stage `synthq capture` runs alone). Repeat for "
             "several. Each must answer before the job stores it.",
-            flags=("--capture-server",), cli="list", urls=True, operational=True),
+            flags=("--capture-server",), cli="list", urls=True, operational=True,
+            kept_when_omitted=True),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -466,6 +470,12 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
 
 #: The job columns of the operational settings: what enqueueing a job again may change
 #: (``--inflight`` stands for the three columns of :func:`inflight_settings`).
+def kept_when_omitted(key: str) -> bool:
+    """Whether an empty value of the stored setting ``key`` keeps the job's on re-enqueue."""
+    s = setting_for_key(key)
+    return s is not None and s.kept_when_omitted
+
+
 OPERATIONAL: tuple[str, ...] = tuple(
     key for s in SETTINGS if s.operational
     for key in (inflight_settings("auto") if s.name == "inflight" else [s.key]))

@@ -98,3 +98,10 @@ def test_a_capture_server_that_answers_is_stored_and_status_shows_the_stage(
     assert json.loads(again)["updated_settings"] == [
         f"capture_servers ['{sim.url.replace('http://', 'http://user:***@')}'] -> "
         f"['{sim.url}']"]
+    # Without --capture-server the job keeps the ones it has.
+    kept = run_cli("enqueue", "-d", str(data), "-s", sim.url, "-m", "sim-model", "--job",
+                   "cap", "--json").stdout
+    assert json.loads(kept)["updated_settings"] == []
+    with session_scope() as s:
+        assert s.scalars(select(Job.capture_servers).where(Job.name == "cap")).one() == \
+            [sim.url]
