@@ -51,6 +51,7 @@ from synthq.training.checkpoint import (
 )
 from synthq.training.config import TrainConfig
 from synthq.training.data import (
+    Example,
     FeatureCache,
     Prefetcher,
     TargetFeatures,
@@ -319,13 +320,92 @@ def _lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
     return f
 
 
-def _prepare_data(ctx: _Ctx, run: dict[str, Any], cfg: TrainConfig) -> Path:
+# --- one run on one rank, top to bottom ----------------------------------------------------
+
+
+def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
+           say: Callable[[str], None] | None, on_eval: EvalProgress | None = None) -> None:
+    """This rank's part of run ``ctx.run_id``, each step a function below, in this order.
+    Rank 0 also writes the progress, the checkpoints and the final drafter."""
+    run, cfg = _load_run(ctx)
+    notice = _notice(ctx, say)
+    examples, held_out = _split(ctx, run, cfg, notice)
+    device = _device()
+    target = _target(run, cfg, ctx.world, device)
+    draft_ids, d2t, t2d = draft_vocab(examples, cfg.draft_vocab_size, target.config.vocab_size)
+    head = draft_head(target, draft_ids).to(device)  # [V, H] frozen target lm_head rows
+    ctx.write()
+    opt = _build(target, draft_ids, d2t, t2d, cfg, len(examples), ctx.world, device)
+    progress = _resume(ctx, run, cfg, opt, device)
+    # The offline cache may free the target here (nothing else needs it): rebound, not kept.
+    cache, target = _features(ctx, run, cfg, target, examples, held_out, notice)
+    evaluate = _Evaluation(ctx, cfg, run.target, target, opt.drafter, held_out, notice, on_eval)
+    loop = _Loop(ctx, cfg, run, opt, examples, cache, target, head, device)
+    _steps(loop, progress, evaluate, on_step)
+    if ctx.rank != 0:
+        return
+    _finish(loop, progress, evaluate, on_step)
+
+
+@dataclass
+class _Run:
+    """What training reads of the run's row, once at the start."""
+
+    id: int
+    job_id: int
+    job: str  # the job's name (plot titles)
+    out: Path  # the run's output directory
+    target: str  # the target model's path
+    metrics: list[dict[str, Any]]  # the records logged so far (a resumed run has some)
+
+    @property
+    def title(self) -> str:
+        return f"run {self.id} ({self.job})"
+
+
+def _load_run(ctx: _Ctx) -> tuple[_Run, TrainConfig]:
+    """The run's row and its checked config; makes the output directory, seeds torch."""
+    with session_scope() as s:
+        row = s.get(TrainingRun, ctx.run_id)
+        assert row is not None
+        job = s.get(Job, row.job_id)
+        run = _Run(ctx.run_id, row.job_id, job.name if job else str(row.job_id),
+                   Path(row.output_dir), row.target, list(row.metrics or []))
+        settings = row.settings
+    cfg = TrainConfig.from_dict(settings)
+    cfg.check()
+    run.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    return run, cfg
+
+
+def _notice(ctx: _Ctx, say: Callable[[str], None] | None) -> Callable[[str], None]:
+    """A notice of the run: to the log on every rank, to ``say`` on rank 0."""
+    def notice(line: str) -> None:
+        log.info("training run %d: %s", ctx.run_id, line)
+        if say is not None and ctx.rank == 0:
+            say(line)
+    return notice
+
+
+def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
+           notice: Callable[[str], None]) -> tuple[list[Example], list[Example]]:
+    """The job's examples (exported once), split into (trained on, held out)."""
+    every = load_examples(_prepare_data(ctx, run), cfg.max_len)
+    examples, held_out = split_eval(every, cfg.eval_fraction, cfg.seed)
+    if held_out:
+        notice(f"{len(held_out)} of {len(every)} examples held out for evaluation "
+               f"(never trained on)")
+    return examples, held_out
+
+
+def _prepare_data(ctx: _Ctx, run: _Run) -> Path:
     """The job's examples exported into OUT/data once (reused when resuming)."""
     from synthq.export import export_job
 
-    data = Path(run["output_dir"]) / "data"
+    data = run.out / "data"
     if ctx.rank == 0 and not (data / "manifest.json").is_file():
-        export_job(run["job_id"], data, fmt="parquet", include_truncated=True,
+        export_job(run.job_id, data, fmt="parquet", include_truncated=True,
                    allow_stale=True)
     if ctx.world > 1:  # every rank, whoever saw the manifest first (else rank 0 waits forever)
         import torch.distributed as dist
@@ -334,46 +414,40 @@ def _prepare_data(ctx: _Ctx, run: dict[str, Any], cfg: TrainConfig) -> Path:
     return data
 
 
-def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
-           say: Callable[[str], None] | None, on_eval: EvalProgress | None = None) -> None:
-    with session_scope() as s:
-        row = s.get(TrainingRun, ctx.run_id)
-        assert row is not None
-        job = s.get(Job, row.job_id)
-        run: dict[str, Any] = {"job_id": row.job_id, "job": job.name if job else str(row.job_id),
-               "output_dir": row.output_dir, "target": row.target, "settings": row.settings,
-               "metrics": list(row.metrics or [])}
-    cfg = TrainConfig.from_dict(run["settings"])
-    cfg.check()
-    out = Path(run["output_dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+def _device() -> torch.device:
+    """This rank's GPU (LOCAL_RANK) with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    return torch.device("cpu")
 
-    def notice(line: str) -> None:
-        log.info("training run %d: %s", ctx.run_id, line)
-        if say is not None and ctx.rank == 0:
-            say(line)
 
-    every = load_examples(_prepare_data(ctx, run, cfg), cfg.max_len)
-    examples, held_out = split_eval(every, cfg.eval_fraction, cfg.seed)
-    if held_out:
-        notice(f"{len(held_out)} of {len(every)} examples held out for evaluation "
-               f"(never trained on)")
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+def _target(run: _Run, cfg: TrainConfig, world: int, device: torch.device) -> Any:
+    """The target: whole, or only its head for ``--features captured``."""
     if cfg.hidden_states == "captured":
         # The engine computed the features: of the target, only its embeddings, final
         # norm and lm_head are loaded (synthq.training.captured).
         from synthq.training.captured import load_target_head
 
-        target: Any = load_target_head(run["target"])
-    else:
-        target = load_target(run["target"], device if ctx.world > 1 else None)
-    vocab_size = target.config.vocab_size
-    draft_ids, d2t, t2d = draft_vocab(examples, cfg.draft_vocab_size, vocab_size)
-    head = draft_head(target, draft_ids).to(device)  # [V, H] frozen target lm_head rows
-    ctx.write()
+        return load_target_head(run.target)
+    return load_target(run.target, device if world > 1 else None)
 
+
+@dataclass
+class _Optimization:
+    """The drafter and what steps it: made by :func:`_build`, restored by :func:`_resume`."""
+
+    drafter: Eagle3Drafter
+    params: list[torch.nn.Parameter]  # the trained ones (the embeddings stay frozen)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    per_epoch: int  # optimizer steps per epoch (a batch of batch_size per rank)
+    total: int  # optimizer steps in all (epochs, or max_steps when fewer)
+
+
+def _build(target: Any, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+           cfg: TrainConfig, n_examples: int, world: int,
+           device: torch.device) -> _Optimization:
+    """A drafter initialised from the target, AdamW, and warmup-then-cosine over the run."""
     drafter = Eagle3Drafter(DraftConfig.from_target(target.config, len(draft_ids)))
     drafter.init_from_target(target, draft_ids)
     drafter.d2t.copy_(d2t)
@@ -381,162 +455,107 @@ def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
     drafter.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(examples) / (cfg.batch_size * ctx.world))
+    per_epoch = math.ceil(n_examples / (cfg.batch_size * world))
     total = per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total, max(1, int(cfg.warmup_ratio * total))))
+    return _Optimization(drafter, params, optimizer, scheduler, per_epoch, total)
 
-    ckpts = out / "checkpoints"
+
+@dataclass
+class _Progress:
+    """What the steps change: the step count, the records, the window being averaged."""
+
+    step: int
+    metrics: list[dict[str, Any]]
+    window: dict[str, Any]  # sums since the last record (:func:`_window`)
+    eval_accept: float | None = None  # the latest held-out acceptance length
+
+
+def _resume(ctx: _Ctx, run: _Run, cfg: TrainConfig, opt: _Optimization,
+            device: torch.device) -> _Progress:
+    """From the latest checkpoint, if any: weights, optimizer moments, schedule, step; the
+    records after that step are dropped (they are trained again)."""
     step = 0
-    metrics: list[dict[str, Any]] = run["metrics"]
-    last = latest_state(ckpts)
-    if last is not None:  # resume: weights, optimizer moments, schedule, step
+    metrics = run.metrics
+    last = latest_state(run.out / "checkpoints")
+    if last is not None:
         state = torch.load(last / "state.pt", map_location=device, weights_only=False)
-        drafter.load_state_dict(state["drafter"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        opt.drafter.load_state_dict(state["drafter"], strict=False)
+        opt.optimizer.load_state_dict(state["optimizer"])
+        opt.scheduler.load_state_dict(state["scheduler"])
         step = int(state["step"])
         metrics = [m for m in metrics if m["step"] <= step]
         log.info("training run %d: resuming from %s (step %d)", ctx.run_id, last, step)
-    ctx.write(total_steps=total, resumed_from=step, step=step, metrics=metrics,
+    ctx.write(total_steps=opt.total, resumed_from=step, step=step, metrics=metrics,
               **({"checkpoint": str(last)} if last else {}))
+    return _Progress(step, metrics, _window(cfg.ttt_steps))
 
-    cache: FeatureCache | None = None
+
+def _features(ctx: _Ctx, run: _Run, cfg: TrainConfig, target: Any, examples: list[Example],
+              held_out: list[Example], notice: Callable[[str], None],
+              ) -> tuple[FeatureCache | None, Any]:
+    """Where each batch's target features come from: (cache, target). The engine's captured
+    hidden states, or an offline cache computed now (this rank's share), or none (online:
+    the target runs in every step). The target comes back None when the offline cache
+    replaces it and no evaluation needs it."""
     if cfg.hidden_states == "captured":
         from synthq.capture.plan import drafter_layers
         from synthq.training.captured import CapturedFeatures, captured_paths
 
         layers = drafter_layers(target.config.num_hidden_layers)
-        cache = CapturedFeatures(captured_paths(run["job_id"], layers), target)
+        cache: FeatureCache = CapturedFeatures(captured_paths(run.job_id, layers), target)
         mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
         cache.fill(None, mine)
         notice(f"features: {len(mine)} examples' captured hidden states (layers {layers})")
-    elif cfg.hidden_states == "offline":
-        cache = FeatureCache(out / "cache")
+        return cache, target
+    if cfg.hidden_states == "offline":
+        cache = FeatureCache(run.out / "cache")
         mine = [ex for i, ex in enumerate(examples) if i % ctx.world == ctx.rank]
         cache.fill(target, mine, heartbeat=ctx.check, say=notice)
         if ctx.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
-        if not held_out:  # the cache replaces it: free its memory for training
-            del target
-            target = None
+        # Without a held-out split the cache replaces the target: the caller drops it,
+        # freeing its memory for training.
+        return cache, (target if held_out else None)
+    return None, target
 
-    def evaluate(at: int) -> float | None:
-        """Served acceptance on the held-out split (rank 0), stored in SQL and metrics."""
-        if not held_out or ctx.rank != 0:
+
+class _Evaluation:
+    """The served acceptance length on the held-out split: ``evaluation(step)`` on rank 0
+    returns it (and says it), elsewhere or with no held-out split None."""
+
+    def __init__(self, ctx: _Ctx, cfg: TrainConfig, target_path: str, target: Any,
+                 drafter: Eagle3Drafter, held_out: list[Example],
+                 notice: Callable[[str], None], on_eval: EvalProgress | None) -> None:
+        self.ctx, self.cfg, self.target_path, self.target = ctx, cfg, target_path, target
+        self.drafter, self.held_out, self.notice, self.on_eval = drafter, held_out, notice, on_eval
+
+    def __call__(self, at: int) -> float | None:
+        if not self.held_out or self.ctx.rank != 0:
             return None
         from synthq.training.speculate import acceptance_length
 
-        t0 = time.perf_counter()
-        drafter.eval()
-        judge = target
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.drafter.eval()
+        judge = self.target
         if cfg.hidden_states == "captured":
             # The features came from the engine; judging needs the whole target, loaded
             # for the evaluation only (use --eval-fraction 0 for one no process can load,
             # and measure the served acceptance with the engine instead).
-            judge = load_target(run["target"])
-        result = acceptance_length(judge, drafter, held_out, cfg.eval_draft_tokens,
-                                   max_new=cfg.eval_max_new, heartbeat=ctx.check,
-                                   progress=_eval_progress(ctx.run_id, at, on_eval))
-        drafter.train()
-        notice(f"step {at}: eval acceptance length {result.mean:.3f} "
-               f"({cfg.eval_draft_tokens} draft tokens, {result.rounds} verify rounds on "
-               f"{len(held_out)} held-out prompts, {time.perf_counter() - t0:.1f} s)")
+            judge = load_target(self.target_path)
+        result = acceptance_length(judge, self.drafter, self.held_out, cfg.eval_draft_tokens,
+                                   max_new=cfg.eval_max_new, heartbeat=self.ctx.check,
+                                   progress=_eval_progress(self.ctx.run_id, at, self.on_eval))
+        self.drafter.train()
+        self.notice(f"step {at}: eval acceptance length {result.mean:.3f} "
+                    f"({cfg.eval_draft_tokens} draft tokens, {result.rounds} verify rounds on "
+                    f"{len(self.held_out)} held-out prompts, {time.perf_counter() - t0:.1f} s)")
         return result.mean
-
-    model: torch.nn.Module = drafter
-    if ctx.world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(drafter, device_ids=[device.index] if cuda else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else _nullcontext()
-    d2t_ids = drafter.draft_to_target
-    t2d_dev = drafter.t2d
-    window: dict[str, Any] = _window(cfg.ttt_steps)
-    eval_accept: float | None = None
-    drafter.train()
-    while step < total:
-        epoch, skip = divmod(step, per_epoch)
-        order = batches(examples, cfg.batch_size * ctx.world, cfg.seed, epoch)
-        mine_order = [b[ctx.rank::ctx.world] or b[:1] for b in order]
-        prefetch = Prefetcher(cache, examples, mine_order[skip:]) if cache is not None else None
-        try:
-            for j, idx in enumerate(mine_order[skip:]):
-                if step >= total:
-                    break
-                ids, loss_mask, valid = collate(examples, idx)
-                t0 = time.perf_counter()
-                if prefetch is not None:
-                    feats = prefetch.get(j, ids.shape[1])
-                else:
-                    feats = target_features(target, ids)
-                t1 = time.perf_counter()
-                with autocast:
-                    logits = model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
-                    loss, stats = ttt_loss(logits, feats, loss_mask, d2t_ids, cfg.ttt_decay,
-                                           head, t2d_dev)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                _accumulate(window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
-                            time.perf_counter() - t1)
-                evaluated = None
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                    evaluated = evaluate(step)
-                if step % cfg.log_every == 0 or step == total or evaluated is not None:
-                    record = _record(window, step, float(scheduler.get_last_lr()[0]))
-                    if evaluated is not None:
-                        record["eval_accept"] = eval_accept = evaluated
-                    metrics.append(record)
-                    window = _window(cfg.ttt_steps)
-                    if on_step:
-                        on_step(step, record)
-                    ctx.write(step=step, metrics=metrics,
-                              **({"eval_acceptance_length": evaluated}
-                                 if evaluated is not None else {}))
-                if ctx.lost.is_set():
-                    raise _Lost()
-                # The last step too, before the final evaluation: a run stopped during
-                # it resumes there instead of redoing the steps since the last save.
-                if (step % cfg.save_every == 0 or step == total) and ctx.rank == 0:
-                    path = save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
-                                      {"run_id": ctx.run_id})
-                    prune_states(ckpts, cfg.keep_checkpoints)
-                    plot_metrics(metrics, out / "metrics.png", f"run {ctx.run_id} ({run['job']})")
-                    ctx.write(step=step, checkpoint=str(path), metrics=metrics)
-        finally:
-            if prefetch is not None:
-                prefetch.close()
-    if ctx.rank != 0:
-        return
-    final_accept = evaluate(step)
-    if final_accept is not None:
-        eval_accept = final_accept
-        if metrics and metrics[-1]["step"] == step:
-            metrics[-1]["eval_accept"] = final_accept
-        if on_step and metrics:
-            on_step(step, metrics[-1])
-    if not (ckpts / f"{STEP_PREFIX}{step:08d}").is_dir():  # e.g. a run of 0 steps
-        save_state(ckpts, step, drafter, optimizer, scheduler, cfg.to_dict(),
-                   {"run_id": ctx.run_id})
-        prune_states(ckpts, cfg.keep_checkpoints)
-    final = save_drafter(out / "final", drafter, cfg.to_dict())
-    title = f"run {ctx.run_id} ({run['job']})"
-    plot_metrics(metrics, out / "metrics.png", title)  # redrawn with the final evaluation
-    plot_metrics(metrics, final / "metrics.png", title)
-    with session_scope() as s:
-        if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
-                             step=step, metrics=metrics,
-                             **({"eval_acceptance_length": eval_accept}
-                                if eval_accept is not None else {})):
-            raise _Lost()
 
 
 def _eval_progress(run_id: int, at: int, on_eval: EvalProgress | None) -> EvalProgress:
@@ -549,6 +568,143 @@ def _eval_progress(run_id: int, at: int, on_eval: EvalProgress | None) -> EvalPr
             log.info("training run %d: step %d evaluation: %d/%d held-out prompts, acceptance "
                      "length %.3f so far", run_id, at, done, total, mean)
     return progress
+
+
+class _Loop:
+    """What every step reads, set up once: the drafter (in DDP with several ranks), bf16
+    autocast on CUDA, and the draft vocabulary's maps."""
+
+    def __init__(self, ctx: _Ctx, cfg: TrainConfig, run: _Run, opt: _Optimization,
+                 examples: list[Example], cache: FeatureCache | None, target: Any,
+                 head: torch.Tensor, device: torch.device) -> None:
+        self.ctx, self.cfg, self.run, self.opt = ctx, cfg, run, opt
+        self.examples, self.cache, self.target = examples, cache, target
+        self.head, self.device = head, device  # head: [V, H] frozen target lm_head rows
+        cuda = torch.cuda.is_available()
+        self.model: torch.nn.Module = opt.drafter
+        if ctx.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(opt.drafter,
+                                                 device_ids=[device.index] if cuda else None)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else _nullcontext()
+        self.d2t = opt.drafter.draft_to_target  # [V] target id of each draft id
+        self.t2d = opt.drafter.t2d  # [T] bool: target ids in the draft vocabulary
+        self.checkpoints = run.out / "checkpoints"
+
+
+def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
+           on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
+    """The optimizer steps from ``p.step`` to the total, epoch by epoch; a resumed run
+    skips the batches of its epoch already trained on. Each rank takes its share of a
+    batch (at least one example)."""
+    ctx, cfg, opt, examples = loop.ctx, loop.cfg, loop.opt, loop.examples
+    opt.drafter.train()
+    while p.step < opt.total:
+        epoch, skip = divmod(p.step, opt.per_epoch)
+        order = batches(examples, cfg.batch_size * ctx.world, cfg.seed, epoch)
+        mine = [b[ctx.rank::ctx.world] or b[:1] for b in order][skip:]
+        prefetch = Prefetcher(loop.cache, examples, mine) if loop.cache is not None else None
+        try:
+            for j, idx in enumerate(mine):
+                if p.step >= opt.total:
+                    break
+                ids, loss_mask, valid = collate(examples, idx)
+                t0 = time.perf_counter()
+                if prefetch is not None:
+                    feats = prefetch.get(j, ids.shape[1])
+                else:
+                    feats = target_features(loop.target, ids)
+                t1 = time.perf_counter()
+                loss, stats = _step(loop, ids, feats, loss_mask)
+                p.step += 1
+                _accumulate(p.window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
+                            time.perf_counter() - t1)
+                _after_step(loop, p, evaluate, on_step)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
+
+
+def _step(loop: _Loop, ids: torch.Tensor, feats: TargetFeatures,
+          loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """One optimizer step on a batch ([B, L] ids): the unrolled training-time test, its loss,
+    backward, clip, AdamW, the schedule. Returns the loss and (correct, counted) per step."""
+    cfg, opt, device = loop.cfg, loop.opt, loop.device
+    with loop.autocast:
+        logits = loop.model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
+        loss, stats = ttt_loss(logits, feats, loss_mask, loop.d2t, cfg.ttt_decay, loop.head,
+                               loop.t2d)
+    opt.optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    torch.nn.utils.clip_grad_norm_(opt.params, cfg.grad_clip)
+    opt.optimizer.step()
+    opt.scheduler.step()
+    return loss, stats
+
+
+def _after_step(loop: _Loop, p: _Progress, evaluate: _Evaluation,
+                on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
+    """Every ``eval_every`` steps an evaluation; every ``log_every`` (and with an evaluation,
+    and at the last step) a record, to ``on_step`` and SQL; then the claim checked; every
+    ``save_every`` steps a checkpoint (rank 0)."""
+    cfg, ctx, step, total = loop.cfg, loop.ctx, p.step, loop.opt.total
+    evaluated = None
+    if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+        evaluated = evaluate(step)
+    if step % cfg.log_every == 0 or step == total or evaluated is not None:
+        record = _record(p.window, step, float(loop.opt.scheduler.get_last_lr()[0]))
+        if evaluated is not None:
+            record["eval_accept"] = p.eval_accept = evaluated
+        p.metrics.append(record)
+        p.window = _window(cfg.ttt_steps)
+        if on_step:
+            on_step(step, record)
+        ctx.write(step=step, metrics=p.metrics,
+                  **({"eval_acceptance_length": evaluated} if evaluated is not None else {}))
+    if ctx.lost.is_set():
+        raise _Lost()
+    # The last step too, before the final evaluation: a run stopped during
+    # it resumes there instead of redoing the steps since the last save.
+    if (step % cfg.save_every == 0 or step == total) and ctx.rank == 0:
+        path = _save(loop, step)
+        plot_metrics(p.metrics, loop.run.out / "metrics.png", loop.run.title)
+        ctx.write(step=step, checkpoint=str(path), metrics=p.metrics)
+
+
+def _save(loop: _Loop, step: int) -> Path:
+    """A resumable checkpoint of ``step``; the newest ``keep_checkpoints`` are kept."""
+    opt = loop.opt
+    path = save_state(loop.checkpoints, step, opt.drafter, opt.optimizer, opt.scheduler,
+                      loop.cfg.to_dict(), {"run_id": loop.ctx.run_id})
+    prune_states(loop.checkpoints, loop.cfg.keep_checkpoints)
+    return path
+
+
+def _finish(loop: _Loop, p: _Progress, evaluate: _Evaluation,
+            on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
+    """Rank 0, after the last step: the final evaluation (into the last record), a
+    checkpoint if the last step has none, the drafter in vLLM's layout, the plots, and
+    the run finished (``_Lost`` when its claim is gone)."""
+    ctx, cfg, run, step, metrics = loop.ctx, loop.cfg, loop.run, p.step, p.metrics
+    final_accept = evaluate(step)
+    if final_accept is not None:
+        p.eval_accept = final_accept
+        if metrics and metrics[-1]["step"] == step:
+            metrics[-1]["eval_accept"] = final_accept
+        if on_step and metrics:
+            on_step(step, metrics[-1])
+    if not (loop.checkpoints / f"{STEP_PREFIX}{step:08d}").is_dir():  # e.g. a run of 0 steps
+        _save(loop, step)
+    final = save_drafter(run.out / "final", loop.opt.drafter, cfg.to_dict())
+    plot_metrics(metrics, run.out / "metrics.png", run.title)  # redrawn with the final evaluation
+    plot_metrics(metrics, final / "metrics.png", run.title)
+    with session_scope() as s:
+        if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
+                             step=step, metrics=metrics,
+                             **({"eval_acceptance_length": p.eval_accept}
+                                if p.eval_accept is not None else {})):
+            raise _Lost()
 
 
 class _nullcontext:
