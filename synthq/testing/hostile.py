@@ -236,25 +236,14 @@ class HostileProcess(Proc):
 
     def __init__(self, log_path: Path, env: dict[str, str], *args: str,
                  timeout: float = 20.0) -> None:
-        import httpx
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base_url}/v1"
         super().__init__([sys.executable, "-m", "synthq.testing.hostile", "--port",
                           str(self.port), *args], env, log_path, name="hostile")
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the hostile server exited: {self.log()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the hostile server did not start: {self.log()[-2000:]}")
-            time.sleep(0.1)
+        self.wait_healthy(f"{self.base_url}/health", timeout, "the hostile server",
+                          request_timeout=1.0)
 
     def calls(self) -> int:
         """Chat calls the server has had."""

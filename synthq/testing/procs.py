@@ -49,6 +49,25 @@ class Proc:
     def tail(self, chars: int = 3000) -> str:
         return f"--- {self.name} ({self.log_path})\n{self.log()[-chars:]}"
 
+    def wait_healthy(self, url: str, timeout: float, what: str, *,
+                     request_timeout: float = 2.0) -> None:
+        """Return once ``url`` answers 200; raise (with the log's end) if the process
+        exits first or ``timeout`` seconds pass."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited: {self.log()[-2000:]}")
+            try:
+                if httpx.get(url, timeout=request_timeout).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start: {self.log()[-2000:]}")
+            time.sleep(0.1)
+
     def kill9(self) -> None:
         """SIGKILL the process group: no cleanup runs."""
         with contextlib.suppress(ProcessLookupError):
@@ -76,21 +95,9 @@ class ApiServer(Proc):
     among them); returns once ``/health`` answers."""
 
     def __init__(self, log_path: Path, env: dict[str, str], timeout: float = 30.0) -> None:
-        import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__([sys.executable, "-m", "synthq.cli", "api", "--port", str(self.port)],
                          env, log_path, name="api")
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"synthq api died: {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"synthq api did not start: {self.log()}")
-            time.sleep(0.1)
+        self.wait_healthy(f"{self.url}/health", timeout, "synthq api")
