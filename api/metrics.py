@@ -107,7 +107,7 @@ def _captures() -> Iterator[Metric]:
         found = [(name, capture_progress(reader, job_id, store=store))
                  for job_id, name in s.execute(select(Job.id, Job.name).order_by(Job.name))]
     jobs = [(name, p) for name, p in found if p is not None]
-    states = GaugeMetricFamily("synthq_captures", "Hidden-state captures by job and state "
+    by_state = GaugeMetricFamily("synthq_captures", "Hidden-state captures by job and state "
                                "(waiting: done samples the stage has not picked up yet).",
                                labels=["job", "state"])
     failures = GaugeMetricFamily("synthq_capture_failures", "Failed captures by job and class.",
@@ -118,14 +118,14 @@ def _captures() -> Iterator[Metric]:
         ("free_bytes", "Free bytes where the capture store lives."))}
     for name, p in jobs:
         for state, n in sorted({**p.counts, "waiting": p.waiting}.items()):
-            states.add_metric([name, state], n)
+            by_state.add_metric([name, state], n)
         for cls, n in sorted(p.failures.items()):
             failures.add_metric([name, cls], n)
         for key, gauge in disk.items():
             value = getattr(p, key)
             if value is not None:
                 gauge.add_metric([name], float(value))
-    yield states
+    yield by_state
     yield failures
     yield from disk.values()
 

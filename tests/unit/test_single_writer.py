@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = re.compile(
     r"update\(\s*(Sample|Attempt|Job)\b|insert\(\s*(Sample|Attempt)\b|delete\(\s*(Sample|Attempt)\b"
     r"|\.state\s*=[^=]|session\.add\(\s*(Sample|Attempt)\(")
-#: New samples are created by enqueue (a COPY, or an INSERT of pending and skipped rows);
-#: every change to a sample after that is states.py's.
-CREATES_SAMPLES = (Path("synthq/enqueue.py"), re.compile(r"insert\(\s*Sample\b"))
+#: New samples are created by enqueue's bulk writer (a COPY, or an INSERT of pending and
+#: skipped rows); every change to a sample after that is states.py's.
+CREATES_SAMPLES = (Path("synthq/samplecopy.py"), re.compile(r"insert\(\s*Sample\b"))
 
 
 def offenders() -> list[str]:
