@@ -161,7 +161,7 @@ def check_requeue(tmp: Path) -> tuple[bool, str]:
         with session_scope() as s:
             s.execute(update(Sample).where(Sample.id == ids[1]).values(
                 state="running", claim="gone", worker="gone@host", server=sim.url,
-                attempts=1, started_at=past, lease_expires_at=past,
+                attempts=1, started_at=past, expires_at=past,
                 overrides={"max_attempts": 10**12}))
         n = 20
         canary = chaos.create_job(chaos.prompts(n, "canary"), [sim.url], name="canary",
@@ -178,7 +178,7 @@ def check_requeue(tmp: Path) -> tuple[bool, str]:
         took = time.monotonic() - t0
         done = chaos.counts(canary)["done"]
     ok = r.status_code == 422 and moved
-    return ok, (f"requeue answered {r.status_code} ({str(detail)[:90]}); canary {done}/{n} "
+    return ok, (f"requeue answered {r.status_code} ({str(detail)[:160]}); canary {done}/{n} "
                 f"done in {took:.1f} s beside the stored 10**12")
 
 
