@@ -359,7 +359,7 @@ class Bench:
 
 def create_job(spec: Any, prompts: Sequence[str]) -> Any:
     """Create ``spec``'s job and insert one user-message sample per prompt (the real path:
-    :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.enqueue.insert_rows`)."""
+    :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.samplecopy.insert_rows`)."""
     from synthq.dataset import Row
     from synthq.db import session_scope
     from synthq.enqueue import EnqueueReport, get_or_create_job

@@ -20,7 +20,7 @@ Phases, each timed end to end on the real code path:
    seconds — what a user pays for re-running an enqueue command.
 3. breakdown: ``parse`` is :func:`synthq.dataset.iter_rows` alone into a list;
    ``hash`` is :func:`synthq.dataset.content_key` over those rows;
-   ``insert`` is :func:`synthq.enqueue.insert_rows` on the pre-parsed rows into
+   ``insert`` is :func:`synthq.samplecopy.insert_rows` on the pre-parsed rows into
    another new job (it hashes too: insert ≈ hash + SQL).
 
 For scale: the reference figures measured on this machine are ``COPY`` 143,000
