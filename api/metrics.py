@@ -98,14 +98,18 @@ def _captures() -> Iterator[Metric]:
 
     from synthq.capture.progress import capture_progress
     from synthq.config import status_settings
-    from synthq.models import Job
+    from synthq.models import Capture, Job
     from synthq.sqlread import reader_of
 
     store = status_settings().capture_store or ""
     with session_scope() as s:
         reader = reader_of(s)
+        # Only jobs that capture (or once did): a scrape reads nothing of the others.
+        had = set(s.scalars(select(Capture.job_id).distinct()))
         found = [(name, capture_progress(reader, job_id, store=store))
-                 for job_id, name in s.execute(select(Job.id, Job.name).order_by(Job.name))]
+                 for job_id, name, servers in s.execute(
+                     select(Job.id, Job.name, Job.capture_servers).order_by(Job.name))
+                 if servers or job_id in had]
     jobs = [(name, p) for name, p in found if p is not None]
     by_state = GaugeMetricFamily("synthq_captures", "Hidden-state captures by job and state "
                                "(waiting: done samples the stage has not picked up yet).",

@@ -468,14 +468,14 @@ def inflight_settings(inflight: str | int, max_inflight: int | None = None,
             "min_inflight": DEFAULT_MIN_INFLIGHT}
 
 
-#: The job columns of the operational settings: what enqueueing a job again may change
-#: (``--inflight`` stands for the three columns of :func:`inflight_settings`).
 def kept_when_omitted(key: str) -> bool:
     """Whether an empty value of the stored setting ``key`` keeps the job's on re-enqueue."""
     s = setting_for_key(key)
     return s is not None and s.kept_when_omitted
 
 
+#: The job columns of the operational settings: what enqueueing a job again may change
+#: (``--inflight`` stands for the three columns of :func:`inflight_settings`).
 OPERATIONAL: tuple[str, ...] = tuple(
     key for s in SETTINGS if s.operational
     for key in (inflight_settings("auto") if s.name == "inflight" else [s.key]))

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from synthq.capture.plan import DTYPES, Plan, layers_for, target_config
 from synthq.capture.store import Store
 from synthq.defaults import DATA_DIR
-from synthq.enums import CaptureState
+from synthq.enums import CaptureState, SampleState
 from synthq.errors import UserError
 from synthq.secrets import safe_url
 from synthq.sqlread import Reader, read_json
@@ -214,7 +214,7 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
         "SELECT count(*) FROM samples WHERE job_id = :job_id AND state = :done AND "
         "input_ids IS NOT NULL AND NOT EXISTS (SELECT 1 FROM captures "
         "WHERE captures.sample_id = samples.id)",
-        {"job_id": job_id, "done": CaptureState.DONE.value})
+        {"job_id": job_id, "done": SampleState.DONE.value})
     reasons = {str(cls or "error"): safe_url(str(message or ""))[:MESSAGE_CHARS]
                for cls, message in reader.rows(
                    "SELECT error_class, error_message FROM captures WHERE id IN ("
