@@ -20,12 +20,19 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     Newly done samples get their pending capture here, so a capture stage follows
     generation by one tick.
     """
+    from synthq.config import get_settings
+    from synthq.workers import live
+
     due: list[int] = []
+    # A killed capture process's captures hold its servers' room until someone frees
+    # them; no stage runs to do it while they do (the room looks full): the tick does.
+    alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout)]
     for job_id, servers, limit in session.execute(
             select(Job.id, Job.capture_servers, Job.capture_limit)
             .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]))):
         if not servers:
             continue
+        states.expire(session, now=now, live_workers=alive, job_ids=[job_id])
         states.add_missing(session, job_id, now=now)
         pending = session.scalar(select(func.count()).select_from(Capture).where(
             Capture.job_id == job_id, Capture.state == CaptureState.PENDING,

@@ -190,3 +190,26 @@ def test_a_server_naming_another_file_gets_it_neither_read_nor_deleted(
     left = Stage(job_id).run()
     assert victim.read_text() == "not yours"
     assert left.done == 0 and left.failures == {"bad_request": 3}, left
+
+
+def test_a_dead_capture_process_does_not_hold_its_servers_room(
+        pg: str, job_factory: Any) -> None:
+    """A capture process killed with its servers' room full (limit 3, 3 running): the
+    tick frees its captures and finds the job due, though no stage runs to free them
+    (it had stalled the stage for good: the surviving worker was never sent a task)."""
+    from synthq.capture import states as capture_states
+    from synthq.capture.due import due_jobs
+    from synthq.db import session_scope, utcnow
+
+    url = "http://127.0.0.1:9/v1"
+    job_id = _done_samples(job_factory, 6, url, limit=3)
+    with session_scope() as s:
+        now = utcnow()
+        capture_states.add_missing(s, job_id, now=now)
+        held = capture_states.claim(s, job_id, server=url, limit=3, most=3,
+                                    worker="gone@elsewhere", token="t" * 32, lease=3600.0,
+                                    now=now)
+    assert len(held) == 3  # the dead process holds the whole room, leases of an hour
+    with session_scope() as s:
+        assert due_jobs(s, now=utcnow()) == [job_id]
+    assert _states(job_id) == {"pending": 6}
