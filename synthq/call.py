@@ -191,16 +191,26 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
     call.calling = False
     # From here the answer is paid for: its wait for the commit is measured from now.
     answered = time.monotonic()
+
+    def late(s: Session, now: datetime) -> bool:  # the lease was given up meanwhile
+        return states.keep_late(s, c.sample_id, c.token, worker=worker, server=c.server,
+                                turn=c.turn, started_at=call.started_at,
+                                lease_until=now + timedelta(seconds=call.lease_s), now=now)
+
     if not multi:
         return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                             since=answered)
+                             since=answered, late=late)
     return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                            since=answered)
+                            since=answered, late=late)
+
+
+#: Makes a sample whose lease was given up this call's again (states.keep_late).
+Late = Callable[[Session, datetime], bool]
 
 
 async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
                      writer: Writer, tokenize_pool: ThreadPool, *,
-                     since: float | None = None) -> Outcome:
+                     since: float | None = None, late: Late | None = None) -> Outcome:
     """A turn of a conversation regenerated turn by turn has its answer: store it and
     send the sample back for its next turn, or finish it after its last (or a cut)."""
     answer = _answer(result)
@@ -213,28 +223,32 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
         if reason is None:
             won = await _write(writer, c, lambda s, now: states.advance_turn(
                 s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
-                attempt=attempt), since=since)
+                attempt=attempt), since=since, late=late)
             return Outcome.TURN if won else Outcome.NOT_WRITTEN
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
-                         extra=extra, since=since)
+                         extra=extra, since=since, late=late)
 
 
 async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
                   writer: Writer, tokenize_pool: ThreadPool, *,
                   answers: list[dict[str, Any]] | None = None,
-                  extra: dict[str, Any] | None = None, since: float | None = None) -> Outcome:
+                  extra: dict[str, Any] | None = None, since: float | None = None,
+                  late: Late | None = None) -> Outcome:
     """Store the response, tokenize it if the job says so, and mark the sample. ``since``:
-    when a new answer arrived (its first write makes it durable)."""
+    when a new answer arrived (its first write makes it durable); ``late``: how that write
+    keeps the answer if the lease was given up meanwhile."""
     columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since)
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since,
+            late=late)
         return Outcome.DONE if won else Outcome.NOT_WRITTEN
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since):
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since,
+            late=late):
         return Outcome.NOT_WRITTEN
     loop = asyncio.get_running_loop()
     try:
@@ -252,13 +266,22 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
 
 
 async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
-                 since: float | None = None) -> bool:
+                 since: float | None = None, late: Late | None = None) -> bool:
     """A write of this sample's; one the database refuses (not a transient error, e.g.
     text PostgreSQL cannot store) fails the sample with ``unstorable`` instead.
-    ``since``: the write makes an answer that arrived then durable (measured)."""
+    ``since``: the write makes an answer that arrived then durable (measured). ``late``:
+    when the write loses (the lease was given up meanwhile), the answer is kept by a
+    second write that takes the sample back first (states.keep_late), if it still can."""
     try:
-        return bool(await writer.write(fn, since=since) if since is not None
-                    else await writer.write(fn))
+        won = bool(await writer.write(fn, since=since) if since is not None
+                   else await writer.write(fn))
+        if won or late is None:
+            return won
+        won = bool(await writer.write(lambda s, now: late(s, now) and fn(s, now)))
+        if won:
+            log.info("sample %s: its answer came after its lease was given up; kept (no "
+                     "later attempt had finished)", c.sample_id)
+        return won
     except errors.DiskFull:
         raise  # nothing can be written: the sample is not at fault
     except Exception as exc:  # noqa: BLE001 - recorded on the sample

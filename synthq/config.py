@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     #: as dead (its capacity is freed, its running samples go back to pending).
     heartbeat_interval: float = 2.0
     worker_timeout: float = defaults.WORKER_TIMEOUT
+    #: Seconds one heartbeat waits for the database on its own connection before it
+    #: drops it and connects again; 0: a fifth of ``worker_timeout``, at least 0.5 s. A
+    #: worker whose heartbeat is older than half of ``worker_timeout`` starts no call
+    #: (synthq.heartbeat).
+    heartbeat_timeout: float = Field(default=0.0, ge=0)
     #: Calls one generation process holds in flight; 0: the worker's ``-c``.
     worker_capacity: int = 0
     #: A worker's refill claims the samples for its own freed slots in the
