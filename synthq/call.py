@@ -40,6 +40,7 @@ from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
+from synthq.streaks import Streaks
 from synthq.writer import Writer
 
 __all__ = ["Outcome", "Call", "run_claimed", "wrong_base_url"]
@@ -136,8 +137,12 @@ class Call:
 
 
 async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], InferenceClient],
-                      writer: Writer, worker: str, tokenize_pool: ThreadPool) -> Outcome:
-    """Run one claimed sample to its outcome; every write committed before it returns."""
+                      writer: Writer, worker: str, tokenize_pool: ThreadPool,
+                      streaks: Streaks | None = None) -> Outcome:
+    """Run one claimed sample to its outcome; every write committed before it returns.
+
+    ``streaks``: the process's identical failures in a row per server (synthq.streaks):
+    the ``stop_after``-th ``bad_request`` in a row on one server pauses the job."""
     c = call.claimed
     job = effective(job, c.overrides)
     multi = _multi(job, c)
@@ -187,8 +192,11 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         return Outcome.NOT_WRITTEN
     except errors.SampleError as exc:
         call.calling = False
-        return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
+        return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer,
+                              streaks)
     call.calling = False
+    if streaks is not None:
+        streaks.ok(c.server)
     # From here the answer is paid for: its wait for the commit is measured from now.
     answered = time.monotonic()
 
@@ -340,10 +348,13 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
 
 
 async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
-                   writer: Writer) -> Outcome:
+                   writer: Writer, streaks: Streaks | None = None) -> Outcome:
     hint = wrong_base_url(c.server, exc)
     if hint is not None:
         return await _wrong_base(c, hint, attempt, writer)
+    stop = streaks.failed(c.server, exc.error_class, str(exc)) if streaks is not None else None
+    pause = stop.line("call", f"`synthq resume {job.name}` and `synthq requeue {job.name} "
+                      f"--failed --class {stop.error_class}`") if stop is not None else None
     message = str(exc)
     if _multi(job, c):  # which turn, for the person who requeues it
         message = f"turn {c.turn + 1} of {c.turn_count}: {message}"
@@ -362,6 +373,11 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     decided = {"retry": retry}
 
     def record(s: Session, now: datetime) -> bool:
+        from synthq.enums import JobState
+
+        if pause is not None and states.set_job_state(s, c.job_id, JobState.PAUSED, now=now,
+                                                      reason=pause):
+            log.warning("job %s paused: %s", c.job_id, pause)
         charge = True
         if overload:  # this call's own row is not inserted yet: + 1
             calls = s.scalar(select(func.count()).select_from(Attempt)

@@ -129,6 +129,10 @@ class Settings(BaseSettings):
     capture_timeout: float = 120.0
     capture_file_timeout: float = 60.0
     capture_reserve_bytes: int = 1 << 30
+    #: Identical failures in a row of a class that names the server's configuration
+    #: (``bad_request``; for capture also ``capture_mismatch``) after which a server's
+    #: stage stops (synthq.streaks); 0: never.
+    stop_after: int = Field(default=5, ge=0)
     #: Seconds one Celery ``capture`` task runs a job's stage before it returns.
     capture_task_seconds: float = 60.0
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).

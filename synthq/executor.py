@@ -43,6 +43,7 @@ from synthq.heartbeat import Heartbeat
 from synthq.inference import InferenceClient
 from synthq.jobview import effective, get_job, lease_seconds
 from synthq.retry import backoff_delay
+from synthq.streaks import GENERATION_CLASSES, Streaks
 from synthq.writer import Writer
 
 __all__ = ["Executor", "default_executor", "reset_default_executor", "process_sample"]
@@ -84,6 +85,8 @@ class Executor:
         self._thread = threading.Thread(target=self.loop.run_forever, name="synthq-loop",
                                         daemon=True)
         self._thread.start()
+        #: bad_request in a row per server: the stop_after-th pauses the job (synthq.streaks).
+        self.streaks = Streaks(GENERATION_CLASSES, settings.stop_after)
         self.heartbeat = Heartbeat(self.name, capacity=lambda: self.capacity,
                                    inflight=lambda: len(self._calls))
         # Known to the dispatcher before the first message can arrive.
@@ -293,7 +296,8 @@ class Executor:
         self._calls[c.sample_id] = call
         try:
             outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
-                                        worker=self.name, tokenize_pool=self._tokenize_pool)
+                                        worker=self.name, tokenize_pool=self._tokenize_pool,
+                                        streaks=self.streaks)
         except DiskFull:  # nothing can be written: the lease (or the next run) brings it back
             outcome = Outcome.NOT_WRITTEN
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch

@@ -187,6 +187,9 @@ class Job(Base):
                                                server_default="float32")
     #: Most capture requests in flight on each capture server.
     capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
+    #: Why synthq stopped the capture stage (identical failures in a row on one server,
+    #: synthq.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
+    capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
     moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)

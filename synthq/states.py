@@ -61,7 +61,7 @@ __all__ = [
     "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
     "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
-    "requeue", "expire", "retokenized", "set_job_state",
+    "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
 ]
 
@@ -611,6 +611,18 @@ def set_job_state(session: Session, job_id: int, target: JobState, *, now: datet
         .values(state=target, updated_at=now,
                 pause_reason=reason if target == JobState.PAUSED else None)
         .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def set_capture_stopped(session: Session, job_id: int, reason: str | None, *,
+                        now: datetime) -> bool:
+    """Stop the job's capture stage with ``reason`` (synthq.streaks), or (None) let it run
+    again. Generation is not touched. True when the row changed."""
+    stopped = Job.capture_stopped.is_(None) if reason is not None \
+        else Job.capture_stopped.is_not(None)
+    result = session.execute(update(Job).where(Job.id == job_id, stopped)
+                             .values(capture_stopped=reason, updated_at=now)
+                             .execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 

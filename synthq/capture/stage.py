@@ -11,6 +11,11 @@ lock the next run holds).
 
 Each capture sends the sample's own ``input_ids`` as the prompt (token ids,
 ``max_tokens: 1``) so the captured rows align one to one with its loss mask.
+
+A server that fails ``stop_after`` captures in a row the same way (``bad_request``,
+``capture_mismatch``: it is misconfigured, and each call costs it a prefill) stops
+the stage (synthq.streaks): one line naming the server and the cause, kept in
+``jobs.capture_stopped`` until ``synthq capture JOB --retry-failed``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
+from synthq import states as job_states
 from synthq import workers
 from synthq.capture import ingest, states
 from synthq.capture.plan import Plan, check_space, layers_for
@@ -57,6 +63,7 @@ from synthq.errors import (
 from synthq.models import Capture, Job, Sample
 from synthq.retry import backoff_delay
 from synthq.sqlread import reader_of
+from synthq.streaks import CAPTURE_CLASSES, Streaks
 
 __all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
            "summary"]
@@ -227,6 +234,9 @@ class Stage:
         #: Captures this process is running, and on which server.
         self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
         self.pool: ThreadPoolExecutor | None = None
+        #: Identical failures in a row per server; the line that stopped the stage.
+        self.streaks = Streaks(CAPTURE_CLASSES, settings.stop_after)
+        self.stopped: str | None = None
 
     # -- setup -------------------------------------------------------------
     def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
@@ -248,6 +258,11 @@ class Stage:
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> Summary:
+        with session_scope() as s:
+            stopped = s.scalar(select(Job.capture_stopped).where(Job.id == self.job_id))
+            if stopped:  # a misconfigured server stopped it: nothing runs until the fix
+                self.say(stopped)
+                return summary(s, self.job_id)
         job, _, engines = self.prepare()
         settings = get_settings()
         lease = self.timeout + settings.capture_file_timeout + settings.lease_margin
@@ -267,7 +282,7 @@ class Stage:
                     self._beat(len(self.inflight))
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     self.stop.set()
-                if not self.stop.is_set():
+                if not self.stop.is_set() and self.stopped is None:
                     self._fill(job, engines, lease)
                 if not self.inflight:
                     with session_scope() as s:
@@ -275,7 +290,7 @@ class Stage:
                         due_later = s.scalar(select(func.min(Capture.next_attempt_at)).where(
                             Capture.job_id == self.job_id,
                             Capture.state == CaptureState.PENDING))
-                    if self.stop.is_set() or not left.open:
+                    if self.stop.is_set() or self.stopped is not None or not left.open:
                         return left
                     # Pending but not due (backing off), or running in another process.
                     pause = 0.5
@@ -325,7 +340,7 @@ class Stage:
             assert self.pool is not None
             for c in claimed:
                 if c.sample_id in per_turn:
-                    self._record_failure(job, c, InvalidInput(
+                    self._record_failure(job, c, url, InvalidInput(
                         "per-turn examples (--examples per-turn) are not captured yet: "
                         "capture a job of whole conversations"))
                     continue
@@ -349,11 +364,12 @@ class Stage:
                                 metadata={"engine": engine.version, "model": engine.model,
                                           "job": job.name, "sample_id": str(claimed.sample_id)})
         except SampleError as exc:
-            self._record_failure(job, claimed, exc)
+            self._record_failure(job, claimed, engine.url, exc)
             return
         except Exception as exc:  # a bug of ours: counted, classed, backed off, never a loop
             log.exception("capture of sample %d failed", claimed.sample_id)
-            self._record_failure(job, claimed, ServerError(f"{type(exc).__name__}: {exc}"))
+            self._record_failure(job, claimed, engine.url,
+                                 ServerError(f"{type(exc).__name__}: {exc}"))
             return
         finally:
             if engine_file is not None:
@@ -364,14 +380,21 @@ class Stage:
                               num_tokens=got.num_tokens, layer_ids=layers,
                               dtype=job.capture_dtype, engine=engine.version,
                               engine_model=engine.model)
+        self.streaks.ok(engine.url)
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "
                         "it was recorded", claimed.sample_id)
 
-    def _record_failure(self, job: Job, claimed: states.Claimed, exc: SampleError) -> None:
+    def _record_failure(self, job: Job, claimed: states.Claimed, server: str,
+                        exc: SampleError) -> None:
         now = utcnow()
         message = str(exc)[:2000]
+        stop = self.streaks.failed(server, exc.error_class, message)
+        line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
+            if stop is not None else None
         with session_scope() as s:
+            if line is not None:  # already stopped by another process: kept as it is
+                job_states.set_capture_stopped(s, job.id, line, now=now)
             if isinstance(exc, RetryableError) and not isinstance(exc, PermanentError) \
                     and claimed.attempts < job.max_attempts:
                 delay = backoff_delay(claimed.attempts, base=job.backoff_base,
@@ -383,3 +406,7 @@ class Stage:
                 states.fail(s, claimed, now=now, error_class=exc.error_class,
                             error_message=message)
         log.warning("capture of sample %d: %s: %s", claimed.sample_id, exc.error_class, message)
+        if line is not None and self.stopped is None:
+            # Claim nothing more; the calls in flight end and are recorded.
+            self.stopped = line
+            self.say(line)

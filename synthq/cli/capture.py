@@ -47,7 +47,9 @@ def capture(
         min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
         "8].")] = None,
     retry_failed: Annotated[bool, typer.Option(
-        "--retry-failed", help="Send failed captures again (their attempts reset).")] = False,
+        "--retry-failed", help="Send failed captures again (their attempts reset), and run "
+        "a stage that synthq stopped (a server failed several captures in a row the same "
+        "way) again, after the fix.")] = False,
     plan_only: Annotated[bool, typer.Option(
         "--plan", help="Print the disk plan and the stage's counts; capture nothing.")] = False,
     as_json: JsonOpt = False,
@@ -96,6 +98,9 @@ def capture(
 
                 states.update_job(s, row, changes, now=utcnow())
             if retry_failed:
+                from synthq import states as job_states
+
+                job_states.set_capture_stopped(s, job_id, None, now=utcnow())
                 capture_states.requeue_failed(s, job_id, now=utcnow())
         if plan_only:
             with session_scope() as s:

@@ -213,3 +213,44 @@ def test_a_dead_capture_process_does_not_hold_its_servers_room(
     with session_scope() as s:
         assert due_jobs(s, now=utcnow()) == [job_id]
     assert _states(job_id) == {"pending": 6}
+
+
+def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
+        job_factory: Any, fake_engine: FakeCaptureServer, tmp_path: Path) -> None:
+    """Issue 30 item 2: a server that names every file its own way (the stock connector's
+    naming, without synthq's) failed each of 176 captures with bad_request, each a
+    prefill. Now the stage stops after ``stop_after`` (5) identical failures: one line
+    naming the server and the cause, in the job's status; a rerun sends nothing until
+    ``synthq capture JOB --retry-failed`` after the fix, which captures everything."""
+    from support import run_cli
+
+    from synthq.capture.stage import Stage
+    from synthq.db import session_scope
+    from synthq.models import Job
+    from synthq.report import job_status
+
+    fake_engine.answer_path = fake_engine.engine_dir / "cmpl-request-id.safetensors"
+    n, limit = 40, 2
+    job_id = _done_samples(job_factory, n, fake_engine.url, limit)
+    said: list[str] = []
+    left = Stage(job_id, say=said.append).run()
+    calls = fake_engine.requests
+    print(f"\nmisconfigured capture server: stopped after {calls} calls of {n}")
+    assert 5 <= calls <= 5 + limit - 1, calls  # the fifth, and what was in flight with it
+    assert left.failures == {"bad_request": calls} and left.done == 0, left
+    [line] = [x for x in said if "stopped" in x]
+    assert line.startswith(f"capture stopped: server {fake_engine.url} failed 5 captures in "
+                           "a row with bad_request: the server answered the file")
+    assert "--retry-failed" in line
+    with session_scope() as s:
+        status = job_status(s, s.get_one(Job, job_id))
+    assert status.capture is not None and status.capture.stopped == line
+    assert line in status.capture.lines()
+    Stage(job_id, say=said.append).run()  # stopped: sends nothing
+    assert fake_engine.requests == calls
+    fake_engine.answer_path = None  # the fix
+    run_cli("capture", str(job_id), "--retry-failed")
+    assert _states(job_id) == {"done": n}
+    with session_scope() as s:
+        status = job_status(s, s.get_one(Job, job_id))
+    assert status.capture is not None and status.capture.stopped is None

@@ -1,0 +1,32 @@
+"""jobs.capture_stopped: why synthq stopped a job's capture stage (issue 30 item 2)
+
+A capture server that fails every call the same way (no synthq connector, a
+connector writing other files) stops the stage after a few identical failures
+(synthq.streaks); the line naming the server and the cause is kept here until
+``synthq capture JOB --retry-failed`` clears it.
+
+Revision ID: 0030
+Revises: 0026
+Create Date: 2026-12-03 08:20:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0030'
+down_revision: str | None = '0026'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.add_column("jobs", sa.Column("capture_stopped", sa.Text(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("jobs") as batch:  # SQLite rebuilds the table
+        batch.drop_column("capture_stopped")
