@@ -10,7 +10,10 @@ pending at the next sweep (or at once, for the embedded SQLite file, whose
 lock the next run holds).
 
 Each capture sends the sample's own ``input_ids`` as the prompt (token ids,
-``max_tokens: 1``) so the captured rows align one to one with its loss mask.
+``max_tokens: 1``) so the captured rows align one to one with its loss mask. A
+sample of several examples (``--examples per-turn``) holds their ids end to end:
+each example is sent as its own prompt (one request each, as it was served), and
+their files are stored end to end as the sample's one file (synthq.capture.ingest).
 
 A server that fails ``stop_after`` captures in a row the same way (``bad_request``,
 ``capture_mismatch``: it is misconfigured, and each call costs it a prefill) stops
@@ -60,6 +63,7 @@ from synthq.errors import (
     TimeoutError_,
     UserError,
 )
+from synthq.examples import split
 from synthq.models import Capture, Job, Sample
 from synthq.retry import backoff_delay
 from synthq.sqlread import reader_of
@@ -333,36 +337,42 @@ class Stage:
                                        now=utcnow())
                 rows = s.execute(select(Sample.id, Sample.input_ids, Sample.examples).where(
                     Sample.id.in_([c.sample_id for c in claimed]))).all() if claimed else []
-                # A per-turn sample (--examples per-turn) holds several whole prompts
-                # end to end: one request for all of them would give wrong states.
-                ids = {sid: (None if examples else bytes(b)) for sid, b, examples in rows}
-                per_turn = {sid for sid, _, examples in rows if examples}
+                ids = {sid: (bytes(b) if b is not None else None, examples)
+                       for sid, b, examples in rows}
             assert self.pool is not None
             for c in claimed:
-                if c.sample_id in per_turn:
-                    self._record_failure(job, c, url, InvalidInput(
-                        "per-turn examples (--examples per-turn) are not captured yet: "
-                        "capture a job of whole conversations"))
-                    continue
-                fut = self.pool.submit(self._one, job, engine, c, ids.get(c.sample_id))
+                raw, examples = ids.get(c.sample_id, (None, None))
+                fut = self.pool.submit(self._one, job, engine, c, raw, examples)
                 self.inflight[fut] = (c, url)
 
     def _one(self, job: Job, engine: Engine, claimed: states.Claimed,
-             raw_ids: bytes | None) -> None:
-        """One capture, start to recorded outcome. Never raises for a capture's own fault."""
+             raw_ids: bytes | None, examples: list[dict[str, Any]] | None = None) -> None:
+        """One capture, start to recorded outcome. Never raises for a capture's own fault.
+
+        ``examples`` (``samples.examples``): the sample holds several examples end to
+        end; each is sent as its own prompt."""
         layers = layers_for(job)
-        engine_file: Path | None = None
+        engine_files: list[Path] = []
         try:
             if raw_ids is None:
                 raise CaptureIncomplete("the sample has no input_ids (retokenized?)")
             input_ids = np.frombuffer(raw_ids, dtype="<i4")
+            try:
+                pieces = [ids for ids, _ in split(input_ids, input_ids, examples)]
+            except ValueError as exc:
+                raise InvalidInput(f"the sample's examples do not fit its ids: {exc}") \
+                    from exc
             name = f"synthq-{job.id}-{claimed.sample_id}-{claimed.token}"
-            engine_file = _call(self.client, engine, input_ids.tolist(), name)
-            ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
-            got = ingest.ingest(engine_file, input_ids=input_ids, layers=layers,
-                                dtype=job.capture_dtype, store=self.store,
-                                metadata={"engine": engine.version, "model": engine.model,
-                                          "job": job.name, "sample_id": str(claimed.sample_id)})
+            for k, piece in enumerate(pieces):
+                engine_files.append(_call(self.client, engine, piece.tolist(),
+                                          name if len(pieces) == 1 else f"{name}-{k}"))
+            for engine_file in engine_files:
+                ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
+            got = ingest.ingest_parts(
+                engine_files, pieces, layers=layers, dtype=job.capture_dtype,
+                store=self.store, metadata={"engine": engine.version, "model": engine.model,
+                                            "job": job.name,
+                                            "sample_id": str(claimed.sample_id)})
         except SampleError as exc:
             self._record_failure(job, claimed, engine.url, exc)
             return
@@ -372,7 +382,7 @@ class Stage:
                                  ServerError(f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            if engine_file is not None:
+            for engine_file in engine_files:
                 ingest.discard(engine_file)
         with session_scope() as s:
             won = states.done(s, claimed, now=utcnow(), path=got.stored.path,

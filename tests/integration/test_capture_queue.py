@@ -254,3 +254,42 @@ def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
     with session_scope() as s:
         status = job_status(s, s.get_one(Job, job_id))
     assert status.capture is not None and status.capture.stopped is None
+
+
+def test_a_per_turn_sample_is_captured_one_prompt_per_example(
+        job_factory: Any, fake_engine: FakeCaptureServer) -> None:
+    """Issue 30 item 3: a per-turn sample (``--examples per-turn``) holds its examples' ids
+    end to end, each a whole prompt of its own. Before, the stage refused it
+    (invalid_input). Now each example is sent as its own prompt, and the sample's file
+    holds their states end to end: its rows align with the sample's concatenated ids
+    and mask, each example's from its own offset (what training reads)."""
+    from synthq.capture.stage import Stage
+    from synthq.config import get_settings
+    from synthq.db import session_scope
+    from synthq.models import Capture, Sample
+    from synthq.training.captured import captured_paths
+
+    job_id = _done_samples(job_factory, 3, fake_engine.url, 2)
+    pieces = [np.arange(5, dtype="<i4") + 100, np.arange(7, dtype="<i4") + 200]
+    with session_scope() as s:
+        sid = s.scalar(select(Sample.id).where(Sample.job_id == job_id).order_by(Sample.id))
+        s.execute(update(Sample).where(Sample.id == sid).values(
+            input_ids=np.concatenate(pieces).tobytes(), num_tokens=12,
+            loss_mask=np.array([0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1], np.uint8).tobytes(),
+            examples=[{"turn": 0, "tokens": 5, "supervised": 2},
+                      {"turn": 2, "tokens": 7, "supervised": 3}]))
+    left = Stage(job_id).run()
+    assert left.done == 3 and left.failures == {}, left
+    assert fake_engine.requests == 4  # two for the per-turn sample, one for each other
+    with session_scope() as s:
+        path = s.scalar(select(Capture.path).where(Capture.sample_id == sid))
+    tensors, meta = files.read(get_settings().data_dir / "hidden-states" / path)
+    got = tensors["hidden_states"].array()
+    want = np.concatenate([hidden_of(p.tolist()) for p in pieces])
+    np.testing.assert_array_equal(got, want)  # each example computed as its own prompt
+    assert not np.array_equal(got, hidden_of(np.concatenate(pieces).tolist()))
+    assert tensors["token_ids"].array().tolist() == np.concatenate(pieces).tolist()
+    assert meta["example_tokens"] == "5,7"
+    found = captured_paths(job_id, LAYERS)
+    assert found[f"{sid}:0"][1] == 0 and found[f"{sid}:2"][1] == 5
+    assert str(sid) not in found
