@@ -190,6 +190,11 @@ class Job(Base):
     #: Why synthq stopped the capture stage (identical failures in a row on one server,
     #: synthq.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
     capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Capture server URL → the folder where its engine writes files, as this machine
+    #: sees it (vLLM's stock connector names files by request id: synthq takes them
+    #: only from there, synthq.capture.confine).
+    capture_files: Mapped[dict[str, str]] = mapped_column(JsonType, default=dict,
+                                                          server_default="{}")
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
     moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)

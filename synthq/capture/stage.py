@@ -41,7 +41,7 @@ from sqlalchemy import func, select
 
 from synthq import states as job_states
 from synthq import workers
-from synthq.capture import ingest, states
+from synthq.capture import confine, ingest, states
 from synthq.capture.plan import Plan, check_space, layers_for
 from synthq.capture.progress import CaptureCounts, counts, store_root
 from synthq.capture.progress import plan as progress_plan
@@ -151,8 +151,11 @@ def check_answer(urls: list[str]) -> list[Engine]:
         return [describe(client, url) for url in urls]
 
 
-def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str) -> Path:
-    """One capture request; the path of the engine's file. Errors carry their class."""
+def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str,
+          folder: str | None = None) -> Path:
+    """One capture request; the path of the engine's file, one this request may read and
+    delete (synthq.capture.confine: named by ``name``, or inside ``folder``, the server's
+    declared engine-files folder). Errors carry their class."""
     body = {"model": engine.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {NAME_KEY: name}}
     try:
@@ -172,12 +175,9 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str)
         raise BadRequest("the server's answer has no kv_transfer_params.hidden_states_path: "
                          "start it with extract_hidden_states and a hidden-states connector") \
             from exc
-    # The file is read and then deleted: only the one this request named is ever
-    # touched, whatever path a server answers (synthq_connector names it so).
-    if path.name != f"{name}.safetensors":
-        raise BadRequest(f"the server answered the file {path.name!r}, not this request's "
-                         f"{name}.safetensors: start it with synthq_connector")
-    return path
+    # The file is read and then deleted: only this request's is ever touched, whatever
+    # path a server answers.
+    return confine.accept(path, name=name, folder=folder)
 
 
 def _take(chunks: Any, limit: int) -> list[bytes]:
@@ -253,6 +253,9 @@ class Stage:
             s.expunge(job)
         layers = layers_for(job)
         engines = {url: describe(self.client, url) for url in job.capture_servers}
+        for url, folder in (job.capture_files or {}).items():  # the probe checks each
+            if url in engines:
+                confine.check_folder(url, folder)
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
             p = plan(s, job, at=self.store)
@@ -365,7 +368,8 @@ class Stage:
             name = f"synthq-{job.id}-{claimed.sample_id}-{claimed.token}"
             for k, piece in enumerate(pieces):
                 engine_files.append(_call(self.client, engine, piece.tolist(),
-                                          name if len(pieces) == 1 else f"{name}-{k}"))
+                                          name if len(pieces) == 1 else f"{name}-{k}",
+                                          (job.capture_files or {}).get(engine.url)))
             for engine_file in engine_files:
                 ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
             got = ingest.ingest_parts(

@@ -46,6 +46,12 @@ def capture(
     limit: Annotated[int | None, typer.Option(
         min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
         "8].")] = None,
+    engine_files: Annotated[list[str] | None, typer.Option(
+        "--engine-files", help="URL=DIR: the folder where capture server URL's engine writes "
+        "its files (its connector's shared_storage_path, as this machine sees it). With it "
+        "synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by request "
+        "id) too, from that folder only. Repeat per server; URL= (empty DIR) removes it.")] \
+        = None,
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Send failed captures again (their attempts reset), and run "
         "a stage that synthq stopped (a server failed several captures in a row the same "
@@ -80,6 +86,17 @@ def capture(
             urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
             capture_stage.check_answer(urls)  # each must answer before the job stores it
             changes["capture_servers"] = urls
+        if engine_files:
+            from synthq.capture.confine import check_folder
+
+            folders: dict[str, str] = {}
+            for item in engine_files:
+                url, eq, folder = item.rpartition("=")
+                if not eq or not url:
+                    raise UserError(f"--engine-files {item!r}: expected URL=DIR")
+                url = jobspec.check(jobspec.BY_NAME["capture_servers"], [url])[0]
+                folders[url] = str(check_folder(url, folder)) if folder else ""
+            changes["capture_files"] = folders
         if (parsed := _layers(layers)) is not None:
             changes["capture_layers"] = parsed
         if dtype is not None:
@@ -93,6 +110,9 @@ def capture(
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
+            if "capture_files" in changes:  # merged into the job's, "" removes one
+                merged = {**(row.capture_files or {}), **changes["capture_files"]}
+                changes["capture_files"] = {k: v for k, v in merged.items() if v}
             if changes:
                 from synthq import states
 

@@ -46,6 +46,10 @@ class FakeCaptureServer:
         self.active = self.most = self.requests = 0
         #: A hostile server's answer: this path instead of the file it wrote.
         self.answer_path: Path | None = None
+        #: Name files by request id, as vLLM's stock connector does (not synthq_name);
+        #: write token ids other than the request's.
+        self.stock_naming = False
+        self.wrong_ids = False
         self.lock = threading.Lock()
         server = self
 
@@ -70,13 +74,18 @@ class FakeCaptureServer:
                 with server.lock:
                     server.active += 1
                     server.requests += 1
+                    request_no = server.requests
                     server.most = max(server.most, server.active)
                 try:
                     time.sleep(server.hold)
                     ids = body["prompt"]
                     name = body["kv_transfer_params"]["synthq_name"]
+                    if server.stock_naming:
+                        name = f"cmpl-{request_no}-0"
                     path = server.engine_dir / f"{name}.safetensors"
                     hidden = hidden_of(ids)
+                    if server.wrong_ids:
+                        ids = [i + 1 for i in ids]
                     tensors = {"hidden_states": files.Tensor("F32", hidden.shape,
                                                              hidden.tobytes()),
                                "token_ids": files.Tensor("I64", (len(ids),), np.asarray(
@@ -293,3 +302,61 @@ def test_a_per_turn_sample_is_captured_one_prompt_per_example(
     found = captured_paths(job_id, LAYERS)
     assert found[f"{sid}:0"][1] == 0 and found[f"{sid}:2"][1] == 5
     assert str(sid) not in found
+
+
+@pytest.mark.parametrize("case", ["declared", "undeclared", "outside", "symlink", "other_ids"])
+def test_stock_connector_files_are_taken_only_from_the_declared_folder(
+        job_factory: Any, fake_engine: FakeCaptureServer, tmp_path: Path, case: str) -> None:
+    """Issue 30 item 1: files named by request id (vLLM's stock connector) are captured
+    when the server has a declared engine-files folder (``--engine-files URL=DIR``), and
+    then only from it: a path outside it, a symlink in it, and a file whose token_ids are
+    not the sample's are refused, and nothing but the request's own file is read or
+    deleted. Without the folder such files are refused as before."""
+    from synthq.capture.stage import Stage
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    fake_engine.stock_naming = True
+    n = 6
+    job_id = _done_samples(job_factory, n, fake_engine.url, 2)
+    if case != "undeclared":
+        with session_scope() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(
+                capture_files={fake_engine.url: str(fake_engine.engine_dir)}))
+    victim = tmp_path / "victim.safetensors"
+    victim.write_text("not yours")
+    if case == "outside":
+        fake_engine.answer_path = victim
+    elif case == "symlink":
+        link = fake_engine.engine_dir / "link.safetensors"
+        link.symlink_to(victim)
+        fake_engine.answer_path = link
+    fake_engine.wrong_ids = case == "other_ids"
+    left = Stage(job_id).run()
+    assert victim.read_text() == "not yours"
+    if case == "declared":
+        assert left.done == n and left.failures == {}, left
+        from synthq.config import get_settings
+
+        assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
+        assert list(fake_engine.engine_dir.iterdir()) == []  # each taken, then deleted
+    elif case == "other_ids":
+        assert left.done == 0 and left.failures == {"capture_mismatch": n}, left
+    else:
+        assert left.done == 0 and set(left.failures) == {"bad_request"}, left
+        if case == "symlink":
+            assert (fake_engine.engine_dir / "link.safetensors").is_symlink()  # left alone
+
+
+def test_the_engine_files_folder_is_checked(pg: str, tmp_path: Path) -> None:
+    """A declared folder must be an absolute, existing, real directory."""
+    from synthq.capture.confine import check_folder
+    from synthq.errors import UserError
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    assert check_folder("u", str(tmp_path / "real")) == tmp_path / "real"
+    for bad, why in [("relative/dir", "absolute"), (str(tmp_path / "none"), "not a folder"),
+                     (str(tmp_path / "via"), "symlink")]:
+        with pytest.raises(UserError, match=why):
+            check_folder("u", bad)
