@@ -182,7 +182,7 @@ class Job(Base):
     #: ``output_hidden_states`` indices captured (None: the drafter's three plus the
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
-    #: The stored dtype: ``float32``, ``bfloat16`` or ``float16``.
+    #: The stored dtype: ``float32``, ``bfloat16``, ``float16`` or ``float8_e4m3``.
     capture_dtype: Mapped[str] = mapped_column(String(16), default="float32",
                                                server_default="float32")
     #: Most capture requests in flight on each capture server.

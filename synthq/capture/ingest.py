@@ -78,16 +78,21 @@ def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[in
     """Check each engine file against its piece of the sample's ids (one per example) and
     store them end to end as one file: ``hidden_states`` [sum of tokens, layers, hidden],
     ``token_ids`` the pieces concatenated (the sample's ``input_ids``)."""
-    parts = [files.convert(check(p, input_ids=ids, layers=layers), dtype)
-             for p, ids in zip(paths, pieces, strict=True)]
+    parts = [check(p, input_ids=ids, layers=layers) for p, ids in zip(paths, pieces, strict=True)]
     sizes = {t.shape[2] for t in parts}
     if len(sizes) != 1:
         raise CaptureMismatch(f"the examples' files have hidden sizes {sorted(sizes)}")
+    if len({t.dtype for t in parts}) > 1:
+        parts = [files.convert(t, "float32") for t in parts]
     want = np.concatenate(pieces).astype(np.int64)
-    hidden = files.Tensor(parts[0].dtype, (len(want), len(layers), parts[0].shape[2]),
-                          b"".join(t.data for t in parts))
+    whole = files.Tensor(parts[0].dtype, (len(want), len(layers), parts[0].shape[2]),
+                         b"".join(t.data for t in parts))
+    hidden, scale = files.convert_scaled(whole, dtype)  # float8: one scale for the file
     out = {"hidden_states": hidden,
            "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
+    if scale is not None:
+        out["hidden_states_scale"] = files.Tensor("F32", (1,),
+                                                  np.float32(scale).astype("<f4").tobytes())
     meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
                     sha256_hidden_states=hashlib.sha256(hidden.data).hexdigest())
     if len(pieces) > 1:  # where each example's rows start (synthq.examples.split's cuts)

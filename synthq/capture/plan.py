@@ -18,7 +18,7 @@ from synthq.errors import UserError
 __all__ = ["DTYPES", "Plan", "drafter_layers", "target_config", "layers_for", "check_space"]
 
 #: Stored dtypes and their sizes in bytes.
-DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1}
 
 
 def drafter_layers(num_layers: int) -> list[int]:

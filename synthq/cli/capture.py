@@ -41,7 +41,8 @@ def capture(
         "count and width for the default layers and the disk plan). Stored on the job as "
         "its training target [default: the job's].")] = None,
     dtype: Annotated[str | None, typer.Option(
-        help="Stored dtype: float32, bfloat16 (half the disk) or float16 [default: the "
+        help="Stored dtype: float32, bfloat16 (half the disk), float16, or float8_e4m3 "
+        "(a quarter, with a per-tensor scale) [default: the "
         "job's, float32].")] = None,
     limit: Annotated[int | None, typer.Option(
         min=1, max=4096, help="Capture requests in flight per server [default: the job's, "

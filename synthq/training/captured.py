@@ -182,6 +182,8 @@ class CapturedFeatures(FeatureCache):
                             "input_ids (retokenized since the capture?): run `synthq capture "
                             "JOB` again")
         hidden = data["hidden_states"][rows].float()  # [L, 4, H]
+        if "hidden_states_scale" in data:  # float8 (synthq.capture.files): its scale back
+            hidden = hidden * data["hidden_states_scale"].float()[0]
         last = self.target.final_norm(hidden[:, 3])  # [L, H]
         top = (last @ self.target.head.T).argmax(-1)  # [L] over the target's whole vocabulary
         return {"aux": hidden[:, :3].reshape(n, -1).contiguous(), "last": last, "top": top}
