@@ -250,6 +250,10 @@ def test_stock_connector_files_are_captured_from_the_declared_folder(
     layers = ",".join(str(i) for i in CAPTURE_LAYERS)
     refused = _capture(data, "--server", server.url, "--layers", layers, "--json")
     assert "bad_request" in refused.stdout, refused.stdout + refused.stderr  # no folder yet
+    assert "capture stopped: server" in refused.stdout  # after 5 of them (item 2)
+    # Refused files are neither read nor deleted: the engine's folder keeps them.
+    left_alone = set(server.engine_dir.glob("*.safetensors"))
+    assert 5 <= len(left_alone) < SAMPLES
     out = _capture(data, "--engine-files", f"{server.url}={server.engine_dir}",
                    "--retry-failed", "--json")
     assert out.returncode == 0, out.stderr + out.stdout
@@ -267,4 +271,5 @@ def test_stock_connector_files_are_captured_from_the_declared_folder(
             np.frombuffer(raw, dtype="<i4"))).max()))
     print(f"\nstock connector: {SAMPLES} of {SAMPLES} captured; worst difference against "
           f"transformers {worst:.2e}")
-    assert not list(server.engine_dir.glob("*.safetensors"))  # each taken, then deleted
+    # Each file taken was deleted once stored; the refused ones are still there.
+    assert set(server.engine_dir.glob("*.safetensors")) == left_alone
