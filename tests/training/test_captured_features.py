@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from training_support import capture_file
 
 from synthq.training.captured import CapturedFeatures, load_target_head
 from synthq.training.data import Example, FeatureCache, draft_head
 from synthq.training.loop import ttt_loss
 from synthq.training.model import DraftConfig, Eagle3Drafter
-from training_support import capture_file
 
 
 def test_captured_features_and_loss_equal_the_offline_path(

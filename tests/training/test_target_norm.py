@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_support import VOCAB, capture_file
 
 from synthq.errors import UserError
 from synthq.training.captured import load_target_head
 from synthq.training.norm import norm_style
-from training_support import VOCAB, capture_file
 
 
 @pytest.mark.parametrize("style", ["weight", "one_plus_weight"])
