@@ -156,9 +156,13 @@ class Manifest:
 
 
 def check_options(fmt: str, shard_size: int) -> None:
-    """Raise :class:`UserError` for an unknown format or a shard size below 1."""
-    if fmt not in FORMATS:
-        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    """Raise :class:`UserError` for an unknown format or a shard size below 1 (the
+    captured features' formats are synthq.export_features')."""
+    from synthq.export_features import FEATURE_FORMATS
+
+    if fmt not in FORMATS + FEATURE_FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS + FEATURE_FORMATS)}, "
+                        f"got {fmt!r}")
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
 

@@ -27,10 +27,14 @@ def export(
     job: JobArg,
     out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
                    "atomically: it appears complete or not at all).")],
-    fmt: Annotated[str, typer.Option("--format", "-f", metavar="<parquet|jsonl>",
+    fmt: Annotated[str, typer.Option("--format", "-f",
+                   metavar="<parquet|jsonl|speculators|specforge>",
                    help="`parquet` (id, source_id, "
-                   "input_ids, loss_mask, conversations) or `jsonl` (SpecForge conversations, "
-                   "with id and source_id).")] = "parquet",
+                   "input_ids, loss_mask, conversations), `jsonl` (SpecForge conversations, "
+                   "with id and source_id), or the captured features (`synthq capture`) in "
+                   "a peer's offline layout: `speculators` (its datasets folder with "
+                   "hidden_states/hs_{i} linked into synthq's store) or `specforge` (its "
+                   ".ckpt files, hidden_state after the target's final norm).")] = "parquet",
     shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
     include_truncated: Annotated[bool, typer.Option("--include-truncated/--exclude-truncated",
                                  help="Export answers cut by max_tokens (kept as done by "
@@ -39,6 +43,14 @@ def export(
                            "samples not yet retokenized instead of refusing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export "
                          "in --out.")] = False,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="speculators/specforge: "
+                      "the target's folder (config.json; SpecForge reads its final norm and "
+                      "lm_head) [default: the job's --train-target, else its tokenizer "
+                      "folder].")] = None,
+    draft_vocab_size: Annotated[int, typer.Option(min=1, help="speculators: the draft "
+                                "vocabulary written as d2t.npy/t2d.npy (as `synthq train` "
+                                "picks it; none when it is the target's whole vocabulary)."
+                                )] = 32_000,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a job's done samples as Parquet or JSONL shards plus manifest.json.
@@ -61,6 +73,12 @@ def export(
     except UserError as exc:
         raise fail(str(exc)) from None
     job_id = with_job(job, lambda s, j: j.id)
+    from synthq.export_features import FEATURE_FORMATS
+
+    if fmt in FEATURE_FORMATS:
+        _export_features(job_id, out, fmt, target=target, draft_vocab_size=draft_vocab_size,
+                         overwrite=overwrite, as_json=as_json)
+        return
     kwargs: dict[str, Any] = dict(fmt=fmt, shard_size=shard_size, overwrite=overwrite,
                                   include_truncated=include_truncated, allow_stale=allow_stale)
     try:
@@ -91,6 +109,28 @@ def export(
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
         console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
+
+
+def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
+                     draft_vocab_size: int, overwrite: bool, as_json: bool) -> None:
+    """`synthq export --format speculators|specforge`: synthq.export_features."""
+    from synthq.export_features import export_features
+
+    try:
+        manifest = export_features(job_id, Path(out), fmt=fmt, target=target,
+                                   draft_vocab_size=draft_vocab_size, overwrite=overwrite)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
+    if as_json:
+        print(manifest.to_json())
+        return
+    how = ", ".join(f"{n:,} {k}" for k, n in sorted(manifest.files.items()))
+    console.print(f"exported {manifest.exported:,} captured examples of {manifest.samples:,} "
+                  f"samples to {escape(out)} for {fmt} ({how}; {manifest.bytes_written:,} B "
+                  "written)")
 
 
 #: The tokenization settings a retokenize may change (synthq.jobspec declares them).
