@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from training_support import VOCAB, capture_file
 
 from synthq.capture.plan import drafter_layers
 from synthq.errors import UserError
 from synthq.export_features import export_features
-from training_support import VOCAB, capture_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 10
