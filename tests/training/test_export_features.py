@@ -20,7 +20,6 @@ a Gemma) have final norm weights far from ones, so a wrong norm changes the argm
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,19 +33,15 @@ from synthq.capture.plan import drafter_layers
 from synthq.errors import UserError
 from synthq.export_features import export_features
 
-ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 10
 
 
 @pytest.fixture(scope="session")
 def peer_readers() -> Path:
     """The folder holding the peers' packages, on ``sys.path`` for these tests."""
-    done = subprocess.run(["bash", "scripts/peer-readers.sh"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, f"scripts/peer-readers.sh failed: {done.stderr[-2000:]}"
-    folder = Path(done.stdout.strip().splitlines()[-1])
-    sys.path.insert(0, str(folder))
-    return folder
+    from support import peer_readers
+
+    return peer_readers()
 
 
 def _captured_job(job_factory: Callable[..., Any], sample_factory: Callable[..., int],
