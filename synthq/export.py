@@ -64,11 +64,13 @@ from synthq.packing import unpack_ids, unpack_mask
 from synthq.secrets import safe_keys
 from synthq.states import SampleState
 
-__all__ = ["FORMATS", "Manifest", "export_job", "check_options", "tokenizer_fingerprint",
-           "parquet_schema"]
+__all__ = ["FORMATS", "FEATURE_FORMATS", "Manifest", "export_job", "check_options",
+           "tokenizer_fingerprint", "parquet_schema"]
 
 #: Output formats.
 FORMATS = ("parquet", "jsonl")
+#: Formats of captured features (synthq.export_features writes them).
+FEATURE_FORMATS = ("speculators", "specforge")
 #: Rows per database query (and per Parquet row group).
 BATCH = 1000
 MANIFEST = "manifest.json"
@@ -158,8 +160,6 @@ class Manifest:
 def check_options(fmt: str, shard_size: int) -> None:
     """Raise :class:`UserError` for an unknown format or a shard size below 1 (the
     captured features' formats are synthq.export_features')."""
-    from synthq.export_features import FEATURE_FORMATS
-
     if fmt not in FORMATS + FEATURE_FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS + FEATURE_FORMATS)}, "
                         f"got {fmt!r}")

@@ -56,11 +56,10 @@ import numpy as np
 import synthq
 from synthq.db import get_engine, utcnow
 from synthq.errors import UserError
+from synthq.export import FEATURE_FORMATS
 
 __all__ = ["FEATURE_FORMATS", "FeaturesManifest", "export_features"]
 
-#: Formats written from captured features.
-FEATURE_FORMATS = ("speculators", "specforge")
 #: SpecForge's files per folder (its own ``prepare_hidden_states.py`` groups by 2,000).
 GROUP = 2000
 

@@ -73,7 +73,7 @@ def export(
     except UserError as exc:
         raise fail(str(exc)) from None
     job_id = with_job(job, lambda s, j: j.id)
-    from synthq.export_features import FEATURE_FORMATS
+    from synthq.export import FEATURE_FORMATS
 
     if fmt in FEATURE_FORMATS:
         _export_features(job_id, out, fmt, target=target, draft_vocab_size=draft_vocab_size,
