@@ -157,12 +157,12 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
 
 
-def check_options(fmt: str, shard_size: int) -> None:
-    """Raise :class:`UserError` for an unknown format or a shard size below 1 (the
-    captured features' formats are synthq.export_features')."""
-    if fmt not in FORMATS + FEATURE_FORMATS:
-        raise UserError(f"--format must be one of {', '.join(FORMATS + FEATURE_FORMATS)}, "
-                        f"got {fmt!r}")
+def check_options(fmt: str, shard_size: int, *, features: bool = False) -> None:
+    """Raise :class:`UserError` for an unknown format or a shard size below 1;
+    ``features``: the captured features' formats (synthq.export_features) count too."""
+    known = FORMATS + (FEATURE_FORMATS if features else ())
+    if fmt not in known:
+        raise UserError(f"--format must be one of {', '.join(known)}, got {fmt!r}")
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
 

@@ -69,7 +69,7 @@ def export(
     from synthq.export import check_options, export_job
 
     try:
-        check_options(fmt, shard_size)
+        check_options(fmt, shard_size, features=True)
     except UserError as exc:
         raise fail(str(exc)) from None
     job_id = with_job(job, lambda s, j: j.id)
