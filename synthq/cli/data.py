@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,22 +68,20 @@ def export(
         TimeElapsedColumn,
     )
 
-    from synthq.export import check_options, export_job
+    from synthq.export import FEATURE_FORMATS, check_options, export_job
 
     try:
         check_options(fmt, shard_size, features=True)
     except UserError as exc:
         raise fail(str(exc)) from None
     job_id = with_job(job, lambda s, j: j.id)
-    from synthq.export import FEATURE_FORMATS
-
     if fmt in FEATURE_FORMATS:
         _export_features(job_id, out, fmt, target=target, draft_vocab_size=draft_vocab_size,
                          overwrite=overwrite, as_json=as_json)
         return
     kwargs: dict[str, Any] = dict(fmt=fmt, shard_size=shard_size, overwrite=overwrite,
                                   include_truncated=include_truncated, allow_stale=allow_stale)
-    try:
+    with _export_errors(out):
         if as_json:
             manifest = export_job(job_id, Path(out), **kwargs)
         else:
@@ -91,11 +91,6 @@ def export(
                 bar = progress.add_task("export", total=None)
                 manifest = export_job(job_id, Path(out), progress=lambda n, total:
                                       progress.update(bar, completed=n, total=total), **kwargs)
-    except UserError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
     if as_json:
         print(manifest.to_json())
         return
@@ -111,19 +106,26 @@ def export(
         console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
 
 
-def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
-                     draft_vocab_size: int, overwrite: bool, as_json: bool) -> None:
-    """`synthq export --format speculators|specforge`: synthq.export_features."""
-    from synthq.export_features import export_features
-
+@contextmanager
+def _export_errors(out: str) -> Iterator[None]:
+    """An export's errors as one line each (exit 2): what the user can fix, or the disk's."""
     try:
-        manifest = export_features(job_id, Path(out), fmt=fmt, target=target,
-                                   draft_vocab_size=draft_vocab_size, overwrite=overwrite)
+        yield
     except UserError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
+
+
+def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
+                     draft_vocab_size: int, overwrite: bool, as_json: bool) -> None:
+    """`synthq export --format speculators|specforge`: synthq.export_features."""
+    from synthq.export_features import export_features
+
+    with _export_errors(out):
+        manifest = export_features(job_id, Path(out), fmt=fmt, target=target,
+                                   draft_vocab_size=draft_vocab_size, overwrite=overwrite)
     if as_json:
         print(manifest.to_json())
         return
