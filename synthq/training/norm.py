@@ -33,19 +33,21 @@ __all__ = ["STYLES", "norm_style", "apply_norm"]
 STYLES = ("weight", "one_plus_weight")
 
 
-def _norm_class(model_type: str) -> type[Any]:
+def _norm_class(model_type: str, architectures: tuple[str, ...]) -> type[Any]:
     """transformers' RMSNorm class of the model type's causal LM (``<Prefix>RMSNorm``,
-    the class its ``model.norm`` is made of)."""
+    the class its ``model.norm`` is made of); for a model type transformers does not
+    ship (remote code), that of a class its ``architectures`` name that it does."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    transformers = importlib.import_module("transformers")
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or next(
+        (a for a in architectures if hasattr(transformers, a)), None)
     if not name:
         raise UserError(f"the target's model type {model_type!r} has no transformers causal "
                         "LM here, so its final norm is unknown: synthq applies only norms it "
                         "has checked (Llama's w·x̂, Gemma's (1+w)·x̂)")
-    transformers = importlib.import_module("transformers")
     module = sys.modules[getattr(transformers, name).__module__]
-    prefix = name.removesuffix("ForCausalLM")
+    prefix = name.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
     classes = {n: c for n, c in vars(module).items() if inspect.isclass(c)}
     found = classes.get(f"{prefix}RMSNorm") or next(
         (c for n, c in classes.items() if n.endswith("RMSNorm")), None)
@@ -56,8 +58,8 @@ def _norm_class(model_type: str) -> type[Any]:
 
 
 @lru_cache(maxsize=64)
-def _probe(model_type: str) -> str:
-    cls = _norm_class(model_type)
+def _probe(model_type: str, architectures: tuple[str, ...]) -> str:
+    cls = _norm_class(model_type, architectures)
     hidden, eps = 8, 1e-6
     try:
         norm = cls(hidden, eps=eps)
@@ -87,7 +89,8 @@ def norm_style(config: Any) -> str:
     model_type = getattr(config, "model_type", None)
     if not model_type:
         raise UserError("the target's config has no model_type: its final norm is unknown")
-    return _probe(str(model_type))
+    architectures = tuple(str(a) for a in getattr(config, "architectures", None) or ())
+    return _probe(str(model_type), architectures)
 
 
 def apply_norm(style: str, weight: torch.Tensor, hidden: torch.Tensor,

@@ -48,5 +48,8 @@ def test_a_norm_synthq_does_not_compute_fails_loudly() -> None:
     assert norm_style(AutoConfig.for_model("deepseek_v3")) == "weight"
     with pytest.raises(UserError, match="not one synthq computes"):
         norm_style(CohereConfig())  # a LayerNorm
+    # Remote code (Kimi-K2's kimi_k2) names a class transformers ships: its norm.
+    remote = type("C", (), {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]})
+    assert norm_style(remote()) == "weight"
     with pytest.raises(UserError, match="no transformers causal LM"):
         norm_style(type("C", (), {"model_type": "no-such-model"})())
