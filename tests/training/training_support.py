@@ -68,7 +68,7 @@ def capture_file(target: Any, ids: Any, path: Path) -> None:
                "token_ids": torch.from_numpy(np.asarray(ids, dtype=np.int64))}, str(path))
 
 
-def norm_target(path: Path, style: str, *, vocab: int = VOCAB, layers: int = 4) -> Path:
+def norm_target(path: Path, style: str, *, vocab: int = VOCAB, layers: int = 8) -> Path:
     """A small random target saved with ``save_pretrained`` whose final norm weights are
     far from ones (the weight style: around 1; the (1+w) style: around 0), so a wrong
     norm changes its argmax. ``style``: ``weight`` (a Llama) or ``one_plus_weight`` (a
