@@ -7,6 +7,8 @@
 # datasets/transformers below synthq's and pulls torchvision/torchaudio, SpecForge pins
 # torch 2.11, transformers 5.8.1 and sglang; their readers import only what synthq's
 # venv has (torch, datasets, safetensors, openai). Prints the folder on its last line.
+# The machine's python3 installs them (pure Python, --target), so this runs before
+# .venv exists in a fresh clone (.ci/run calls it before the tests make .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PINS="speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0"
@@ -18,6 +20,6 @@ fi
 mkdir -p "$(dirname "$DIR")"
 rm -rf "$DIR"  # no .ready: an earlier install was cut short
 # shellcheck disable=SC2086
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target "$DIR" $PINS
+python3 -m pip install -q --disable-pip-version-check --no-deps --target "$DIR" $PINS
 touch "$DIR/.ready"
 echo "$DIR"
