@@ -10,7 +10,7 @@ files of vLLM's stock connector (named by request id) are taken from
 (synthq.capture.confine).
 
 Revision ID: 0030
-Revises: 0026
+Revises: 0027
 Create Date: 2026-12-03 08:20:00
 """
 
@@ -23,7 +23,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = '0030'
-down_revision: str | None = '0026'
+down_revision: str | None = '0027'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

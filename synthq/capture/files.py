@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["Tensor", "read", "dumps", "convert", "convert_scaled", "hidden_states",
-           "MAX_HEADER", "E4M3_MAX"]
+           "MAX_HEADER", "E4M3_MAX", "DTYPE_NAMES"]
 
 #: A header larger than this is not a capture file (the connector's are < 1 KiB).
 MAX_HEADER = 1 << 20
 _NUMPY = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
           "BF16": np.uint16, "F8_E4M3": np.uint8}
 _CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3": "F8_E4M3"}
+#: safetensors' float codes → synthq's dtype names.
+DTYPE_NAMES = {code: name for name, code in _CODE.items()}
 #: The largest finite e4m3 (``e4m3fn``: no infinities, NaN only at 0x7F / 0xFF).
 E4M3_MAX = 448.0
 

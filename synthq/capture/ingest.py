@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from synthq.capture import files
+from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
 from synthq.errors import CaptureIncomplete, CaptureMismatch
 
@@ -39,6 +40,8 @@ class Ingested:
     stored: Stored
     num_tokens: int
     hidden_size: int
+    #: The stored dtype (``auto``: the engine file's own).
+    dtype: str
 
 
 def wait_whole(path: Path, *, timeout: float) -> None:
@@ -68,7 +71,8 @@ def wait_whole(path: Path, *, timeout: float) -> None:
 
 def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, store: Store,
            metadata: dict[str, str]) -> Ingested:
-    """Check the engine's file against the sample and put it in the store."""
+    """Check the engine's file against the sample and put it in the store, its hidden
+    states as ``dtype`` (``auto``: as the engine wrote them)."""
     return ingest_parts([path], [input_ids], layers=layers, dtype=dtype, store=store,
                         metadata=metadata)
 
@@ -87,6 +91,8 @@ def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[in
     want = np.concatenate(pieces).astype(np.int64)
     whole = files.Tensor(parts[0].dtype, (len(want), len(layers), parts[0].shape[2]),
                          b"".join(t.data for t in parts))
+    if dtype == AUTO:  # the engine's own dtype: a bf16 engine's file is not widened
+        dtype = files.DTYPE_NAMES[whole.dtype]
     hidden, scale = files.convert_scaled(whole, dtype)  # float8: one scale for the file
     out = {"hidden_states": hidden,
            "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
@@ -98,7 +104,7 @@ def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[in
     if len(pieces) > 1:  # where each example's rows start (synthq.examples.split's cuts)
         meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
     stored = store.put(files.dumps(out, meta_out))
-    return Ingested(stored, len(want), hidden.shape[2])
+    return Ingested(stored, len(want), hidden.shape[2], dtype)
 
 
 def check(path: Path, *, input_ids: np.ndarray, layers: list[int]) -> files.Tensor:

@@ -392,7 +392,7 @@ class Stage:
             won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
                               sha256=got.stored.sha256, nbytes=got.stored.bytes,
                               num_tokens=got.num_tokens, layer_ids=layers,
-                              dtype=job.capture_dtype, engine=engine.version,
+                              dtype=got.dtype, engine=engine.version,
                               engine_model=engine.model)
         self.streaks.ok(engine.url)
         if not won:
