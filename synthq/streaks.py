@@ -74,8 +74,9 @@ class Streaks:
             self._runs.pop(server, None)
 
     def failed(self, server: str, error_class: str, message: str) -> Stop | None:
-        """Count a failed call; the :class:`Stop` once ``after`` identical ones are in a row
-        (and for each one after it). Another class or message starts a new run."""
+        """Count a failed call; the :class:`Stop` when it is the ``after``-th identical one in
+        a row (once: the calls in flight meanwhile do not stop it again with another
+        count). Another class or message starts a new run."""
         if self.after <= 0:
             return None
         if error_class not in self.classes:
@@ -87,4 +88,4 @@ class Streaks:
             last, n = self._runs.get(server, ("", 0))
             n = n + 1 if last == key else 1
             self._runs[server] = (key, n)
-        return Stop(server, error_class, message, n) if n >= self.after else None
+        return Stop(server, error_class, message, n) if n == self.after else None

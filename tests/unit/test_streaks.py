@@ -22,6 +22,7 @@ def test_five_identical_failures_in_a_row_stop_a_server() -> None:
     assert s.failed("B", "bad_request", "file 'x'") is None  # another server counts apart
     stop = s.failed("A", "bad_request", "file 'r4'")
     assert stop is not None and (stop.server, stop.count) == ("A", 5)
+    assert s.failed("A", "bad_request", "file 'r5'") is None  # stopped once
     assert "server A failed 5 captures in a row with bad_request" in stop.line(
         "capture", "RESUME")
 
