@@ -1,0 +1,133 @@
+"""DFlash drafter training on the CPU with the tiny Llama target, against real PostgreSQL:
+the block mask holds (no block sees past its anchor), training and drafting compute the
+same thing, and a run writes vLLM's DFlash layout with a drafter that drafts better
+than an untrained one. (vLLM itself serves it in tests/engine/test_dflash.py.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from training_support import get_run, greedy_examples, start_run  # noqa: E402
+
+
+def _drafter(target: Any, layers: int = 1, block: int = 5) -> Any:
+    from synthq.training.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(0)
+    c = DFlashConfig.from_target(target.config, target.config.vocab_size, layers=layers,
+                                 block_size=block)
+    d = DFlashDrafter(c)
+    d.init_from_target(target, torch.arange(c.vocab_size))
+    d.t2d.fill_(True)
+    with torch.no_grad():  # a mask unlike the mean embedding, so that slots differ
+        d.mask_embedding.normal_()
+    return d.eval()
+
+
+def test_a_block_sees_its_context_and_its_own_block_only(tiny_target: Any) -> None:
+    from synthq.training.data import target_features
+
+    d = _drafter(tiny_target, layers=2)
+    ids = torch.tensor([greedy_examples(tiny_target, 1, seed=3)[0][0][:30]])
+    aux = target_features(tiny_target, ids).aux
+    anchors = torch.tensor([[6, 12, 20]])
+    with torch.no_grad():
+        base = d.blocks(ids, aux, anchors)  # [1, 3, 4, V]
+        # Everything at and after position 12 changes: block 0 (anchor 6) must not notice,
+        # block 1 sees its anchor token change.
+        ids2, aux2 = ids.clone(), aux.clone()
+        ids2[0, 12:] = (ids2[0, 12:] + 1) % tiny_target.config.vocab_size
+        aux2[0, 12:] = torch.randn_like(aux2[0, 12:])
+        moved = d.blocks(ids2, aux2, anchors)
+    assert torch.allclose(base[0, 0], moved[0, 0], atol=1e-5)
+    assert not torch.allclose(base[0, 1], moved[0, 1], atol=1e-3)
+    # One block alone, with only its context, as vLLM and propose() run it: the same logits.
+    with torch.no_grad():
+        alone = d.blocks(ids[:, :21], aux[:, :20], torch.tensor([[20]]))
+    assert torch.allclose(base[0, 2], alone[0, 0], atol=1e-5)
+    assert d.propose(ids[0, :21].tolist(), aux[:, :20], 4) == \
+        alone[0, 0].argmax(-1).tolist()
+
+
+def test_anchors_are_the_supervised_positions_with_context() -> None:
+    from synthq.training.dflash_loss import sample_anchors
+
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    anchors, keep = sample_anchors(mask, 16, torch.Generator().manual_seed(0))
+    got = [sorted(int(a) for a, k in zip(row, ks, strict=True) if k)
+           for row, ks in zip(anchors, keep, strict=True)]
+    assert got == [[2, 3, 4], [5, 6]]  # a: loss_mask[a+1], a >= 1, a + 1 < L
+    few, keep = sample_anchors(mask, 2, torch.Generator().manual_seed(0))
+    assert few.shape == (2, 2) and bool(keep.all())
+    with pytest.raises(RuntimeError, match="no supervised token"):
+        sample_anchors(torch.zeros(2, 8, dtype=torch.bool), 4)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_dflash_run_writes_vllms_layout_and_drafts_better_than_untrained(
+        greedy_job: Callable[..., int], tiny_target: Any, tiny_target_dir: Path) -> None:
+    from safetensors import safe_open
+
+    from synthq.training.checkpoint import load_drafter
+    from synthq.training.data import Example
+    from synthq.training.loop import execute_run
+    from synthq.training.speculate import acceptance_length
+
+    job_id = greedy_job(24)
+    run_id = start_run(job_id, tiny_target_dir, drafter="dflash", dflash_layers=1,
+                       ttt_steps=4, draft_vocab_size=64, batch_size=4, epochs=15, lr=1e-2,
+                       warmup_ratio=0.05, save_every=40, log_every=5, seed=0,
+                       eval_draft_tokens=4)
+    assert execute_run(run_id) == "done", get_run(run_id).error
+    run = get_run(run_id)
+    assert (run.state, run.step, run.total_steps) == ("done", 90, 90)
+    losses = [m["loss"] for m in run.metrics]
+    assert len(run.metrics[0]["acc"]) == 4  # one accuracy per block slot
+    assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:2]), losses
+
+    final = Path(run.checkpoint or "")
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3, 4],  # vLLM adds 1: [2, 4, 5]
+                                    "mask_token_id": 0, "use_aux_hidden_state": True}
+    assert (cfg["block_size"], cfg["num_hidden_layers"], cfg["target_hidden_size"]) == (5, 1, 64)
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"]) == (96, 64)
+    assert cfg["rope_parameters"]["rope_theta"] == cfg["rope_theta"]
+    H, kv = 64, 2 * 16
+    shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "layers.0.self_attn.q_proj.weight": (H, H),
+              "layers.0.self_attn.k_proj.weight": (kv, H),
+              "layers.0.self_attn.v_proj.weight": (kv, H),
+              "layers.0.self_attn.o_proj.weight": (H, H),
+              "layers.0.self_attn.q_norm.weight": (16,), "layers.0.self_attn.k_norm.weight": (16,),
+              "layers.0.mlp.gate_proj.weight": (128, H), "layers.0.mlp.up_proj.weight": (128, H),
+              "layers.0.mlp.down_proj.weight": (H, 128),
+              "layers.0.input_layernorm.weight": (H,),
+              "layers.0.post_attention_layernorm.weight": (H,),
+              "lm_head.weight": (64, H), "d2t": (64,), "t2d": (96,)}
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == shapes  # noqa: SIM118
+    mask = torch.load(final / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == 0 and mask["embedding"].shape == (H,)
+
+    # Loaded back, it drafts better than an untrained one on fresh greedy data.
+    drafter = load_drafter(final, tiny_target)
+    assert torch.equal(drafter.mask_embedding, mask["embedding"])
+    fresh = [Example(str(i), np.array(a), np.array(m, dtype=np.uint8))
+             for i, (a, m) in enumerate(greedy_examples(tiny_target, 8, seed=7))]
+    untrained = _drafter(tiny_target, layers=1)
+    before = acceptance_length(tiny_target, untrained, fresh, 4).mean
+    after = acceptance_length(tiny_target, drafter, fresh, 4).mean
+    print(f"DFlash acceptance length (k=4): untrained {before:.2f}, trained {after:.2f}, "
+          f"run's eval {run.eval_acceptance_length}")
+    assert after >= before + 0.5, (before, after)
+    assert run.eval_acceptance_length is not None and run.eval_acceptance_length >= 2.0
