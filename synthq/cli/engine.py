@@ -67,6 +67,6 @@ def serve_check(
         return
     gap = (f"; synthq's eval_acceptance_length {evaluated:.2f} ({result.mean - evaluated:+.2f})"
            if evaluated is not None else "")
-    console.print(f"run {run_id} ({drafter}): {result.engine} {result.version or '?'} served acceptance "
-                  f"length {result.mean:.2f} ({result.accepted} accepted of {result.drafts} "
-                  f"drafts, {len(prompts)} held-out prompts){gap}")
+    console.print(f"run {run_id} ({drafter}): {result.engine} {result.version or '?'} served "
+                  f"acceptance length {result.mean:.2f} ({result.accepted} accepted of "
+                  f"{result.drafts} drafts, {len(prompts)} held-out prompts){gap}")

@@ -1,11 +1,11 @@
 """The acceptance length a real engine serves with a run's drafter (``synthq serve-check``).
 
 The engine (vLLM started with ``--speculative-config '{"method": "eagle3", "model":
-OUT/final, "num_speculative_tokens": K}'``, ``"method": "dflash"`` for a DFlash run) is sent the run's own held-out prompts,
-as token ids (``/v1/completions``: no template applied twice, the very tokens the
-run's ``eval_acceptance_length`` drafted from), greedily, for as many tokens as that
-evaluation generates. The figure is vLLM's own: its spec-decode counters before and
-after, ``1 + Δaccepted / Δdrafts``.
+OUT/final, "num_speculative_tokens": K}'``, ``"method": "dflash"`` for a DFlash run) is
+sent the run's own held-out prompts, as token ids (``/v1/completions``: no template
+applied twice, the very tokens the run's ``eval_acceptance_length`` drafted from),
+greedily, for as many tokens as that evaluation generates. The figure is vLLM's own:
+its spec-decode counters before and after, ``1 + Δaccepted / Δdrafts``.
 
 The held-out split is read with ``synthq.training.data`` (so torch is imported), the
 same code that made it during training.
