@@ -593,9 +593,6 @@ class _Loop:
         self.d2t = opt.drafter.draft_to_target  # [V] target id of each draft id
         self.t2d = opt.drafter.t2d  # [T] bool: target ids in the draft vocabulary
         self.checkpoints = run.out / "checkpoints"
-        # DFlash's anchors: drawn on the CPU from the run's seed and rank (a resumed run
-        # draws others; it trains on the same examples).
-        self.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ctx.rank)
 
 
 def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
@@ -621,7 +618,7 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 else:
                     feats = target_features(loop.target, ids)
                 t1 = time.perf_counter()
-                loss, stats = _step(loop, ids, feats, loss_mask)
+                loss, stats = _step(loop, ids, feats, loss_mask, p.step)
                 p.step += 1
                 _accumulate(p.window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
                             time.perf_counter() - t1)
@@ -631,15 +628,19 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 prefetch.close()
 
 
-def _step(loop: _Loop, ids: torch.Tensor, feats: TargetFeatures,
-          loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def _step(loop: _Loop, ids: torch.Tensor, feats: TargetFeatures, loss_mask: torch.Tensor,
+          done: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """One optimizer step on a batch ([B, L] ids): the unrolled training-time test (EAGLE-3)
     or the blocks at random anchors (DFlash), its loss, backward, clip, AdamW, the
-    schedule. Returns the loss and (correct, counted) per step (per block slot)."""
+    schedule. Returns the loss and (correct, counted) per step (per block slot). ``done``:
+    the steps before this one (DFlash's anchors are drawn from the seed, the rank and it,
+    so a resumed run draws what the uninterrupted one drew)."""
     cfg, opt, device = loop.cfg, loop.opt, loop.device
     with loop.autocast:
         if cfg.drafter == "dflash":
-            anchors, keep = sample_anchors(loss_mask, cfg.dflash_anchors, loop.generator)
+            gen = torch.Generator().manual_seed(
+                (cfg.seed * 1_000_003 + loop.ctx.rank) * 1_000_033 + done)
+            anchors, keep = sample_anchors(loss_mask, cfg.dflash_anchors, gen)
             logits = loop.model(ids.to(device), feats.aux.to(device), anchors.to(device))
             loss, stats = block_loss(logits, feats, loss_mask, anchors, keep, loop.d2t,
                                      cfg.ttt_decay, loop.head, loop.t2d)

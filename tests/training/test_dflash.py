@@ -131,3 +131,75 @@ def test_dflash_run_writes_vllms_layout_and_drafts_better_than_untrained(
           f"run's eval {run.eval_acceptance_length}")
     assert after >= before + 0.5, (before, after)
     assert run.eval_acceptance_length is not None and run.eval_acceptance_length >= 2.0
+
+
+class _Kill(BaseException):
+    """Stands for a SIGKILL inside the training loop (not caught as an Exception)."""
+
+
+@pytest.mark.integration
+def test_a_resumed_dflash_run_reproduces_the_uninterrupted_losses(
+        greedy_job: Callable[..., int], tiny_target_dir: Path) -> None:
+    from datetime import timedelta
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import TrainingRun
+    from synthq.training.loop import execute_run
+
+    job_id = greedy_job(8)
+    settings = dict(drafter="dflash", dflash_layers=1, ttt_steps=3, eval_draft_tokens=3,
+                    draft_vocab_size=64, batch_size=4, lr=1e-2, warmup_ratio=0.05, seed=0,
+                    eval_fraction=0.0, max_steps=7, epochs=10, log_every=1, save_every=2,
+                    dflash_anchors=8)
+    whole = start_run(job_id, tiny_target_dir, **settings)
+    assert execute_run(whole) == "done", get_run(whole).error
+    want = [m["loss"] for m in get_run(whole).metrics]
+
+    cut = start_run(job_id, tiny_target_dir, **settings)
+
+    def kill_at_5(step: int, record: dict[str, Any]) -> None:
+        if step == 5:
+            raise _Kill()
+
+    with pytest.raises(_Kill):
+        execute_run(cut, on_step=kill_at_5)
+    with session_scope() as s:  # its worker is dead: the heartbeat went stale
+        s.get(TrainingRun, cut).heartbeat_at = utcnow() - timedelta(days=1)  # type: ignore
+    assert execute_run(cut) == "done", get_run(cut).error
+    run = get_run(cut)
+    assert run.resumed_from == 4 and (run.settings or {})["drafter"] == "dflash"
+    got = [m["loss"] for m in run.metrics]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)  # the same anchors after resume
+
+
+def test_dflash_loss_on_captured_features_equals_the_offline_path(
+        tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
+    from test_captured_features import _capture_file
+
+    from synthq.training.captured import CapturedFeatures, load_target_head
+    from synthq.training.data import Example, FeatureCache, draft_head
+    from synthq.training.dflash_loss import block_loss, sample_anchors
+
+    examples = [Example(str(i), np.concatenate([[1, 3], 5 + (np.arange(20) + i) % 91])
+                        .astype(np.int64), (np.arange(22) >= 4).astype(np.uint8))
+                for i in range(4)]
+    offline = FeatureCache(tmp_path / "cache")
+    offline.fill(tiny_target, examples)
+    paths = {ex.id: tmp_path / f"cap-{ex.id}.safetensors" for ex in examples}
+    for ex in examples:
+        _capture_file(tiny_target, ex.input_ids, paths[ex.id])
+    head = load_target_head(str(tiny_target_dir))
+    idx = [0, 1, 2, 3]
+    a = offline.load(examples, idx, 22)
+    b = CapturedFeatures(paths, head).load(examples, idx, 22)
+    d = _drafter(head, layers=1)  # built from the target's head alone, as a captured run is
+    ids = torch.stack([torch.from_numpy(examples[i].input_ids) for i in idx])
+    mask = torch.stack([torch.from_numpy(examples[i].loss_mask.astype(bool)) for i in idx])
+    anchors, keep = sample_anchors(mask, 6, torch.Generator().manual_seed(0))
+    dhead = draft_head(head, d.draft_to_target)
+    with torch.no_grad():
+        la, _ = block_loss(d(ids, a.aux, anchors), a, mask, anchors, keep, d.draft_to_target,
+                           0.8, dhead, d.t2d)
+        lb, _ = block_loss(d(ids, b.aux, anchors), b, mask, anchors, keep, d.draft_to_target,
+                           0.8, dhead, d.t2d)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
