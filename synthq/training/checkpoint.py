@@ -122,17 +122,22 @@ def load_drafter(directory: Path, target: Any) -> Drafter:
     from safetensors.torch import load_file
 
     cfg = json.loads((directory / "config.json").read_text())
-    if "DFlashDraftModel" in (cfg.get("architectures") or []):
-        return _load_dflash(directory, cfg, target)
-    c = DraftConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                    num_attention_heads=cfg["num_attention_heads"],
-                    num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-                    rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
-                    vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
-                    max_position_embeddings=cfg["max_position_embeddings"],
-                    target_num_layers=target.config.num_hidden_layers)
-    drafter = Eagle3Drafter(c)
     tensors = load_file(str(directory / "model.safetensors"))
+    drafter: Drafter
+    if "DFlashDraftModel" in (cfg.get("architectures") or []):
+        drafter = DFlashDrafter(DFlashConfig.from_vllm(cfg))
+        mask = torch.load(directory / MASK_EMBEDDING, weights_only=True)
+        tensors["mask_embedding"] = mask["embedding"]
+    else:
+        drafter = Eagle3Drafter(DraftConfig(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            target_num_layers=target.config.num_hidden_layers))
+    c = drafter.config
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     # d2t/t2d are absent when the draft vocabulary is the target's (vLLM refuses them
     # then): d2t's zeros are the identity mapping, and every target id is kept.
@@ -180,23 +185,3 @@ def plot_metrics(metrics: list[dict[str, Any]], path: Path, title: str) -> Path 
     plt.close(fig)
     os.replace(tmp, path)
     return path
-
-
-def _load_dflash(directory: Path, cfg: dict[str, Any], target: Any) -> DFlashDrafter:
-    from safetensors.torch import load_file
-
-    c = DFlashConfig.from_vllm(cfg)
-    drafter = DFlashDrafter(c)
-    tensors = load_file(str(directory / "model.safetensors"))
-    mask = torch.load(directory / MASK_EMBEDDING, weights_only=True)
-    tensors["mask_embedding"] = mask["embedding"]
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    same = c.draft_vocab_size == c.vocab_size
-    if same:
-        drafter.t2d.fill_(True)
-    expected = {"embed_tokens.weight", *(("d2t", "t2d") if same else ())}
-    if unexpected or set(missing) != expected:
-        raise ValueError(f"checkpoint {directory}: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float().cpu())
-    return drafter.float().eval()

@@ -32,14 +32,14 @@ before its anchor and their own block only.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from synthq.training.model import MLP, RMSNorm, _rotate_half, sglang_layer_ids
+from synthq.training.model import MLP, DraftConfig, RMSNorm, _rotate_half, sglang_layer_ids
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "block_attn_mask", "MASK_EMBEDDING"]
 
@@ -48,41 +48,25 @@ MASK_EMBEDDING = "mask_embedding.pt"
 
 
 @dataclass
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    draft_vocab_size: int
-    max_position_embeddings: int
-    target_num_layers: int
-    num_layers: int  # draft decoder layers
-    block_size: int  # Q: the anchor and K = block_size - 1 mask slots
-    mask_token_id: int  # an id of the target's vocabulary; its embedding is replaced
+class DFlashConfig(DraftConfig):
+    """EAGLE-3's shape fields (the target's attention shape, hidden size, RoPE base,
+    vocabularies) and DFlash's own."""
+
+    num_layers: int = 2  # draft decoder layers
+    block_size: int = 8  # Q: the anchor and K = block_size - 1 mask slots
+    mask_token_id: int = 0  # an id of the target's vocabulary; its embedding is replaced
 
     @classmethod
-    def from_target(cls, cfg: Any, draft_vocab_size: int, *, layers: int,
-                    block_size: int) -> DFlashConfig:
-        """The drafter's shape from the target's transformers config (attention shape,
-        hidden size and RoPE base the target's, ``layers`` decoder layers)."""
-        from synthq.training.model import DraftConfig
-
+    def dflash_from_target(cls, cfg: Any, draft_vocab_size: int, *, layers: int,
+                           block_size: int) -> DFlashConfig:
+        """The drafter's shape from the target's transformers config, ``layers`` decoder
+        layers; the mask token is the target's pad id (else its last id)."""
         base = DraftConfig.from_target(cfg, draft_vocab_size)
         pad = getattr(cfg, "pad_token_id", None)
         mask_id = int(pad) if isinstance(pad, int) and 0 <= pad < cfg.vocab_size \
             else cfg.vocab_size - 1
-        return cls(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
-                   num_attention_heads=base.num_attention_heads,
-                   num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-                   rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,
-                   vocab_size=base.vocab_size, draft_vocab_size=draft_vocab_size,
-                   max_position_embeddings=base.max_position_embeddings,
-                   target_num_layers=base.target_num_layers, num_layers=layers,
-                   block_size=block_size, mask_token_id=mask_id)
+        return cls(**asdict(base), num_layers=layers, block_size=block_size,
+                   mask_token_id=mask_id)
 
     def vllm_config(self, dtype: str) -> dict[str, Any]:
         """``config.json`` as vLLM's DFlash loader reads it.
@@ -126,13 +110,8 @@ class DFlashConfig:
     @classmethod
     def from_vllm(cls, cfg: dict[str, Any]) -> DFlashConfig:
         """Back from a checkpoint's ``config.json``."""
-        return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                   num_attention_heads=cfg["num_attention_heads"],
-                   num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-                   rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
-                   vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
-                   max_position_embeddings=cfg["max_position_embeddings"],
-                   target_num_layers=cfg["num_target_layers"],
+        shape = {f.name: cfg[f.name] for f in fields(DraftConfig) if f.name in cfg}
+        return cls(**shape, target_num_layers=cfg["num_target_layers"],
                    num_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"],
                    mask_token_id=cfg["dflash_config"]["mask_token_id"])
 
@@ -189,7 +168,7 @@ class Layer(nn.Module):
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)  # type: ignore[arg-type]  # reads hidden/intermediate size only
+        self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -30,7 +30,7 @@ _METHODS = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
 def make_drafter(cfg: TrainConfig, target_config: Any, draft_vocab_size: int) -> Drafter:
     """An untrained drafter of the run's family, shaped from the target's config."""
     if cfg.drafter == "dflash":
-        return DFlashDrafter(DFlashConfig.from_target(
+        return DFlashDrafter(DFlashConfig.dflash_from_target(
             target_config, draft_vocab_size, layers=cfg.dflash_layers,
             block_size=cfg.ttt_steps + 1))
     return Eagle3Drafter(DraftConfig.from_target(target_config, draft_vocab_size))

@@ -22,7 +22,7 @@ def _drafter(target: Any, layers: int = 1, block: int = 5) -> Any:
     from synthq.training.dflash import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(0)
-    c = DFlashConfig.from_target(target.config, target.config.vocab_size, layers=layers,
+    c = DFlashConfig.dflash_from_target(target.config, target.config.vocab_size, layers=layers,
                                  block_size=block)
     d = DFlashDrafter(c)
     d.init_from_target(target, torch.arange(c.vocab_size))
