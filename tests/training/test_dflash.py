@@ -203,3 +203,26 @@ def test_dflash_loss_on_captured_features_equals_the_offline_path(
         lb, _ = block_loss(d(ids, b.aux, anchors), b, mask, anchors, keep, d.draft_to_target,
                            0.8, dhead, d.t2d)
     torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+
+
+def test_dflash_settings_are_checked_and_checkpoints_name_their_vllm_method(
+        tmp_path: Path) -> None:
+    from synthq.errors import UserError
+    from synthq.training.config import TrainConfig
+    from synthq.training.drafters import speculative_config, vllm_method
+
+    TrainConfig(drafter="dflash", ttt_steps=4, eval_draft_tokens=4).check()
+    with pytest.raises(UserError, match="drafts ttt-steps=2 tokens"):
+        TrainConfig(drafter="dflash", ttt_steps=2, eval_draft_tokens=4).check()
+    with pytest.raises(UserError, match="drafter must be eagle3 or dflash"):
+        TrainConfig(drafter="medusa").check()
+    with pytest.raises(UserError, match="dflash-layers must be at least 1"):
+        TrainConfig(drafter="dflash", dflash_layers=0).check()
+    for arch, method in (("DFlashDraftModel", "dflash"), ("LlamaForCausalLMEagle3", "eagle3")):
+        (tmp_path / method).mkdir()
+        (tmp_path / method / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        assert vllm_method(tmp_path / method) == method
+        assert speculative_config(tmp_path / method, 3) == {
+            "method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3}
+    with pytest.raises(UserError, match="not a drafter checkpoint"):
+        vllm_method(tmp_path / "missing")
