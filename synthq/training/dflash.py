@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from synthq.training.model import MLP, DraftConfig, RMSNorm, _rotate_half, sglang_layer_ids
+from synthq.training.model import (
+    MLP,
+    DraftConfig,
+    Eagle3Drafter,
+    RMSNorm,
+    _rotate_half,
+    sglang_layer_ids,
+)
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "block_attn_mask", "MASK_EMBEDDING"]
 
@@ -217,20 +224,12 @@ class DFlashDrafter(nn.Module):
         """[V] target id of each draft id."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    @property
-    def draft_tokens(self) -> int:
-        """K: the mask slots of a block, the most draft tokens it was trained for."""
-        return self.config.block_size - 1
-
     def init_from_target(self, target: nn.Module, draft_ids: torch.Tensor) -> None:
-        """The target's embeddings (frozen), its lm_head rows of the draft vocabulary, and
-        the mask embedding at the mean of the target's embeddings (a token-like start)."""
+        """As EAGLE-3's: the target's embeddings (frozen) and its lm_head rows of the draft
+        vocabulary; and the mask embedding at the mean of the target's embeddings."""
+        Eagle3Drafter.init_from_target(self, target, draft_ids)  # type: ignore[arg-type]
         embed = target.get_input_embeddings().weight  # type: ignore[operator]
-        head = target.get_output_embeddings().weight  # type: ignore[operator]
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed.detach().to(self.embed_tokens.weight))
-            self.lm_head.weight.copy_(head.detach()[draft_ids.to(head.device)]
-                                      .to(self.lm_head.weight))
             self.mask_embedding.copy_(embed.detach().float().mean(0).to(self.mask_embedding))
 
     def blocks(self, input_ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
