@@ -174,7 +174,7 @@ def test_a_resumed_dflash_run_reproduces_the_uninterrupted_losses(
 
 def test_dflash_loss_on_captured_features_equals_the_offline_path(
         tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
-    from test_captured_features import _capture_file
+    from training_support import capture_file
 
     from synthq.training.captured import CapturedFeatures, load_target_head
     from synthq.training.data import Example, FeatureCache, draft_head
@@ -187,7 +187,7 @@ def test_dflash_loss_on_captured_features_equals_the_offline_path(
     offline.fill(tiny_target, examples)
     paths = {ex.id: tmp_path / f"cap-{ex.id}.safetensors" for ex in examples}
     for ex in examples:
-        _capture_file(tiny_target, ex.input_ids, paths[ex.id])
+        capture_file(tiny_target, ex.input_ids, paths[ex.id])
     head = load_target_head(str(tiny_target_dir))
     idx = [0, 1, 2, 3]
     a = offline.load(examples, idx, 22)
