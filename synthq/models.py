@@ -509,7 +509,7 @@ class Capture(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None]
     #: Running: the capture process's lease.
-    lease_expires_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
     #: Random token; every transition out of running must present it.
     claim: Mapped[str | None] = mapped_column(String(32))
     worker: Mapped[str | None] = mapped_column(String(200))

@@ -39,6 +39,7 @@ from synthq.capture.progress import plan as progress_plan
 from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
+from synthq.dispatch import sweep
 from synthq.enums import CaptureState
 from synthq.errors import (
     BadRequest,
@@ -258,8 +259,8 @@ class Stage:
         try:
             with session_scope() as s:
                 workers.heartbeat(s, self.name, capacity=0, inflight=0, now=utcnow())
-                if self.reclaim_all:
-                    states.expire(s, now=utcnow(), job_ids=[self.job_id], everything=True)
+            if self.reclaim_all:  # this process holds the data directory: nothing else runs
+                sweep(reclaim_all=True, job_ids=[self.job_id])
             while True:
                 now_m = time.monotonic()
                 if now_m - last_beat >= settings.heartbeat_interval:
@@ -295,15 +296,15 @@ class Stage:
             self.client.close()
 
     def _beat(self, inflight: int) -> None:
-        settings = get_settings()
+        """Heartbeat, then the sweep (stopped processes' captures are due again: a
+        ``synthq capture`` may run where no tick does), then new done samples' captures."""
         with session_scope() as s:
-            now = utcnow()
-            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=now)
-            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout)]
-            expired = states.expire(s, now=now, live_workers=live, job_ids=[self.job_id])
-            states.add_missing(s, self.job_id, now=now)
+            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=utcnow())
+        expired = sweep(job_ids=[self.job_id])
+        with session_scope() as s:
+            states.add_missing(s, self.job_id, now=utcnow())
         if expired:
-            self.say(f"capture: {expired} captures of stopped processes are due again")
+            self.say(f"capture: {expired} held by stopped processes are due again")
 
     def _fill(self, job: Job, engines: dict[str, Engine], lease: float) -> None:
         for url, engine in engines.items():
