@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import CaptureState, JobState, RunState, SampleState
+from synthq.jobspec import default
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
            "TrainingRun", "UTCDateTime", "ApiSession", "Capture"]
@@ -183,10 +184,11 @@ class Job(Base):
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
     #: The stored dtype: ``float32``, ``bfloat16`` or ``float16``.
-    capture_dtype: Mapped[str] = mapped_column(String(16), default="float32",
-                                               server_default="float32")
+    capture_dtype: Mapped[str] = mapped_column(String(16), default=default("capture_dtype"),
+                                               server_default=str(default("capture_dtype")))
     #: Most capture requests in flight on each capture server.
-    capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
+    capture_limit: Mapped[int] = mapped_column(Integer, default=default("capture_limit"),
+                                               server_default=str(default("capture_limit")))
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
     moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
@@ -197,12 +199,9 @@ class Job(Base):
 
     def generation_settings(self) -> dict[str, Any]:
         """What makes two generations of one prompt the same work (part of the content key)."""
-        settings = {"model": self.model, "max_tokens": self.max_tokens,
-                    "sampling": self.sampling, "extra_body": self.extra_body}
-        if self.regenerate == "all":  # absent for last-turn jobs: their keys stay as they were
-            settings["regenerate"] = "all"
-            settings["history_reasoning"] = self.history_reasoning
-        return settings
+        from synthq.jobspec import generation_settings
+
+        return generation_settings(lambda column: getattr(self, column))
 
     def key_generation_settings(self) -> dict[str, Any]:
         """The settings new rows' content keys are computed under (those of the job's

@@ -20,6 +20,7 @@ from synthq.capture.store import Store
 from synthq.defaults import DATA_DIR
 from synthq.enums import CaptureState, SampleState
 from synthq.errors import UserError
+from synthq.jobspec import default
 from synthq.secrets import safe_url
 from synthq.sqlread import Reader, read_json
 
@@ -54,8 +55,8 @@ def _job(reader: Reader, job_id: int) -> _CaptureJob | None:
     if not found:
         return None
     servers, layers, dtype, target, tokenizer = found[0]
-    return _CaptureJob(list(read_json(servers) or []), read_json(layers), dtype or "float32",
-                       target, tokenizer)
+    return _CaptureJob(list(read_json(servers) or []), read_json(layers),
+                       dtype or default("capture_dtype"), target, tokenizer)
 
 
 @dataclass

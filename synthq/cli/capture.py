@@ -7,24 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
+from synthq import jobspec
 from synthq.cli import JobArg, JsonOpt, app, console, ensure_db, fail, warn
+from synthq.cli.options import api_values, with_settings
 from synthq.errors import UserError
 
 
-def _layers(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        layers = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--layers {text!r}: give comma-separated layer indices, e.g. 2,4,5,8") \
-            from None
-    if not layers or any(i < 0 or i > 4096 for i in layers) or len(set(layers)) != len(layers):
-        raise UserError(f"--layers {text!r}: distinct indices between 0 and 4096")
-    return layers
-
-
 @app.command()
+@with_settings([s.name for s in jobspec.CAPTURE], mode="retokenize")
 def capture(
     job: JobArg,
     server: Annotated[list[str] | None, typer.Option(
@@ -32,20 +22,7 @@ def capture(
         "vLLM started with extract_hidden_states and synthq's connector (see "
         "`scripts/vllm-cpu.sh --capture`). Repeat for several. It must answer; it is stored "
         "on the job [default: the job's].")] = None,
-    layers: Annotated[str | None, typer.Option(
-        help="output_hidden_states indices to capture, comma-separated; must be the server's "
-        "eagle_aux_hidden_state_layer_ids [default: the drafter's three and the last "
-        "layer's, [2, N//2, N-3, N], from the target's config.json].")] = None,
-    target: Annotated[str | None, typer.Option(
-        "--target", "-t", help="The target model's folder (its config.json gives the layer "
-        "count and width for the default layers and the disk plan). Stored on the job as "
-        "its training target [default: the job's].")] = None,
-    dtype: Annotated[str | None, typer.Option(
-        help="Stored dtype: float32, bfloat16 (half the disk) or float16 [default: the "
-        "job's, float32].")] = None,
-    limit: Annotated[int | None, typer.Option(
-        min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
-        "8].")] = None,
+    *, settings: dict[str, Any],
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Send failed captures again (their attempts reset).")] = False,
     plan_only: Annotated[bool, typer.Option(
@@ -62,8 +39,6 @@ def capture(
 
     Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
-    from synthq import jobspec
-    from synthq.capture import plan as planning
     from synthq.capture import stage as capture_stage
     from synthq.capture import states as capture_states
     from synthq.config import get_settings
@@ -78,16 +53,8 @@ def capture(
             urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
             capture_stage.check_answer(urls)  # each must answer before the job stores it
             changes["capture_servers"] = urls
-        if (parsed := _layers(layers)) is not None:
-            changes["capture_layers"] = parsed
-        if dtype is not None:
-            if dtype not in planning.DTYPES:
-                raise UserError(f"--dtype {dtype!r}: one of {', '.join(planning.DTYPES)}")
-            changes["capture_dtype"] = dtype
-        if limit is not None:
-            changes["capture_limit"] = limit
-        if target is not None:
-            changes["train_target"] = target
+        # The capture settings given, each checked as declared (synthq.jobspec.CAPTURE).
+        changes.update(jobspec.check_values(api_values(settings)))
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
@@ -104,13 +71,13 @@ def capture(
                 left = capture_stage.summary(s, job_id)
             _print(p.line(), left, as_json)
             return
-        settings = get_settings()
+        config = get_settings()
         run = capture_stage.Stage(job_id, say=lambda line: console.print(line, highlight=False),
-                                  reclaim_all=settings.is_sqlite)
-        if settings.is_sqlite:
+                                  reclaim_all=config.is_sqlite)
+        if config.is_sqlite:
             from synthq.embedded import exclusive
 
-            with exclusive(settings.data_dir):
+            with exclusive(config.data_dir):
                 left = run.run()
         else:
             left = run.run()
