@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from synthq.capture.progress import CaptureProgress, capture_progress, store_root
+from synthq.capture.progress import CaptureProgress, capture_progress
 from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import call_counts, counted, sample_counts, state_counts
-from synthq.defaults import StatusSettings
+from synthq.defaults import StatusSettings, store_root
 from synthq.enums import INFLIGHT, SampleState
 from synthq.errors import retokenizable
 from synthq.health import unhealthy

@@ -10,33 +10,26 @@ SQLAlchemy nor the models. :func:`plan` is the stage's disk plan
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from synthq.capture.plan import DTYPES, Plan, layers_for, target_config
 from synthq.capture.store import Store
-from synthq.defaults import DATA_DIR
+from synthq.defaults import store_root
 from synthq.enums import CaptureState, SampleState
 from synthq.errors import UserError
 from synthq.jobspec import default
 from synthq.secrets import safe_url
 from synthq.sqlread import Reader, read_json
 
+#: ``store_root`` is synthq.defaults' (a low module: config reads it too); named here for
+#: the capture stage's readers.
 __all__ = ["CaptureProgress", "CaptureCounts", "capture_progress", "counts", "plan",
            "store_root"]
 
 #: Characters of a failure's message a status shows.
 MESSAGE_CHARS = 300
-
-
-def store_root(capture_store: str | Path | None, data_dir: str | Path | None = None) -> Path:
-    """Where captured files live: ``SYNTHQ_CAPTURE_STORE``, else ``<data dir>/hidden-states``
-    (the data dir: ``data_dir``, else ``SYNTHQ_DATA_DIR`` or the default's)."""
-    if capture_store:
-        return Path(capture_store)
-    return Path(data_dir or os.environ.get("SYNTHQ_DATA_DIR") or DATA_DIR) / "hidden-states"
 
 
 class _CaptureJob(NamedTuple):

@@ -31,32 +31,30 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
-from synthq import workers
+from synthq import ledger, workers
 from synthq.capture import ingest, states
 from synthq.capture.plan import Plan, check_space, layers_for
-from synthq.capture.progress import CaptureCounts, counts, store_root
+from synthq.capture.progress import CaptureCounts, counts
 from synthq.capture.progress import plan as progress_plan
+from synthq.capture.protocol import NAME_KEY
 from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
+from synthq.defaults import store_root
 from synthq.dispatch import sweep
 from synthq.enums import CaptureState
 from synthq.errors import (
     BadRequest,
     CaptureIncomplete,
     ConnectionFailed,
-    ContextLength,
     InvalidInput,
-    PermanentError,
-    RateLimited,
-    RetryableError,
     SampleError,
     ServerError,
     TimeoutError_,
     UserError,
 )
+from synthq.inference import status_error
 from synthq.models import Capture, Job, Sample
-from synthq.retry import backoff_delay
 from synthq.sqlread import reader_of
 
 __all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
@@ -66,9 +64,6 @@ log = logging.getLogger(__name__)
 
 #: Bytes of a capture response read at most (the answer is one token and a path).
 MAX_BODY = 1 << 20
-#: The ``kv_transfer_params`` key with which synthq names a request's file (the
-#: connector's ``NAME_KEY``; synthq_connector is not imported: it needs vLLM).
-NAME_KEY = "synthq_name"
 
 
 def store() -> Store:
@@ -150,7 +145,8 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str)
                            json=body) as response:
             if response.status_code >= 400:
                 text = b"".join(_take(response.iter_bytes(), 4096)).decode("utf-8", "replace")
-                raise _status_error(response.status_code, text, response.headers)
+                raise status_error(response.status_code, text[:500], response.headers,
+                                   body=text)
             answer = _bounded_json(response)
     except httpx.TimeoutException as exc:
         raise TimeoutError_(f"the capture request timed out: {exc}") from exc
@@ -178,19 +174,6 @@ def _take(chunks: Any, limit: int) -> list[bytes]:
         if n >= limit:
             break
     return out
-
-
-def _status_error(status: int, text: str, headers: Any) -> SampleError:
-    message = f"HTTP {status}: {text[:500]}"
-    if status == 429:
-        err: SampleError = RateLimited(message)
-    elif status >= 500 or status in (408, 409):
-        err = ServerError(message)
-    elif "maximum context length" in text or "context_length" in text:
-        err = ContextLength(message)
-    else:
-        err = BadRequest(message)
-    return err
 
 
 #: A job's captures summed (synthq.capture.progress.counts, what a status shows too).
@@ -373,10 +356,9 @@ class Stage:
         now = utcnow()
         message = str(exc)[:2000]
         with session_scope() as s:
-            if isinstance(exc, RetryableError) and not isinstance(exc, PermanentError) \
-                    and claimed.attempts < job.max_attempts:
-                delay = backoff_delay(claimed.attempts, base=job.backoff_base,
-                                      cap=job.backoff_cap, retry_after=exc.retry_after)
+            delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
+                                       base=job.backoff_base, cap=job.backoff_cap)
+            if delay is not None:  # the server's Retry-After a floor
                 states.retry(s, claimed, now=now, error_class=exc.error_class,
                              error_message=message,
                              next_attempt_at=now + timedelta(seconds=delay))

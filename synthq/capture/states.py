@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from synthq import ledger, locks
 from synthq.enums import CaptureState, SampleState
+from synthq.errors import Lost
 from synthq.models import Capture, Job, Sample, UTCDateTime
 
 __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail", "expire",
@@ -147,7 +148,7 @@ def expire(session: Session, *, now: datetime, live_workers: Sequence[str] | Non
     gone = Capture.expires_at < now
     if live_workers is not None:
         gone = gone | ledger.held_by_dead(CAPTURES, list(live_workers))
-    lost = dict(error_class="lost",
+    lost = dict(error_class=Lost.error_class,
                 error_message="the capture process stopped before it recorded the call")
     return len(ledger.expire(
         session, CAPTURES, now=now, gone=None if everything else gone,
