@@ -1,6 +1,8 @@
 """What a job is doing: counts per state, rate, ETA, failures, load per server.
 
-This module only reads (:mod:`synthq.states` is the only writer).
+This module only reads, but for the cost report's fold of a job's busy time
+(:mod:`synthq.cost` writes it back to the job's row while a status runs); every state
+change is :mod:`synthq.states`' (the ledger's, :mod:`synthq.ledger`).
 
 Every figure is defined once, here (and in :mod:`synthq.cost` for the cost
 report): a few reads in plain SQL (:mod:`synthq.sqlread`), and Python that
