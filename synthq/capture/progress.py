@@ -124,7 +124,8 @@ def plan(reader: Reader, job_id: int, job: Any, *, free: int) -> Plan:
 @dataclass
 class CaptureProgress:
     """A job's capture stage in a status (``JobStatus.capture``; None: the job captures
-    nothing)."""
+    nothing): the one record of it, in ``synthq status --json``, ``synthq capture --json``
+    and the API alike."""
 
     #: The job's capture servers, passwords masked.
     servers: list[str]
@@ -132,6 +133,8 @@ class CaptureProgress:
     total: int
     #: Captures per state (pending, running, done, failed), zeros included.
     counts: dict[str, int]
+    #: Of them, done: checked files in the store.
+    done: int
     #: Of ``total``, done samples the stage has not picked up yet (it adds them as it runs).
     waiting: int
     #: Failed captures by class, and one reason per class (its latest message).
@@ -151,10 +154,6 @@ class CaptureProgress:
     projected_bytes: int | None
     #: Free space where the store lives.
     free_bytes: int | None
-
-    @property
-    def done(self) -> int:
-        return self.counts.get(CaptureState.DONE, 0)
 
     @property
     def over_budget(self) -> bool:
@@ -229,6 +228,7 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
         servers=[safe_url(u) for u in job.capture_servers],
         total=rows.total + int(waiting),
         counts={s.value: rows.by_state.get(s.value, 0) for s in CaptureState},
+        done=rows.by_state.get(CaptureState.DONE.value, 0),
         waiting=int(waiting), failures=rows.failures, reasons=reasons,
         retrying=rows.retrying, calls=rows.calls, bytes=rows.bytes, tokens=rows.tokens,
         layers=layers, dtype=job.capture_dtype, projected_bytes=projected, free_bytes=free)

@@ -69,7 +69,7 @@ def capture(
                 capture_states.add_missing(s, job_id, now=utcnow())
                 p = capture_stage.plan(s, s.get_one(Job, job_id))
                 left = capture_stage.summary(s, job_id)
-            _print(p.line(), left, as_json)
+            _print(p.line(), left, as_json, job_id)
             return
         config = get_settings()
         run = capture_stage.Stage(job_id, say=lambda line: console.print(line, highlight=False),
@@ -86,17 +86,27 @@ def capture(
         raise typer.Exit(130) from None
     except UserError as exc:
         raise fail(str(exc)) from None
-    _print(None, left, as_json)
+    _print(None, left, as_json, job_id)
     if left.failures:
         raise typer.Exit(1)
 
 
-def _print(plan_line: str | None, left: Any, as_json: bool) -> None:
-    if as_json:
-        console.print_json(json.dumps({
-            "plan": plan_line, "total": left.total, "done": left.done,
-            "states": left.by_state, "failures": left.failures, "bytes": left.bytes,
-            "tokens": left.tokens, "calls": left.calls}))
+def _print(plan_line: str | None, left: Any, as_json: bool, job_id: int) -> None:
+    if as_json:  # the stage's record, as `synthq status --json` and the API show it
+        from dataclasses import asdict
+
+        from synthq.capture.progress import capture_progress
+        from synthq.config import get_settings
+        from synthq.db import session_scope
+        from synthq.defaults import store_root
+        from synthq.sqlread import reader_of
+
+        settings = get_settings()
+        with session_scope() as s:
+            record = capture_progress(reader_of(s), job_id, store=store_root(
+                settings.capture_store, settings.data_dir))
+        console.print_json(json.dumps({"plan": plan_line,
+                                       **(asdict(record) if record else {})}))
         return
     if plan_line:
         console.print(plan_line, highlight=False)
