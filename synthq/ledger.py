@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, select, update
+from sqlalchemy import and_, bindparam, select, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
-__all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "move",
+__all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "claim_statement", "claim", "held_by_dead", "expire", "requeue",
            "retry_delay"]
 
@@ -98,6 +98,10 @@ class Transition(NamedTuple):
 
 #: The lifecycle every kind shares, by transition: which states each accepts.
 TRANSITIONS: dict[str, Transition] = {
+    # A kind with an offered state: the dispatcher offers a waiting row (with a token
+    # and a deadline), and an offer nobody claimed goes back.
+    "offer": Transition(("waiting",), "offered", False),
+    "unoffer": Transition(("offered",), "waiting", True),
     "claim": Transition(("claimable",), "held", False),
     "renew": Transition(("held",), None, True),
     "finish": Transition(("held",), "done", True),
@@ -159,6 +163,19 @@ def _cas_statement(kind: Kind, sources: tuple[str, ...], keys: tuple[str, ...],
         conds.append(model.claim == bindparam("cas_token"))
     return update(model).where(and_(*conds)).values(
         {k: bindparam(f"v_{k}", type_=columns[k].type) for k in keys})
+
+
+def cas_many(session: Session, kind: Kind, items: Sequence[tuple[int, str]],
+             sources: Sequence[str], values: Mapping[str, Any], *,
+             returning: Sequence[Any] = ()) -> Any:
+    """:func:`cas` for many ``(id, claim token)`` pairs in one statement: the rows
+    (``returning``), else how many won."""
+    model = kind.model
+    stmt = update(model).where(tuple_(model.id, model.claim).in_([tuple(i) for i in items]),
+                               model.state.in_(sources)).values(**values)
+    if returning:
+        return _run(session, stmt.returning(*returning), hot=kind.hot).all()
+    return int(_run(session, stmt, hot=kind.hot).rowcount or 0)
 
 
 def _run(session: Session, statement: Any, params: Any = None, *, hot: bool = False) -> Any:

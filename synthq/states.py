@@ -184,7 +184,7 @@ def _queue_statement() -> Any:
     now = bindparam("now", type_=columns["updated_at"].type)
     return (update(Sample)
             .where(Sample.id.in_(bindparam("ids", expanding=True)),
-                   Sample.state == SampleState.PENDING)
+                   Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
             .values(state=SampleState.QUEUED,
                     server=bindparam("server", type_=columns["server"].type),
                     claim=bindparam("token", type_=columns["claim"].type),
@@ -251,13 +251,8 @@ def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
     """queued → pending, for items still queued under their token (their job is not active)."""
     if not items:
         return 0
-    result = _exec(session,
-        update(Sample)
-        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
-               Sample.state == SampleState.QUEUED)
-        .values(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
-                updated_at=now))
-    return int(result.rowcount)
+    return int(ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "unoffer"), dict(
+        state=SampleState.PENDING, claim=None, server=None, expires_at=None, updated_at=now)))
 
 
 def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
@@ -270,12 +265,8 @@ def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime
     """:func:`renew` for many samples in one statement; returns the ids still held."""
     if not items:
         return set()
-    rows = _exec(session,
-        update(Sample)
-        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
-               Sample.state == SampleState.RUNNING)
-        .values(expires_at=lease_until)
-        .returning(Sample.id))
+    rows = ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "renew"),
+                           dict(expires_at=lease_until), returning=(Sample.id,))
     return {r[0] for r in rows}
 
 
