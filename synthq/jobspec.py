@@ -320,8 +320,9 @@ CAPTURE: tuple[Setting, ...] = (
             item=int, cli="ints", flags=("--layers",), metavar="<i,j,...>",
             omitted="the drafter's three and the last layer's, [2, N//2, N-3, N], from the "
             "target's config.json", also=_layer_ids, role=OPERATIONAL_ROLE),
-    Setting("capture_dtype", str, "float32", "Stored dtype: float32, bfloat16 (half the "
-            "disk) or float16.", choices=("float32", "bfloat16", "float16"),
+    Setting("capture_dtype", str, "auto", "Stored dtype: auto (the engine's own), float32, "
+            "bfloat16 (half a float32's disk) or float16.",
+            choices=("auto", "float32", "bfloat16", "float16"),
             flags=("--dtype",), role=OPERATIONAL_ROLE),
     Setting("capture_limit", int, 8, "Capture requests in flight per server.", low=1,
             high=4096, flags=("--limit",), role=OPERATIONAL_ROLE),

@@ -183,7 +183,8 @@ class Job(Base):
     #: ``output_hidden_states`` indices captured (None: the drafter's three plus the
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
-    #: The stored dtype: ``float32``, ``bfloat16`` or ``float16``.
+    #: The stored dtype: ``auto`` (the engine's own: a bf16 engine's files stay bf16),
+    #: ``float32``, ``bfloat16`` or ``float16`` (synthq.jobspec.CAPTURE declares them).
     capture_dtype: Mapped[str] = mapped_column(String(16), default=default("capture_dtype"),
                                                server_default=str(default("capture_dtype")))
     #: Most capture requests in flight on each capture server.

@@ -47,7 +47,7 @@ def test_the_export_manifest_records_the_exported_settings() -> None:
 
 
 def test_capture_settings_make_the_capture_commands_options_and_the_columns_defaults() -> None:
-    from synthq.capture.plan import DTYPES
+    from synthq.capture.plan import AUTO, DTYPES
     from synthq.cli.capture import capture
     from synthq.models import Job
 
@@ -58,7 +58,7 @@ def test_capture_settings_make_the_capture_commands_options_and_the_columns_defa
         if s.default is not None:
             assert column.default.arg == s.default, s.name
             assert column.server_default.arg == str(s.default), s.name
-    assert set(jobspec.BY_NAME["capture_dtype"].choices) <= set(DTYPES)
+    assert set(jobspec.BY_NAME["capture_dtype"].choices) == {AUTO, *DTYPES}
     layers = jobspec.BY_NAME["capture_layers"]
     assert jobspec.check(layers, jobspec.ints("2,4,5,8", layers)) == [2, 4, 5, 8]
     for bad in ("2,2", "2,5000", "2,x", ""):
