@@ -59,6 +59,8 @@ class RunRecord:
     state: str
     trigger: str
     target: str
+    #: The drafter family (``eagle3``, ``dflash``).
+    drafter: str
     step: int
     total_steps: int | None
     resumed_from: int
@@ -93,7 +95,8 @@ def run_record(run: TrainingRun, job_name: str | None = None) -> RunRecord:
     last = run.metrics[-1] if run.metrics else {}
     return RunRecord(
         id=run.id, job_id=run.job_id, job=job_name, state=str(run.state), trigger=run.trigger,
-        target=run.target, step=run.step, total_steps=run.total_steps,
+        target=run.target, drafter=(run.settings or {}).get("drafter", "eagle3"),
+        step=run.step, total_steps=run.total_steps,
         resumed_from=run.resumed_from, loss=last.get("loss"), acc=last.get("acc"),
         accept=last.get("accept"), eval_acceptance_length=run.eval_acceptance_length,
         served_acceptance_length=run.served_acceptance_length,
