@@ -321,8 +321,9 @@ CAPTURE: tuple[Setting, ...] = (
             omitted="the drafter's three and the last layer's, [2, N//2, N-3, N], from the "
             "target's config.json", also=_layer_ids, role=OPERATIONAL_ROLE),
     Setting("capture_dtype", str, "auto", "Stored dtype: auto (the engine's own), float32, "
-            "bfloat16 (half a float32's disk) or float16.",
-            choices=("auto", "float32", "bfloat16", "float16"),
+            "bfloat16 (half a float32's disk), float16, or float8_e4m3 (a quarter, with a "
+            "per-tensor scale).",
+            choices=("auto", "float32", "bfloat16", "float16", "float8_e4m3"),
             flags=("--dtype",), role=OPERATIONAL_ROLE),
     Setting("capture_limit", int, 8, "Capture requests in flight per server.", low=1,
             high=4096, flags=("--limit",), role=OPERATIONAL_ROLE),

@@ -5,7 +5,7 @@ column that holds a claim's lease, read by one expiry. ``RENAME COLUMN`` on
 PostgreSQL and SQLite (3.25 and later): no table is rebuilt.
 
 Revision ID: 0035
-Revises: 0027
+Revises: 0030
 Create Date: 2026-12-03 07:50:00
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = '0035'
-down_revision: str | None = '0027'
+down_revision: str | None = '0030'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -22,9 +22,17 @@ def capture(
         "vLLM started with extract_hidden_states and synthq's connector (see "
         "`scripts/vllm-cpu.sh --capture`). Repeat for several. It must answer; it is stored "
         "on the job [default: the job's].")] = None,
+    engine_files: Annotated[list[str] | None, typer.Option(
+        "--engine-files", help="URL=DIR: the folder where capture server URL's engine writes "
+        "its files (its connector's shared_storage_path, as this machine sees it). With it "
+        "synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by request "
+        "id) too, from that folder only. Repeat per server; URL= (empty DIR) removes it.")] \
+        = None,
     *, settings: dict[str, Any],
     retry_failed: Annotated[bool, typer.Option(
-        "--retry-failed", help="Send failed captures again (their attempts reset).")] = False,
+        "--retry-failed", help="Send failed captures again (their attempts reset), and run "
+        "a stage that synthq stopped (a server failed several captures in a row the same "
+        "way) again, after the fix.")] = False,
     plan_only: Annotated[bool, typer.Option(
         "--plan", help="Print the disk plan and the stage's counts; capture nothing.")] = False,
     as_json: JsonOpt = False,
@@ -55,14 +63,31 @@ def capture(
             changes["capture_servers"] = urls
         # The capture settings given, each checked as declared (synthq.jobspec.CAPTURE).
         changes.update(jobspec.check_values(api_values(settings)))
+        if engine_files:
+            from synthq.capture.confine import check_folder
+
+            folders: dict[str, str] = {}
+            for item in engine_files:
+                url, eq, folder = item.rpartition("=")
+                if not eq or not url:
+                    raise UserError(f"--engine-files {item!r}: expected URL=DIR")
+                url = jobspec.check(jobspec.BY_NAME["capture_servers"], [url])[0]
+                folders[url] = str(check_folder(url, folder)) if folder else ""
+            changes["capture_files"] = folders
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
+            if "capture_files" in changes:  # merged into the job's, "" removes one
+                merged = {**(row.capture_files or {}), **changes["capture_files"]}
+                changes["capture_files"] = {k: v for k, v in merged.items() if v}
             if changes:
                 from synthq import states
 
                 states.update_job(s, row, changes, now=utcnow())
             if retry_failed:
+                from synthq import states as job_states
+
+                job_states.set_capture_stopped(s, job_id, None, now=utcnow())
                 capture_states.requeue_failed(s, job_id, now=utcnow())
         if plan_only:
             with session_scope() as s:
