@@ -10,6 +10,7 @@ from synthq import jobspec
 from synthq.enqueue import JobSpec
 from synthq.jobspec import Setting
 from synthq.query import SampleRow
+from synthq.training.runs import RunRecord
 
 
 def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
@@ -108,25 +109,9 @@ class EnqueueResult(BaseModel):
 # prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 
-class TrainingRunSummary(BaseModel):
-    """A drafter training run: synthq's own estimate and what a real engine served."""
-
-    id: int
-    job_id: int
-    state: str
-    step: int
-    total_steps: int | None = None
-    loss: float | None = None
-    #: Teacher-forced estimate from training accuracies (optimistic).
-    accept: float | None = None
-    #: synthq's greedy draft-and-verify on the held-out split.
-    eval_acceptance_length: float | None = None
-    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
-    served_acceptance_length: float | None = None
-    served_engine: str | None = None
-    served_engine_version: str | None = None
-    checkpoint: str | None = None
-    error: str | None = None
+#: A drafter training run: synthq.training.runs.RunRecord, the record `synthq runs --json`
+#: prints (one definition for both).
+TrainingRunSummary = RunRecord
 
 
 class JobStateChange(BaseModel):

@@ -253,9 +253,7 @@ def get_job(job: JobDep, session: SessionDep) -> JobStatus:
 def get_training_runs(job: JobDep, session: SessionDep) -> list[TrainingRunSummary]:
     from synthq.training.runs import list_runs  # no torch
 
-    return [TrainingRunSummary(**{k: v for k, v in r.items()
-                                  if k in TrainingRunSummary.model_fields})
-            for r in list_runs(session, job.id)]
+    return [TrainingRunSummary(**r) for r in list_runs(session, job.id)]
 
 
 def _set_state(ref: str, target: JobState) -> JobStateChange:

@@ -182,12 +182,10 @@ def _dead_local_holder(session: Any, run_id: int) -> str | None:
     (another host's worker, a live process, a worker name of another form)."""
     held = session.scalar(select(TrainingRun.worker).where(
         TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
-    host, _, pid = (held or "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
-        return None
-    from synthq.workers import pid_alive
+    from synthq.workers import gone_here
 
-    return None if pid_alive(int(pid)) else str(held)
+    host, _, pid = (held or "").rpartition(":")
+    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
 
 
 def _state(run_id: int) -> str:
