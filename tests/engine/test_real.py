@@ -96,7 +96,7 @@ def test_real_model_generation_masks_capture_training_and_served_acceptance(
 
         captured = _synthq(env, "capture", "docs", "--server", capturer.base_url,
                            "--target", str(real_target), "--json")
-        assert captured["counts"]["done"] == PROMPTS and captured["layers"] == LAYERS, captured
+        assert captured["done"] == PROMPTS and captured["failures"] == {}, captured
     finally:
         plain.stop()
         capturer.stop()
