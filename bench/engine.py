@@ -201,9 +201,12 @@ def _generated(scratch: Path) -> int:
 
 def run_bench(target: Path, drafter: str | None, prompts: list[str], *, max_tokens: int,
               concurrency: int, work: Path, say: Callable[[str], None] = print,
-              suffix_tokens: int | None = 3) -> dict[str, Any]:
+              suffix_tokens: int | None = 3,
+              also: Callable[[str, VllmServer], None] | None = None) -> dict[str, Any]:
     """Every way of :func:`ways`, one server at a time; the plain one also runs
-    ``vllm bench serve`` and synthq's generation. Returns {"ways": {...}, ...}."""
+    ``vllm bench serve`` and synthq's generation; ``also(label, server)`` runs after each
+    way's measurement, on its server (``scripts/check_real.py``: ``synthq serve-check``
+    on synthq's k=3 server, no extra cold start). Returns {"ways": {...}, ...}."""
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"ways": {}, "prompts": len(prompts), "max_tokens": max_tokens,
                                "concurrency": concurrency}
@@ -222,6 +225,8 @@ def run_bench(target: Path, drafter: str | None, prompts: list[str], *, max_toke
             say(f"{label}: vLLM up in {time.monotonic() - t0:.0f} s")
             results["ways"][label] = measure(server, prompts, max_tokens, concurrency)
             say(f"{label}: {results['ways'][label]}")
+            if also is not None:
+                also(label, server)
             if spec is None:
                 results["vllm_bench_serve"] = vllm_bench_serve(server, target, prompts,
                                                                max_tokens, concurrency, work)

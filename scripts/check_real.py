@@ -115,8 +115,9 @@ def capture(env: dict[str, str], work: Path, target: Path) -> dict[str, Any]:
                                         max_model_len=MAX_MODEL_LEN))
     try:
         t0 = time.monotonic()
-        out = last_json(synthq(env, "capture", "docs", "--server", server.base_url,
-                               "--target", str(target), "--json"))
+        text = synthq(env, "capture", "docs", "--server", server.base_url, "--target",
+                      str(target), "--json")
+        out = json.loads(text[text.index("{"):])  # indented, after the plan's line
     finally:
         server.stop()
     return {"result": out, "minutes": round((time.monotonic() - t0) / 60, 1)}
@@ -141,16 +142,20 @@ def train(env: dict[str, str], work: Path, target: Path, n: int, features: str,
             "minutes": round((time.monotonic() - t0) / 60, 1)}
 
 
-def serve_check(env: dict[str, str], work: Path, target: Path, run: dict[str, Any]
-                ) -> dict[str, Any]:
-    spec = {"method": "eagle3", "model": run["checkpoint"], "num_speculative_tokens": 3}
-    server = start(VllmServer.start(target, NAME, log_path=work / f"vllm-run{run['run']}.log",
-                                    max_model_len=MAX_MODEL_LEN, speculative=spec))
-    try:
+def serve_check(env: dict[str, str], work: Path, target: Path, run: dict[str, Any],
+                server: VllmServer | None = None) -> dict[str, Any]:
+    """``synthq serve-check`` of ``run`` on ``server`` (vLLM serving its drafter at 3 draft
+    tokens), else on one started for it."""
+    if server is not None:
         return dict(last_json(synthq(env, "serve-check", str(run["run"]), "-s",
                                      server.base_url, "-m", NAME, "--json")))
+    spec = {"method": "eagle3", "model": run["checkpoint"], "num_speculative_tokens": 3}
+    own = start(VllmServer.start(target, NAME, log_path=work / f"vllm-run{run['run']}.log",
+                                 max_model_len=MAX_MODEL_LEN, speculative=spec))
+    try:
+        return serve_check(env, work, target, run, own)
     finally:
-        server.stop()
+        own.stop()
 
 
 def main() -> int:
@@ -205,13 +210,17 @@ def main() -> int:
         if run is None:
             say(f"training on {n} examples ({features} features)")
             run = steps.put(key, train(env, work, target, n, features, args))
-        if features == "captured" and "served" not in run:
-            run["served"] = serve_check(env, work, target, run)
-            steps.put(key, run)
         say(f"{key}: {run}")
         curve.append(run)
-
     best = next(r for r in reversed(curve) if r["features"] == "captured")
+    best_key = f"train-captured-{best['examples']}"
+
+    def served_best(label: str, server: VllmServer) -> None:
+        """The largest run's serve-check on the bench's own synthq k=3 server."""
+        if label == "synthq k=3" and "served" not in best:
+            best["served"] = serve_check(env, work, target, best, server)
+            steps.put(best_key, best)
+
     bench = steps.get("bench")
     if bench is None:
         from synthq.testing.docprompts import write_prompt_set
@@ -220,7 +229,11 @@ def main() -> int:
         held = load_prompts(work / "bench-prompts" / "held_out.jsonl", args.bench_prompts)
         bench = steps.put("bench", run_bench(target, str(Path(best["checkpoint"])), held,
                                              max_tokens=args.max_tokens, concurrency=8,
-                                             work=work / "bench", say=say))
+                                             work=work / "bench", say=say, also=served_best))
+    for run in curve:  # the other runs of the curve, each on a server of its own
+        if run["features"] == "captured" and "served" not in run:
+            run["served"] = serve_check(env, work, target, run)
+            steps.put(f"train-captured-{run['examples']}", run)
 
     print("\nData curve (captured features, 3 draft tokens, the runs' held-out prompts):")
     print("| examples | training min (2 cores) | eval_acceptance_length | vLLM served |")

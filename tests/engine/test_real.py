@@ -46,6 +46,8 @@ def _synthq(env: dict[str, str], *args: str) -> Any:
     out = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    if args[0] == "capture":  # its JSON is indented, after the plan's line
+        return json.loads(out.stdout[out.stdout.index("{"):])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
