@@ -64,11 +64,13 @@ from synthq.packing import unpack_ids, unpack_mask
 from synthq.secrets import safe_keys
 from synthq.states import SampleState
 
-__all__ = ["FORMATS", "Manifest", "export_job", "check_options", "tokenizer_fingerprint",
-           "parquet_schema"]
+__all__ = ["FORMATS", "FEATURE_FORMATS", "Manifest", "export_job", "check_options",
+           "tokenizer_fingerprint", "parquet_schema"]
 
 #: Output formats.
 FORMATS = ("parquet", "jsonl")
+#: Formats of captured features (synthq.export_features writes them).
+FEATURE_FORMATS = ("speculators", "specforge")
 #: Rows per database query (and per Parquet row group).
 BATCH = 1000
 MANIFEST = "manifest.json"
@@ -155,10 +157,12 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
 
 
-def check_options(fmt: str, shard_size: int) -> None:
-    """Raise :class:`UserError` for an unknown format or a shard size below 1."""
-    if fmt not in FORMATS:
-        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+def check_options(fmt: str, shard_size: int, *, features: bool = False) -> None:
+    """Raise :class:`UserError` for an unknown format or a shard size below 1;
+    ``features``: the captured features' formats (synthq.export_features) count too."""
+    known = FORMATS + (FEATURE_FORMATS if features else ())
+    if fmt not in known:
+        raise UserError(f"--format must be one of {', '.join(known)}, got {fmt!r}")
     if shard_size < 1:
         raise UserError(f"--shard-size must be at least 1, got {shard_size}")
 

@@ -182,9 +182,10 @@ class Job(Base):
     #: ``output_hidden_states`` indices captured (None: the drafter's three plus the
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
-    #: The stored dtype: ``float32``, ``bfloat16`` or ``float16``.
-    capture_dtype: Mapped[str] = mapped_column(String(16), default="float32",
-                                               server_default="float32")
+    #: The stored dtype: ``auto`` (the engine's own: a bf16 engine's files stay bf16),
+    #: ``float32``, ``bfloat16`` or ``float16``.
+    capture_dtype: Mapped[str] = mapped_column(String(16), default="auto",
+                                               server_default="auto")
     #: Most capture requests in flight on each capture server.
     capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):

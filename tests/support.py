@@ -220,6 +220,18 @@ class Simulator:
     close = stop
 
 
+def peer_readers() -> Path:
+    """The folder of the peers' own reader packages (scripts/peer-readers.sh: speculators,
+    hs-connectors, SpecForge, pinned, without their dependencies), put on ``sys.path``."""
+    done = subprocess.run(["bash", "scripts/peer-readers.sh"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"scripts/peer-readers.sh failed: {done.stderr[-2000:]}"
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return folder
+
+
 def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``python -m synthq.cli ARGS`` with the test's settings; asserts exit 0 if ``check``."""

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Tensor", "read", "dumps", "convert", "MAX_HEADER"]
+__all__ = ["Tensor", "read", "dumps", "convert", "MAX_HEADER", "DTYPE_NAMES"]
 
 #: A header larger than this is not a capture file (the connector's are < 1 KiB).
 MAX_HEADER = 1 << 20
 _NUMPY = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
           "BF16": np.uint16}
 _CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+#: safetensors' float codes → synthq's dtype names.
+DTYPE_NAMES = {code: name for name, code in _CODE.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from synthq.capture import files
+from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
 from synthq.errors import CaptureIncomplete, CaptureMismatch
 
@@ -34,6 +35,8 @@ class Ingested:
     stored: Stored
     num_tokens: int
     hidden_size: int
+    #: The stored dtype (``auto``: the engine file's own).
+    dtype: str
 
 
 def wait_whole(path: Path, *, timeout: float) -> None:
@@ -63,7 +66,8 @@ def wait_whole(path: Path, *, timeout: float) -> None:
 
 def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, store: Store,
            metadata: dict[str, str]) -> Ingested:
-    """Check the engine's file against the sample and put it in the store."""
+    """Check the engine's file against the sample and put it in the store, its hidden
+    states as ``dtype`` (``auto``: as the engine wrote them)."""
     try:
         tensors, meta = files.read(path)
     except (OSError, ValueError) as exc:
@@ -89,13 +93,15 @@ def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, 
             f"{layers}?")
     if hidden.dtype not in ("F32", "BF16", "F16"):
         raise CaptureMismatch(f"hidden_states is {hidden.dtype}, not a float")
+    if dtype == AUTO:  # the engine's own dtype: a bf16 engine's file is not widened
+        dtype = files.DTYPE_NAMES[hidden.dtype]
     stored_hidden = files.convert(hidden, dtype)
     out = {"hidden_states": stored_hidden,
            "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
     meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
                     sha256_hidden_states=hashlib.sha256(stored_hidden.data).hexdigest())
     stored = store.put(files.dumps(out, meta_out))
-    return Ingested(stored, len(want), hidden.shape[2])
+    return Ingested(stored, len(want), hidden.shape[2], dtype)
 
 
 def discard(path: Path) -> None:

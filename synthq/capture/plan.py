@@ -4,6 +4,11 @@ Bytes per token = captured layers × hidden size × the stored dtype's size; tim
 the tokens of the job's samples to capture. The hidden size and layer count
 come from the target's ``config.json`` (the job's ``--train-target`` or its
 tokenizer folder); without one, from the first captured file.
+
+The stored dtype ``auto`` (the default) keeps the engine's own: the plan counts the
+dtype of the job's first captured file, else the target's ``config.json`` dtype (what
+an engine serving it with ``--dtype auto`` computes in), else float32, and its line
+says which.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from typing import Any
 
 from synthq.errors import UserError
 
-__all__ = ["DTYPES", "Plan", "drafter_layers", "target_config", "layers_for", "check_space"]
+__all__ = ["AUTO", "DTYPES", "Plan", "drafter_layers", "target_config", "layers_for",
+           "check_space", "auto_dtype"]
 
 #: Stored dtypes and their sizes in bytes.
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The stored dtype that keeps the engine's own (the job's default).
+AUTO = "auto"
 
 
 def drafter_layers(num_layers: int) -> list[int]:
@@ -41,6 +49,9 @@ def target_config(*candidates: str | None) -> dict[str, Any] | None:
                 continue
             text = config.get("text_config", config)  # multimodal wrappers nest it
             if isinstance(text, dict) and "num_hidden_layers" in text:
+                for key in ("dtype", "torch_dtype"):  # a wrapper states it at its top
+                    if key not in text and key in config:
+                        text = {**text, key: config[key]}
                 return text
     return None
 
@@ -57,14 +68,30 @@ def layers_for(job: Any) -> list[int]:
     return drafter_layers(int(config["num_hidden_layers"]))
 
 
+def auto_dtype(config: dict[str, Any] | None, captured: str | None) -> tuple[str, str]:
+    """The dtype ``auto`` stores and why: the engine's, as its first file showed
+    (``captured``), else the target's config.json dtype, else float32."""
+    if captured in DTYPES:
+        return str(captured), "auto: the engine's, as its files hold it"
+    for key in ("dtype", "torch_dtype"):
+        named = (config or {}).get(key)
+        if named in DTYPES:
+            return str(named), ("auto: the engine's own, counted as the target's "
+                                "config.json dtype until its first file")
+    return "float32", "auto: the engine's own, counted as float32 until its first file"
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     samples: int
     tokens: int
     layers: list[int]
+    #: The dtype the files are stored as (``auto`` resolved: :func:`auto_dtype`).
     dtype: str
     hidden_size: int | None
     free: int
+    #: Why that dtype: ``--dtype`` set it, or what ``auto`` read.
+    dtype_source: str = "set with --dtype"
 
     @property
     def bytes_per_token(self) -> int | None:
@@ -80,12 +107,12 @@ class Plan:
     def line(self) -> str:
         if self.projected is None:
             return (f"capture: {self.samples:,} samples, {self.tokens:,} tokens, layers "
-                    f"{self.layers} as {self.dtype}; size unknown until the first file "
-                    f"({_gb(self.free)} free)")
+                    f"{self.layers} as {self.dtype} ({self.dtype_source}); size unknown "
+                    f"until the first file ({_gb(self.free)} free)")
         return (f"capture: {self.samples:,} samples, {self.tokens:,} tokens × "
                 f"{self.bytes_per_token:,} B/token ({len(self.layers)} layers × "
-                f"{self.hidden_size} × {DTYPES[self.dtype]} B) = about {_gb(self.projected)}"
-                f" ({_gb(self.free)} free)")
+                f"{self.hidden_size} × {DTYPES[self.dtype]} B: {self.dtype}, "
+                f"{self.dtype_source}) = about {_gb(self.projected)} ({_gb(self.free)} free)")
 
 
 def check_space(plan: Plan, *, reserve: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from synthq.capture.plan import DTYPES, Plan, layers_for, target_config
+from synthq.capture.plan import AUTO, DTYPES, Plan, auto_dtype, layers_for, target_config
 from synthq.capture.store import Store
 from synthq.defaults import DATA_DIR
 from synthq.enums import CaptureState, SampleState
@@ -54,7 +54,7 @@ def _job(reader: Reader, job_id: int) -> _CaptureJob | None:
     if not found:
         return None
     servers, layers, dtype, target, tokenizer = found[0]
-    return _CaptureJob(list(read_json(servers) or []), read_json(layers), dtype or "float32",
+    return _CaptureJob(list(read_json(servers) or []), read_json(layers), dtype or AUTO,
                        target, tokenizer)
 
 
@@ -117,14 +117,16 @@ def plan(reader: Reader, job_id: int, job: Any, *, free: int) -> Plan:
         {"job_id": job_id, "done": CaptureState.DONE.value})
     config = target_config(job.train_target, job.tokenizer)
     hidden = int(config["hidden_size"]) if config and "hidden_size" in config else None
-    if hidden is None:  # from a file already captured: bytes / (tokens × layers × width)
-        row = reader.rows("SELECT bytes, num_tokens, dtype FROM captures WHERE job_id = "
-                          ":job_id AND state = :done AND num_tokens > 0 ORDER BY id LIMIT 1",
-                          {"job_id": job_id, "done": CaptureState.DONE.value})
-        if row:
-            nbytes, ntokens, dtype = row[0]
-            hidden = int(nbytes / ntokens / len(layers) / DTYPES.get(dtype, 4))
-    return Plan(int(samples), int(tokens), layers, job.capture_dtype, hidden, free)
+    row = reader.rows("SELECT bytes, num_tokens, dtype FROM captures WHERE job_id = "
+                      ":job_id AND state = :done AND num_tokens > 0 ORDER BY id LIMIT 1",
+                      {"job_id": job_id, "done": CaptureState.DONE.value})
+    if hidden is None and row:  # from a file already captured: bytes / (tokens × layers × width)
+        nbytes, ntokens, stored = row[0]
+        hidden = int(nbytes / ntokens / len(layers) / DTYPES.get(stored, 4))
+    dtype, source = job.capture_dtype or AUTO, "set with --dtype"
+    if dtype == AUTO:
+        dtype, source = auto_dtype(config, row[0][2] if row else None)
+    return Plan(int(samples), int(tokens), layers, dtype, hidden, free, source)
 
 
 @dataclass
@@ -226,9 +228,10 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
     except OSError:
         free = None
     layers: list[int] | None
+    dtype = job.capture_dtype
     try:
         p = plan(reader, job_id, job, free=free or 0)
-        layers, projected = p.layers, p.projected
+        layers, projected, dtype = p.layers, p.projected, p.dtype
     except UserError:
         layers, projected = None, None
     return CaptureProgress(
@@ -237,4 +240,4 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
         counts={s.value: rows.by_state.get(s.value, 0) for s in CaptureState},
         waiting=int(waiting), failures=rows.failures, reasons=reasons,
         retrying=rows.retrying, calls=rows.calls, bytes=rows.bytes, tokens=rows.tokens,
-        layers=layers, dtype=job.capture_dtype, projected_bytes=projected, free_bytes=free)
+        layers=layers, dtype=dtype, projected_bytes=projected, free_bytes=free)

@@ -362,7 +362,7 @@ class Stage:
             won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
                               sha256=got.stored.sha256, nbytes=got.stored.bytes,
                               num_tokens=got.num_tokens, layer_ids=layers,
-                              dtype=job.capture_dtype, engine=engine.version,
+                              dtype=got.dtype, engine=engine.version,
                               engine_model=engine.model)
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "

@@ -41,8 +41,8 @@ def capture(
         "count and width for the default layers and the disk plan). Stored on the job as "
         "its training target [default: the job's].")] = None,
     dtype: Annotated[str | None, typer.Option(
-        help="Stored dtype: float32, bfloat16 (half the disk) or float16 [default: the "
-        "job's, float32].")] = None,
+        help="Stored dtype: auto (the engine's own), float32, bfloat16 (half a float32's "
+        "disk) or float16 [default: the job's, auto].")] = None,
     limit: Annotated[int | None, typer.Option(
         min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
         "8].")] = None,
@@ -81,8 +81,9 @@ def capture(
         if (parsed := _layers(layers)) is not None:
             changes["capture_layers"] = parsed
         if dtype is not None:
-            if dtype not in planning.DTYPES:
-                raise UserError(f"--dtype {dtype!r}: one of {', '.join(planning.DTYPES)}")
+            if dtype != planning.AUTO and dtype not in planning.DTYPES:
+                raise UserError(f"--dtype {dtype!r}: one of {planning.AUTO}, "
+                                f"{', '.join(planning.DTYPES)}")
             changes["capture_dtype"] = dtype
         if limit is not None:
             changes["capture_limit"] = limit

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,10 +29,14 @@ def export(
     job: JobArg,
     out: Annotated[str, typer.Option("--out", "-o", help="Directory to create (written "
                    "atomically: it appears complete or not at all).")],
-    fmt: Annotated[str, typer.Option("--format", "-f", metavar="<parquet|jsonl>",
+    fmt: Annotated[str, typer.Option("--format", "-f",
+                   metavar="<parquet|jsonl|speculators|specforge>",
                    help="`parquet` (id, source_id, "
-                   "input_ids, loss_mask, conversations) or `jsonl` (SpecForge conversations, "
-                   "with id and source_id).")] = "parquet",
+                   "input_ids, loss_mask, conversations), `jsonl` (SpecForge conversations, "
+                   "with id and source_id), or the captured features (`synthq capture`) in "
+                   "a peer's offline layout: `speculators` (its datasets folder with "
+                   "hidden_states/hs_{i} linked into synthq's store) or `specforge` (its "
+                   ".ckpt files, hidden_state after the target's final norm).")] = "parquet",
     shard_size: Annotated[int, typer.Option(help="Rows per shard file.")] = 10_000,
     include_truncated: Annotated[bool, typer.Option("--include-truncated/--exclude-truncated",
                                  help="Export answers cut by max_tokens (kept as done by "
@@ -39,6 +45,14 @@ def export(
                            "samples not yet retokenized instead of refusing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export "
                          "in --out.")] = False,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="speculators/specforge: "
+                      "the target's folder (config.json; SpecForge reads its final norm and "
+                      "lm_head) [default: the job's --train-target, else its tokenizer "
+                      "folder].")] = None,
+    draft_vocab_size: Annotated[int, typer.Option(min=1, help="speculators: the draft "
+                                "vocabulary written as d2t.npy/t2d.npy (as `synthq train` "
+                                "picks it; none when it is the target's whole vocabulary)."
+                                )] = 32_000,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a job's done samples as Parquet or JSONL shards plus manifest.json.
@@ -54,16 +68,20 @@ def export(
         TimeElapsedColumn,
     )
 
-    from synthq.export import check_options, export_job
+    from synthq.export import FEATURE_FORMATS, check_options, export_job
 
     try:
-        check_options(fmt, shard_size)
+        check_options(fmt, shard_size, features=True)
     except UserError as exc:
         raise fail(str(exc)) from None
     job_id = with_job(job, lambda s, j: j.id)
+    if fmt in FEATURE_FORMATS:
+        _export_features(job_id, out, fmt, target=target, draft_vocab_size=draft_vocab_size,
+                         overwrite=overwrite, as_json=as_json)
+        return
     kwargs: dict[str, Any] = dict(fmt=fmt, shard_size=shard_size, overwrite=overwrite,
                                   include_truncated=include_truncated, allow_stale=allow_stale)
-    try:
+    with _export_errors(out):
         if as_json:
             manifest = export_job(job_id, Path(out), **kwargs)
         else:
@@ -73,11 +91,6 @@ def export(
                 bar = progress.add_task("export", total=None)
                 manifest = export_job(job_id, Path(out), progress=lambda n, total:
                                       progress.update(bar, completed=n, total=total), **kwargs)
-    except UserError as exc:
-        raise fail(str(exc)) from None
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
     if as_json:
         print(manifest.to_json())
         return
@@ -91,6 +104,35 @@ def export(
     left_out = {k: v for k, v in manifest.excluded.items() if v}
     if left_out:
         console.print("left out: " + ", ".join(f"{v:,} {k}" for k, v in left_out.items()))
+
+
+@contextmanager
+def _export_errors(out: str) -> Iterator[None]:
+    """An export's errors as one line each (exit 2): what the user can fix, or the disk's."""
+    try:
+        yield
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise fail(f"cannot write the export to {out}: {exc.strerror or exc}{where}") from None
+
+
+def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
+                     draft_vocab_size: int, overwrite: bool, as_json: bool) -> None:
+    """`synthq export --format speculators|specforge`: synthq.export_features."""
+    from synthq.export_features import export_features
+
+    with _export_errors(out):
+        manifest = export_features(job_id, Path(out), fmt=fmt, target=target,
+                                   draft_vocab_size=draft_vocab_size, overwrite=overwrite)
+    if as_json:
+        print(manifest.to_json())
+        return
+    how = ", ".join(f"{n:,} {k}" for k, n in sorted(manifest.files.items()))
+    console.print(f"exported {manifest.exported:,} captured examples of {manifest.samples:,} "
+                  f"samples to {escape(out)} for {fmt} ({how}; {manifest.bytes_written:,} B "
+                  "written)")
 
 
 #: The tokenization settings a retokenize may change (synthq.jobspec declares them).

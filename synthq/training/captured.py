@@ -5,7 +5,8 @@ the serving engine computed at ``[2, N//2, N-3, N]``: the drafter's three
 features and the last layer's output before the final norm. Training needs
 three more things from the target, loaded alone from its safetensors shards:
 its embeddings (the drafter's, frozen), its final norm and its ``lm_head``
-(the target's distribution is ``lm_head(norm(h_N))``, as the target computes it).
+(the target's distribution is ``lm_head(norm(h_N))``, as the target computes it:
+the norm's style is its model type's, synthq.training.norm).
 
 So a target that only a serving engine can run (1T parameters on 8 GPUs) trains
 a drafter on one GPU: the embeddings, norm and head of such a model are a few GB.
@@ -23,6 +24,7 @@ import torch
 
 from synthq.errors import UserError
 from synthq.training.data import Example, FeatureCache
+from synthq.training.norm import apply_norm, norm_style
 
 __all__ = ["TargetHead", "load_target_head", "CapturedFeatures", "captured_paths"]
 
@@ -40,7 +42,9 @@ class _Weight:
 @dataclass
 class TargetHead:
     """What training takes from the target when the features were captured: its config,
-    embeddings [Vt, H], final RMSNorm weight [H] and ``lm_head`` [Vt, H]. It answers
+    embeddings [Vt, H], final RMSNorm weight [H] and its style (synthq.training.norm:
+    ``weight`` or ``one_plus_weight``, read from transformers' norm of the model type)
+    and ``lm_head`` [Vt, H]. It answers
     ``get_input_embeddings()`` / ``get_output_embeddings()`` like a transformers model,
     so the drafter's initialisation and the draft head take it as they take a target."""
 
@@ -48,6 +52,7 @@ class TargetHead:
     embed: torch.Tensor
     norm: torch.Tensor
     head: torch.Tensor
+    norm_style: str = "weight"
 
     def get_input_embeddings(self) -> _Weight:
         return _Weight(self.embed)
@@ -56,11 +61,9 @@ class TargetHead:
         return _Weight(self.head)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's RMSNorm (Llama's: in float32, then the weight)."""
+        """The target's own final RMSNorm, in float32 (``w·x̂`` or ``(1+w)·x̂``)."""
         eps = float(getattr(self.config, "rms_norm_eps", 1e-6))
-        h = hidden.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return self.norm.float() * h
+        return apply_norm(self.norm_style, self.norm, hidden, eps)
 
 
 def _shards(path: Path) -> dict[str, Path]:
@@ -103,7 +106,8 @@ def load_target_head(path: str) -> TargetHead:
     norm = one(_NORM, "final norm")
     tied = getattr(config, "tie_word_embeddings", False) and not any(n in shards for n in _HEAD)
     head = embed if tied else one(_HEAD, "lm_head")
-    return TargetHead(config=config, embed=embed, norm=norm, head=head)
+    return TargetHead(config=config, embed=embed, norm=norm, head=head,
+                      norm_style=norm_style(config))
 
 
 def captured_paths(job_id: int, layers: list[int]) -> dict[str, Path]:

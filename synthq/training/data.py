@@ -25,7 +25,8 @@ import torch
 from synthq.errors import UserError
 from synthq.training.model import aux_layer_ids
 
-__all__ = ["Example", "load_examples", "draft_vocab", "batches", "collate", "TargetFeatures",
+__all__ = ["Example", "load_examples", "draft_vocab", "draft_vocab_of", "count_supervised",
+           "batches", "collate", "TargetFeatures",
            "target_features", "draft_head", "FeatureCache", "Prefetcher", "step_mask",
            "NoSupervisedTokens", "split_eval", "cache_bytes_per_token"]
 
@@ -102,14 +103,27 @@ def draft_vocab(examples: list[Example], size: int, vocab_size: int
     t2d [T] bool)`` with V = min(size, T). Ids never supervised fill the rest
     in id order, so V is always exactly what the config says.
     """
-    size = min(size, vocab_size)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ex in examples:
-        ids = ex.input_ids[ex.loss_mask.astype(bool)]
-        if ids.size and int(ids.max()) >= vocab_size:
-            raise UserError(f"example {ex.id} has token id {int(ids.max())}, beyond the "
-                            f"target's vocabulary of {vocab_size}: wrong --target?")
-        np.add.at(counts, ids, 1)
+        count_supervised(counts, ex.id, ex.input_ids, ex.loss_mask)
+    return draft_vocab_of(counts, size)
+
+
+def count_supervised(counts: np.ndarray, example_id: str, input_ids: np.ndarray,
+                     loss_mask: np.ndarray) -> None:
+    """Add one example's supervised target ids to ``counts`` [T]."""
+    ids = input_ids[loss_mask.astype(bool)]
+    if ids.size and int(ids.max()) >= len(counts):
+        raise UserError(f"example {example_id} has token id {int(ids.max())}, beyond the "
+                        f"target's vocabulary of {len(counts)}: wrong --target?")
+    np.add.at(counts, ids, 1)
+
+
+def draft_vocab_of(counts: np.ndarray, size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`draft_vocab` from the supervised ids' counts [T]."""
+    vocab_size = len(counts)
+    size = min(size, vocab_size)
     # Most frequent first; ties (and never seen ids) by smaller id: stable and reproducible.
     order = np.lexsort((np.arange(vocab_size), -counts))[:size]
     draft_ids = torch.from_numpy(np.sort(order)).long()

@@ -38,7 +38,8 @@ def vllm_python() -> Path:
 
 
 def build_tiny_target(where: Path) -> Path:
-    """``save_pretrained`` of a seeded random tiny Llama, in the engine's venv."""
+    """``save_pretrained`` of a seeded random tiny Llama, in the engine's venv; its final
+    norm weights are far from ones, so a wrong norm changes its argmax."""
     code = (
         "import sys, torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -47,7 +48,9 @@ def build_tiny_target(where: Path) -> Path:
         f" num_hidden_layers={LAYERS}, num_attention_heads=2, num_key_value_heads=2,"
         " head_dim=64, max_position_embeddings=2048, bos_token_id=0, eos_token_id=1,"
         " tie_word_embeddings=False)\n"
-        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n")
+        "m = LlamaForCausalLM(cfg)\n"
+        "m.model.norm.weight.data = 1 + 2 * torch.randn(cfg.hidden_size)\n"
+        "m.save_pretrained(sys.argv[1])\n")
     subprocess.run([str(vllm_python()), "-c", code, str(where)], check=True,
                    capture_output=True, timeout=300)
     return where

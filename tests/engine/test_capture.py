@@ -160,6 +160,55 @@ def test_captured_files_equal_transformers_hidden_states(
     assert capture_server.requests_done() == before
 
 
+def test_the_peers_readers_take_every_captured_example(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    """Captured through vLLM, exported for speculators and SpecForge: each peer's own reader
+    (scripts/peer-readers.sh) takes all SAMPLES, and the target's argmax from the exported
+    last hidden state equals transformers' logits' (the target's norm weights are not ones)."""
+    import torch
+    from support import peer_readers
+
+    from synthq.training.captured import load_target_head
+
+    peer_readers()
+    from specforge.data.preprocessing import OfflineEagle3Dataset, list_local_files
+    from speculators.train.data import ArrowDataset
+
+    data = _copy(generated, tmp_path)
+    out = _capture(data, "--server", capture_server.url, "--target",
+                   str(capture_server.model_dir))
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "float32, auto: the engine's own" in out.stdout, out.stdout  # the plan's dtype
+    for fmt in ("speculators", "specforge"):
+        done = subprocess.run([sys.executable, "-m", "synthq.cli", "export", "cap", "--format",
+                               fmt, "--out", str(tmp_path / fmt), "--target",
+                               str(capture_server.model_dir)], env=_env(data), cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert f"exported {SAMPLES} captured examples" in done.stdout
+    reference = Reference(capture_server.model_dir)
+    head = load_target_head(str(capture_server.model_dir))
+    samples = [np.frombuffer(raw, dtype="<i4").astype(np.int64) for (raw,) in _rows(
+        data, "SELECT input_ids FROM samples WHERE state = 'done' ORDER BY id")]
+    speculators = ArrowDataset(max_len=4096, datapath=str(tmp_path / "speculators"),
+                               on_missing="raise")
+    specforge = OfflineEagle3Dataset(list_local_files(str(tmp_path / "specforge")),
+                                     max_len=4096)
+    assert len(samples) == len(speculators) == len(specforge) == SAMPLES
+    taken = agree = 0
+    for i, ids in enumerate(samples):
+        with torch.no_grad():
+            want = reference.model(torch.from_numpy(ids)[None]).logits[0].argmax(-1)
+        a, b = speculators[i], specforge[i]
+        assert a is not None and a["input_ids"].tolist() == ids.tolist()
+        assert b["input_ids"][0].tolist() == ids.tolist()
+        taken += 1
+        top_a = (head.final_norm(a["verifier_last_hidden_states"]) @ head.head.T).argmax(-1)
+        top_b = (b["target"][0] @ head.head.T).argmax(-1)
+        agree += int(torch.equal(top_a, want) and torch.equal(top_b, want))
+    assert taken == agree == SAMPLES
+
+
 def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
         capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
     data = _copy(generated, tmp_path)

@@ -72,3 +72,18 @@ def greedy_job(sample_factory: Callable[..., int], job_factory: Callable[..., An
         return job_id
 
     return make
+
+
+@pytest.fixture(scope="session")
+def norm_targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """``{style: (folder, model)}``: a Llama (``weight``) and a Gemma (``one_plus_weight``)
+    target whose final norm weights are not ones, saved and loaded back."""
+    from training_support import norm_target
+
+    from synthq.training.loop import load_target
+
+    out = {}
+    for style in ("weight", "one_plus_weight"):
+        path = norm_target(tmp_path_factory.mktemp(f"norm-{style}"), style)
+        out[style] = (path, load_target(str(path)))
+    return out

@@ -16,32 +16,29 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from training_support import capture_file
 
-from synthq.capture.plan import drafter_layers
 from synthq.training.captured import CapturedFeatures, load_target_head
 from synthq.training.data import Example, FeatureCache, draft_head
 from synthq.training.loop import ttt_loss
 from synthq.training.model import DraftConfig, Eagle3Drafter
 
 
-def _capture_file(target: Any, ids: np.ndarray, path: Path) -> None:
-    kept: dict[str, torch.Tensor] = {}
-    hook = target.model.layers[-1].register_forward_hook(
-        lambda m, i, o: kept.__setitem__("pre", o[0] if isinstance(o, tuple) else o))
-    try:
-        with torch.no_grad():
-            out = target(input_ids=torch.from_numpy(ids)[None], output_hidden_states=True)
-    finally:
-        hook.remove()
-    n = target.config.num_hidden_layers
-    parts = [kept["pre"][0] if i == n else out.hidden_states[i][0] for i in drafter_layers(n)]
-    save_file({"hidden_states": torch.stack(parts, 1).contiguous(),
-               "token_ids": torch.from_numpy(ids)}, str(path))
-
-
 def test_captured_features_and_loss_equal_the_offline_path(
         tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
+    _same_features_and_loss(tiny_target, tiny_target_dir, tmp_path)
+
+
+def test_a_one_plus_weight_norm_target_trains_from_captures_as_online(
+        norm_targets: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """A Gemma-style target ((1+w)·x̂, weights far from 0): the captured path's
+    recomputed norm and the losses equal transformers' online features'."""
+    path, target = norm_targets["one_plus_weight"]
+    assert load_target_head(str(path)).norm_style == "one_plus_weight"
+    _same_features_and_loss(target, path, tmp_path)
+
+
+def _same_features_and_loss(tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
     examples = [Example(str(i), np.concatenate([[1, 3], 5 + (np.arange(20) + i) % 91])
                         .astype(np.int64), (np.arange(22) >= 4).astype(np.uint8))
                 for i in range(4)]
@@ -50,7 +47,7 @@ def test_captured_features_and_loss_equal_the_offline_path(
     paths = {}
     for ex in examples:
         paths[ex.id] = tmp_path / f"cap-{ex.id}.safetensors"
-        _capture_file(tiny_target, ex.input_ids, paths[ex.id])
+        capture_file(tiny_target, ex.input_ids, paths[ex.id])
     head = load_target_head(str(tiny_target_dir))
     # Nothing but the embeddings, the final norm and the head came from the target.
     assert torch.equal(head.embed, tiny_target.get_input_embeddings().weight)
@@ -81,7 +78,7 @@ def test_captured_features_and_loss_equal_the_offline_path(
 def test_captured_features_refuse_other_token_ids(tiny_target: Any, tiny_target_dir: Path,
                                                   tmp_path: Path) -> None:
     ex = Example("7", np.array([1, 3, 5, 6, 7, 8], dtype=np.int64), np.ones(6, np.uint8))
-    _capture_file(tiny_target, np.array([1, 3, 5, 6, 7, 9], dtype=np.int64),
+    capture_file(tiny_target, np.array([1, 3, 5, 6, 7, 9], dtype=np.int64),
                   tmp_path / "c.safetensors")
     captured = CapturedFeatures({"7": tmp_path / "c.safetensors"},
                                 load_target_head(str(tiny_target_dir)))

@@ -44,6 +44,55 @@ def greedy_examples(target: Any, n: int, *, new_tokens: int = 40, seed: int = 0
     return out
 
 
+def capture_file(target: Any, ids: Any, path: Path) -> None:
+    """A capture file as the engine writes it, from transformers' own states:
+    ``hidden_states`` [T, 4, H] at ``[2, N//2, N-3, N]`` (the last one the final decoder
+    layer's output, before the final norm) and ``token_ids`` [T]."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from synthq.capture.plan import drafter_layers
+
+    kept: dict[str, torch.Tensor] = {}
+    hook = target.model.layers[-1].register_forward_hook(
+        lambda m, i, o: kept.__setitem__("pre", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            out = target(input_ids=torch.from_numpy(np.asarray(ids))[None],
+                         output_hidden_states=True)
+    finally:
+        hook.remove()
+    n = target.config.num_hidden_layers
+    parts = [kept["pre"][0] if i == n else out.hidden_states[i][0] for i in drafter_layers(n)]
+    save_file({"hidden_states": torch.stack(parts, 1).contiguous(),
+               "token_ids": torch.from_numpy(np.asarray(ids, dtype=np.int64))}, str(path))
+
+
+def norm_target(path: Path, style: str, *, vocab: int = VOCAB, layers: int = 8) -> Path:
+    """A small random target saved with ``save_pretrained`` whose final norm weights are
+    far from ones (the weight style: around 1; the (1+w) style: around 0), so a wrong
+    norm changes its argmax. ``style``: ``weight`` (a Llama) or ``one_plus_weight`` (a
+    Gemma)."""
+    from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                 tie_word_embeddings=False)
+    if style == "weight":
+        model: Any = LlamaForCausalLM(LlamaConfig(**shape))
+        centre = 1.0
+    else:
+        model = GemmaForCausalLM(GemmaConfig(head_dim=16, **shape))
+        centre = 0.0
+    with torch.no_grad():
+        norm = model.model.norm.weight
+        norm.copy_(centre + 2.0 * torch.randn(norm.shape))
+    model.save_pretrained(path)
+    return path
+
+
 def start_run(job_id: int, target: Path, **settings: Any) -> int:
     """A manual training run of ``job_id`` on ``target``; ``settings`` are its TrainConfig."""
     from synthq.training.config import TrainConfig

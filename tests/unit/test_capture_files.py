@@ -115,3 +115,32 @@ def test_wait_whole_waits_for_the_stock_connectors_lock(tmp_path: Path) -> None:
     ingest.wait_whole(path, timeout=5)  # returns once the writer lets go
     with pytest.raises(CaptureIncomplete, match="did not appear"):
         ingest.wait_whole(tmp_path / "never.safetensors", timeout=0.2)
+
+
+@pytest.mark.parametrize(("engine", "code"), [(torch.bfloat16, "BF16"), (torch.float32, "F32")])
+def test_auto_keeps_the_engines_dtype(tmp_path: Path, engine: torch.dtype, code: str) -> None:
+    """The default ``auto``: a bf16 engine's file is stored at bf16 (not widened to
+    float32), its values bit for bit; a float32 engine's stays float32."""
+    path = tmp_path / "e.safetensors"
+    hidden = _engine_file(path, IDS, hidden=torch.randn(len(IDS), 3, 8).to(engine))
+    store = Store(tmp_path / "store")
+    got = ingest.ingest(path, input_ids=IDS, layers=[2, 3, 4], dtype="auto", store=store,
+                        metadata={})
+    tensors, meta = files.read(store.path(got.stored.path))
+    assert tensors["hidden_states"].dtype == code and meta["dtype"] == got.dtype
+    assert got.dtype == {"BF16": "bfloat16", "F32": "float32"}[code]
+    assert tensors["hidden_states"].data == hidden.contiguous().view(torch.uint8).numpy().tobytes()
+    engine_bytes = path.stat().st_size
+    assert got.stored.bytes < engine_bytes + 1024  # the engine's size, plus a header
+
+
+def test_the_plan_says_which_dtype_applies() -> None:
+    from synthq.capture.plan import Plan, auto_dtype
+
+    assert auto_dtype({"torch_dtype": "bfloat16"}, None)[0] == "bfloat16"
+    assert auto_dtype({"dtype": "bfloat16"}, "float32")[0] == "float32"  # the files win
+    assert auto_dtype(None, None)[0] == "float32"
+    dtype, why = auto_dtype({"dtype": "bfloat16"}, None)
+    line = Plan(10, 1000, [2, 4, 5, 8], dtype, 64, 10**12, why).line()
+    assert "4 layers × 64 × 2 B: bfloat16, auto: the engine's own" in line, line
+    assert "set with --dtype" in Plan(10, 1000, [2], "float16", 64, 10**12).line()

@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 FIRST_PARTY = {"synthq", "worker", "api", "__future__"}
 #: Which extras (besides the base dependencies) the code under a folder may rely on.
 # synthq/testing/tiny.py builds the tiny target with torch (``synthq testing``).
-EXTRAS = {"api/": {"api"}, "synthq/training/": {"train"}, "synthq/testing/": {"train"}}
+EXTRAS = {"api/": {"api"}, "synthq/training/": {"train"}, "synthq/testing/": {"train"},
+          # captured features for the peers' trainers: torch/safetensors, datasets
+          "synthq/export_features.py": {"train", "hf"}}
 #: Imports behind a check that says which extra to install (module → the extra).
 GUARDED = {"datasets": "hf"}
 
