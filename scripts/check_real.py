@@ -132,7 +132,7 @@ def train(env: dict[str, str], work: Path, target: Path, n: int, features: str,
                            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
                            "--ttt-steps", str(args.ttt_steps), "--max-len", "512",
                            "--eval-draft-tokens", "3", "--eval-max-new",
-                           str(args.max_tokens), "--eval-fraction", "0.05",
+                           str(args.eval_max_new), "--eval-fraction", "0.05",
                            "--warmup-ratio", "0.05", "--out",
                            str(work / f"run-{features}-{n}"), "--json"))
     if row.get("state") != "done":
@@ -163,9 +163,12 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/synthq-check-real"))
     ap.add_argument("--train", type=int, default=1000, help="training prompts generated")
     ap.add_argument("--curve", default="250,500,1000")
-    ap.add_argument("--online", type=int, default=100, help="examples of the online-features "
+    ap.add_argument("--online", type=int, default=40, help="examples of the online-features "
                     "run (0: none)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--eval-max-new", type=int, default=32, help="tokens per held-out prompt "
+                    "in the run's own evaluation and its serve-check (on 2 cores, 128 made "
+                    "the evaluation of 50 prompts last longer than the training)")
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=4)
