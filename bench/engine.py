@@ -60,19 +60,17 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 
 def ways(drafter: str | None, ngram_tokens: int = 3, suffix_tokens: int | None = 3
          ) -> list[tuple[str, dict[str, Any] | None]]:
-    """(label, speculative config) of each way to serve; synthq's only with a drafter."""
-    out: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
-    if drafter:
-        out += [(f"synthq k={k}", {"method": "eagle3", "model": drafter,
-                                   "num_speculative_tokens": k}) for k in (3, 5)]
-    out.append((f"ngram k={ngram_tokens}", {"method": "ngram",
-                                             "num_speculative_tokens": ngram_tokens,
-                                             "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
+    """(label, speculative config) of each way to serve; synthq's only with a drafter. The
+    three the comparison needs come first (a run cut short still has them)."""
+    eagle = [(f"synthq k={k}", {"method": "eagle3", "model": drafter,
+                                "num_speculative_tokens": k}) for k in (3, 5)] if drafter else []
     suffix: dict[str, Any] = {"method": "suffix"}
     if suffix_tokens:
         suffix["num_speculative_tokens"] = suffix_tokens
-    out.append((f"suffix k={suffix_tokens or 'dynamic'}", suffix))
-    return out
+    return [*eagle[:1],
+            (f"ngram k={ngram_tokens}", {"method": "ngram", "num_speculative_tokens": ngram_tokens,
+                                         "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+            (f"suffix k={suffix_tokens or 'dynamic'}", suffix), ("none", None), *eagle[1:]]
 
 
 def load_prompts(path: Path, n: int) -> list[str]:
