@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,17 +40,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "scripts"))
 
+from check_engine import last_json, say, synthq  # noqa: E402 - the tiny check's helpers
 from engine import NAME, load_prompts, run_bench, table  # noqa: E402
 
 from synthq.testing.vllm import VllmServer, start_capture_server  # noqa: E402
 
 LAYERS = [2, 15, 27, 30]
 MAX_MODEL_LEN = 1024
-
-
-def say(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 class Steps:
@@ -68,19 +65,6 @@ class Steps:
         self.done[name] = value
         self.path.write_text(json.dumps(self.done, indent=2) + "\n")
         return value
-
-
-def synthq(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"synthq {' '.join(args)} failed ({out.returncode}):\n"
-                         f"{out.stderr[-3000:]}{out.stdout[-2000:]}")
-    return out.stdout
-
-
-def last_json(text: str) -> Any:
-    return json.loads(text.strip().splitlines()[-1])
 
 
 def start(server: VllmServer) -> VllmServer:
