@@ -15,7 +15,8 @@ from synthq.errors import UserError
 def serve_check(
     run_id: Annotated[int, typer.Argument(help="Training run id (`synthq runs`).")],
     server: Annotated[str, typer.Option("--server", "-s", help="OpenAI base URL of a vLLM "
-                      "serving the run's target with its drafter (eagle3).")],
+                      "serving the run's target with its drafter (`method` eagle3 or dflash, as "
+                      "`synthq runs` names the run's drafter).")],
     model: Annotated[str, typer.Option("--model", "-m", help="The served model name.")],
     concurrency: Annotated[int, typer.Option(help="Requests at once.")] = 4,
     as_json: JsonOpt = False,
@@ -25,8 +26,8 @@ def serve_check(
     synthq's own `eval_acceptance_length`. Nothing else may use the server meanwhile.
 
     Example: `vllm serve TARGET --speculative-config '{"method": "eagle3", "model":
-    "RUN/final", "num_speculative_tokens": 4}'`, then `synthq serve-check 3 -s
-    http://127.0.0.1:8000/v1 -m TARGET`
+    "RUN/final", "num_speculative_tokens": 4}'` (a `--drafter dflash` run: `"method":
+    "dflash"`), then `synthq serve-check 3 -s http://127.0.0.1:8000/v1 -m TARGET`
     """
     from synthq.db import session_scope
     from synthq.models import TrainingRun
@@ -43,6 +44,7 @@ def serve_check(
             if str(run.state) != "done":
                 raise UserError(f"run {run_id} is {run.state}: serve-check needs a done run")
             output_dir, settings = run.output_dir, dict(run.settings)
+            drafter = settings.get("drafter", "eagle3")
             evaluated = run.eval_acceptance_length
         prompts = held_out_prompts(output_dir, settings)
         result = measure(server, model, prompts, concurrency=concurrency)
@@ -58,12 +60,13 @@ def serve_check(
         row.served_acceptance_length = result.mean
         row.served_engine = result.engine
         row.served_engine_version = result.version
-    out = {"run": run_id, **describe(result), "eval_acceptance_length": evaluated}
+    out = {"run": run_id, "drafter": drafter, **describe(result),
+           "eval_acceptance_length": evaluated}
     if as_json:
         print(json.dumps(out))
         return
     gap = (f"; synthq's eval_acceptance_length {evaluated:.2f} ({result.mean - evaluated:+.2f})"
            if evaluated is not None else "")
-    console.print(f"run {run_id}: {result.engine} {result.version or '?'} served acceptance "
-                  f"length {result.mean:.2f} ({result.accepted} accepted of {result.drafts} "
-                  f"drafts, {len(prompts)} held-out prompts){gap}")
+    console.print(f"run {run_id} ({drafter}): {result.engine} {result.version or '?'} served "
+                  f"acceptance length {result.mean:.2f} ({result.accepted} accepted of "
+                  f"{result.drafts} drafts, {len(prompts)} held-out prompts){gap}")

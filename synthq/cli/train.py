@@ -61,7 +61,14 @@ def train(
                             "runs of a data curve compare.")] = 0,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 1e-4,
     warmup_ratio: Annotated[float, typer.Option(help="Warmup share of the steps.")] = 0.02,
-    ttt_steps: Annotated[int, typer.Option(help="Training-time test steps.")] = 7,
+    drafter: Annotated[str, typer.Option(metavar="<eagle3|dflash>", help="The drafter "
+                       "family: `eagle3`, or `dflash` (a block-diffusion drafter served by "
+                       "vLLM's `dflash` method), trained from the same features.")] = "eagle3",
+    ttt_steps: Annotated[int, typer.Option(help="Training-time test steps (DFlash: the draft "
+                         "tokens of a block).")] = 7,
+    dflash_layers: Annotated[int, typer.Option(help="DFlash: decoder layers.")] = 2,
+    dflash_anchors: Annotated[int, typer.Option(help="DFlash: blocks trained per sequence "
+                              "a step (random anchors).")] = 256,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
     log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.")] = 10,
     hidden_states: Annotated[str, typer.Option(
@@ -86,7 +93,8 @@ def train(
                        "and start a new one with these settings.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train an EAGLE-3 drafter on a job's data, or arm the job to train when ready.
+    """Train an EAGLE-3 (or, with --drafter dflash, a DFlash) drafter on a job's data, or
+    arm the job to train when ready.
 
     Without a broker (SYNTHQ_BROKER_URL unset) the run trains in this process to
     the end; with one, it is sent to the `train` queue (`synthq worker --queues
@@ -106,6 +114,8 @@ def train(
                            batch_size=batch_size, epochs=epochs, max_steps=max_steps,
                            max_examples=max_examples, lr=lr,
                            warmup_ratio=warmup_ratio, ttt_steps=ttt_steps,
+                           drafter=drafter, dflash_layers=dflash_layers,
+                           dflash_anchors=dflash_anchors,
                            save_every=save_every, log_every=log_every,
                            hidden_states=hidden_states, seed=seed,
                            eval_fraction=eval_fraction, eval_every=eval_every,
@@ -309,7 +319,7 @@ def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
-    table = Table("run", "job", "state", "step", "loss", "acc@0", "accept≈ (train)",
+    table = Table("run", "job", "drafter", "state", "step", "loss", "acc@0", "accept≈ (train)",
                   "eval accept", "served accept", "checkpoint / error")
     for r in rows:
         total = f"/{r['total_steps']}" if r["total_steps"] else ""
@@ -319,7 +329,8 @@ def _table(rows: list[dict[str, Any]]) -> Table:
         served = (f"{sv:.2f} ({r.get('served_engine') or '?'} "
                   f"{r.get('served_engine_version') or ''})".replace(" )", ")")
                   if sv is not None else "")
-        table.add_row(str(r["id"]), str(r["job"]), r["state"], f"{r['step']}{total}",
+        table.add_row(str(r["id"]), str(r["job"]), r.get("drafter") or "eagle3", r["state"],
+                      f"{r['step']}{total}",
                       f"{r['loss']:.4f}" if r["loss"] is not None else "", acc,
                       f"{r['accept']:.2f}" if r["accept"] is not None else "",
                       f"{ev:.2f}" if ev is not None else "", served,

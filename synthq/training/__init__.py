@@ -1,9 +1,11 @@
-"""EAGLE-3 drafter training: readiness, runs, and the training itself.
+"""Drafter training (EAGLE-3, or DFlash with ``drafter="dflash"``): readiness, runs, and
+the training itself.
 
 Importing this package (and :mod:`.states`, :mod:`.config`, :mod:`.readiness`,
 :mod:`.runs`) never imports torch: the API, the CLI and the beat tick use them.
-torch is imported by :mod:`.model`, :mod:`.data`, :mod:`.loop`,
-:mod:`.checkpoint` and :mod:`.speculate`, which only a training worker loads.
+torch is imported by :mod:`.model`, :mod:`.dflash`, :mod:`.dflash_loss`,
+:mod:`.drafters`, :mod:`.data`, :mod:`.loop`, :mod:`.checkpoint` and
+:mod:`.speculate`, which only a training worker loads.
 
 ::
 
@@ -12,4 +14,5 @@ torch is imported by :mod:`.model`, :mod:`.data`, :mod:`.loop`,
                                                               ▼
     export (synthq.export) → draft vocab → target hidden states (online or cached)
       → EAGLE-3 drafter, training-time test → checkpoints → vLLM llama_eagle3 layout
+      → or a DFlash drafter, blocks at random anchors → vLLM qwen3_dflash layout
 """

@@ -10,7 +10,8 @@
 Every directory is written under a temporary name and renamed: a killed run
 leaves whole checkpoints only. vLLM's ``llama_eagle3`` loads ``final/`` (or
 any step directory) with ``--speculative-config '{"method": "eagle3",
-"model": "OUT/final", ...}'``.
+"model": "OUT/final", ...}'``; a DFlash run's (``--drafter dflash``) has a
+``mask_embedding.pt`` beside them and is served with ``"method": "dflash"``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from synthq.training.dflash import MASK_EMBEDDING, DFlashConfig, DFlashDrafter
+from synthq.training.drafters import Drafter
 from synthq.training.model import DraftConfig, Eagle3Drafter
 
 __all__ = ["save_state", "latest_state", "prune_states", "save_drafter", "load_drafter",
@@ -43,7 +46,7 @@ def _install(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
-def _write_drafter(directory: Path, drafter: Eagle3Drafter, config: dict[str, Any]) -> None:
+def _write_drafter(directory: Path, drafter: Drafter, config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
     dtype = "bfloat16" if drafter.lm_head.weight.is_cuda else "float32"
@@ -55,10 +58,12 @@ def _write_drafter(directory: Path, drafter: Eagle3Drafter, config: dict[str, An
               metadata={"format": "pt"})
     (directory / "config.json").write_text(
         json.dumps(drafter.config.vllm_config(dtype), indent=2) + "\n")
+    if isinstance(drafter, DFlashDrafter):
+        (directory / MASK_EMBEDDING).write_bytes(drafter.mask_embedding_file())
     (directory / "training_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_drafter(directory: Path, drafter: Eagle3Drafter, config: dict[str, Any]) -> Path:
+def save_drafter(directory: Path, drafter: Drafter, config: dict[str, Any]) -> Path:
     """The drafter alone, in vLLM's layout, atomically at ``directory``."""
     tmp = _atomic_dir(directory)
     try:
@@ -70,7 +75,7 @@ def save_drafter(directory: Path, drafter: Eagle3Drafter, config: dict[str, Any]
     return directory
 
 
-def save_state(root: Path, step: int, drafter: Eagle3Drafter, optimizer: Any, scheduler: Any,
+def save_state(root: Path, step: int, drafter: Drafter, optimizer: Any, scheduler: Any,
                config: dict[str, Any], extra: dict[str, Any]) -> Path:
     """``root/step-NNNNNNNN``: everything to resume at ``step``, plus the drafter itself."""
     final = root / f"{STEP_PREFIX}{step:08d}"
@@ -112,20 +117,27 @@ def prune_states(root: Path, keep: int) -> list[Path]:
     return gone
 
 
-def load_drafter(directory: Path, target: Any) -> Eagle3Drafter:
-    """A drafter from a vLLM-layout directory, with the target's embeddings."""
+def load_drafter(directory: Path, target: Any) -> Drafter:
+    """A drafter (either family) from a vLLM-layout directory, with the target's embeddings."""
     from safetensors.torch import load_file
 
     cfg = json.loads((directory / "config.json").read_text())
-    c = DraftConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                    num_attention_heads=cfg["num_attention_heads"],
-                    num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-                    rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
-                    vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
-                    max_position_embeddings=cfg["max_position_embeddings"],
-                    target_num_layers=target.config.num_hidden_layers)
-    drafter = Eagle3Drafter(c)
     tensors = load_file(str(directory / "model.safetensors"))
+    drafter: Drafter
+    if "DFlashDraftModel" in (cfg.get("architectures") or []):
+        drafter = DFlashDrafter(DFlashConfig.from_vllm(cfg))
+        mask = torch.load(directory / MASK_EMBEDDING, weights_only=True)
+        tensors["mask_embedding"] = mask["embedding"]
+    else:
+        drafter = Eagle3Drafter(DraftConfig(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            target_num_layers=target.config.num_hidden_layers))
+    c = drafter.config
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     # d2t/t2d are absent when the draft vocabulary is the target's (vLLM refuses them
     # then): d2t's zeros are the identity mapping, and every target id is kept.

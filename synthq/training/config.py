@@ -22,6 +22,9 @@ DEFAULT_WHEN = "ready"
 class TrainConfig:
     """Everything that shapes a run. Defaults follow SpecForge/EAGLE-3."""
 
+    #: The drafter family: ``eagle3`` (vLLM ``method: eagle3``) or ``dflash`` (block
+    #: diffusion, vLLM ``method: dflash``), trained from the same features.
+    drafter: str = "eagle3"
     #: The N most frequent supervised token ids (capped to the target's vocabulary).
     draft_vocab_size: int = 32_000
     #: Examples are cut to this many tokens.
@@ -41,8 +44,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     #: Training-time test: unrolled draft steps and the loss weight decay per step.
+    #: DFlash: the draft tokens of a block (its mask slots; block size ttt_steps + 1)
+    #: and the loss weight decay per slot.
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    #: DFlash only: decoder layers, and blocks (anchors) trained per sequence a step.
+    dflash_layers: int = 2
+    dflash_anchors: int = 256
     #: A resumable checkpoint every this many steps (and at the end).
     save_every: int = 500
     #: Metrics written to SQL every this many steps.
@@ -68,7 +76,7 @@ class TrainConfig:
         """Raise :class:`UserError` for a value that cannot work."""
         positive = ("draft_vocab_size", "max_len", "batch_size", "epochs", "ttt_steps",
                     "save_every", "log_every", "eval_draft_tokens", "eval_max_new",
-                    "keep_checkpoints")
+                    "keep_checkpoints", "dflash_layers", "dflash_anchors")
         for name in positive:
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be at least 1, "
@@ -89,6 +97,12 @@ class TrainConfig:
             raise UserError(f"eval-fraction must be in [0, 0.5), got {self.eval_fraction}")
         if self.eval_every < 0:
             raise UserError("eval-every must be 0 (only at the end) or more")
+        if self.drafter not in ("eagle3", "dflash"):
+            raise UserError(f"drafter must be eagle3 or dflash, got {self.drafter!r}")
+        if self.drafter == "dflash" and self.eval_draft_tokens > self.ttt_steps:
+            raise UserError(f"a DFlash block drafts ttt-steps={self.ttt_steps} tokens: "
+                            f"eval-draft-tokens {self.eval_draft_tokens} is more than it "
+                            "was trained for")
         if self.hidden_states not in ("online", "offline", "captured"):
             raise UserError(f"hidden-states must be online, offline or captured, got "
                             f"{self.hidden_states!r}")

@@ -64,7 +64,8 @@ from synthq.training.data import (
     step_mask,
     target_features,
 )
-from synthq.training.model import DraftConfig, Eagle3Drafter
+from synthq.training.dflash_loss import block_loss, sample_anchors
+from synthq.training.drafters import Drafter, make_drafter
 
 __all__ = ["execute_run", "load_target", "ttt_loss", "acceptance_estimate", "main"]
 
@@ -440,7 +441,7 @@ def _target(run: _Run, cfg: TrainConfig, world: int, device: torch.device) -> An
 class _Optimization:
     """The drafter and what steps it: made by :func:`_build`, restored by :func:`_resume`."""
 
-    drafter: Eagle3Drafter
+    drafter: Drafter
     params: list[torch.nn.Parameter]  # the trained ones (the embeddings stay frozen)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -451,8 +452,9 @@ class _Optimization:
 def _build(target: Any, draft_ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
            cfg: TrainConfig, n_examples: int, world: int,
            device: torch.device) -> _Optimization:
-    """A drafter initialised from the target, AdamW, and warmup-then-cosine over the run."""
-    drafter = Eagle3Drafter(DraftConfig.from_target(target.config, len(draft_ids)))
+    """A drafter of the run's family initialised from the target, AdamW, and
+    warmup-then-cosine over the run."""
+    drafter = make_drafter(cfg, target.config, len(draft_ids))
     drafter.init_from_target(target, draft_ids)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
@@ -534,7 +536,7 @@ class _Evaluation:
     returns it (and says it), elsewhere or with no held-out split None."""
 
     def __init__(self, ctx: _Ctx, cfg: TrainConfig, target_path: str, target: Any,
-                 drafter: Eagle3Drafter, held_out: list[Example],
+                 drafter: Drafter, held_out: list[Example],
                  notice: Callable[[str], None], on_eval: EvalProgress | None) -> None:
         self.ctx, self.cfg, self.target_path, self.target = ctx, cfg, target_path, target
         self.drafter, self.held_out, self.notice, self.on_eval = drafter, held_out, notice, on_eval
@@ -620,7 +622,7 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 else:
                     feats = target_features(loop.target, ids)
                 t1 = time.perf_counter()
-                loss, stats = _step(loop, ids, feats, loss_mask)
+                loss, stats = _step(loop, ids, feats, loss_mask, p.step)
                 p.step += 1
                 _accumulate(p.window, float(loss.detach()), stats, int(valid.sum()), t1 - t0,
                             time.perf_counter() - t1)
@@ -630,15 +632,26 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 prefetch.close()
 
 
-def _step(loop: _Loop, ids: torch.Tensor, feats: TargetFeatures,
-          loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """One optimizer step on a batch ([B, L] ids): the unrolled training-time test, its loss,
-    backward, clip, AdamW, the schedule. Returns the loss and (correct, counted) per step."""
+def _step(loop: _Loop, ids: torch.Tensor, feats: TargetFeatures, loss_mask: torch.Tensor,
+          done: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """One optimizer step on a batch ([B, L] ids): the unrolled training-time test (EAGLE-3)
+    or the blocks at random anchors (DFlash), its loss, backward, clip, AdamW, the
+    schedule. Returns the loss and (correct, counted) per step (per block slot). ``done``:
+    the steps before this one (DFlash's anchors are drawn from the seed, the rank and it,
+    so a resumed run draws what the uninterrupted one drew)."""
     cfg, opt, device = loop.cfg, loop.opt, loop.device
     with loop.autocast:
-        logits = loop.model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
-        loss, stats = ttt_loss(logits, feats, loss_mask, loop.d2t, cfg.ttt_decay, loop.head,
-                               loop.t2d)
+        if cfg.drafter == "dflash":
+            gen = torch.Generator().manual_seed(
+                (cfg.seed * 1_000_003 + loop.ctx.rank) * 1_000_033 + done)
+            anchors, keep = sample_anchors(loss_mask, cfg.dflash_anchors, gen)
+            logits = loop.model(ids.to(device), feats.aux.to(device), anchors.to(device))
+            loss, stats = block_loss(logits, feats, loss_mask, anchors, keep, loop.d2t,
+                                     cfg.ttt_decay, loop.head, loop.t2d)
+        else:
+            logits = loop.model(ids.to(device), feats.aux.to(device), cfg.ttt_steps)
+            loss, stats = ttt_loss(logits, feats, loss_mask, loop.d2t, cfg.ttt_decay,
+                                   loop.head, loop.t2d)
     opt.optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(opt.params, cfg.grad_clip)

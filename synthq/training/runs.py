@@ -51,7 +51,8 @@ def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
     last = run.metrics[-1] if run.metrics else {}
     return {
         "id": run.id, "job_id": run.job_id, "job": job_name, "state": str(run.state),
-        "trigger": run.trigger, "target": run.target, "step": run.step,
+        "trigger": run.trigger, "target": run.target,
+        "drafter": (run.settings or {}).get("drafter", "eagle3"), "step": run.step,
         "total_steps": run.total_steps, "resumed_from": run.resumed_from,
         "loss": last.get("loss"), "acc": last.get("acc"), "accept": last.get("accept"),
         "eval_acceptance_length": run.eval_acceptance_length,

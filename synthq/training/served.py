@@ -1,11 +1,11 @@
 """The acceptance length a real engine serves with a run's drafter (``synthq serve-check``).
 
 The engine (vLLM started with ``--speculative-config '{"method": "eagle3", "model":
-OUT/final, "num_speculative_tokens": K}'``) is sent the run's own held-out prompts,
-as token ids (``/v1/completions``: no template applied twice, the very tokens the
-run's ``eval_acceptance_length`` drafted from), greedily, for as many tokens as that
-evaluation generates. The figure is vLLM's own: its spec-decode counters before and
-after, ``1 + Δaccepted / Δdrafts``.
+OUT/final, "num_speculative_tokens": K}'``, ``"method": "dflash"`` for a DFlash run) is
+sent the run's own held-out prompts, as token ids (``/v1/completions``: no template
+applied twice, the very tokens the run's ``eval_acceptance_length`` drafted from),
+greedily, for as many tokens as that evaluation generates. The figure is vLLM's own:
+its spec-decode counters before and after, ``1 + Δaccepted / Δdrafts``.
 
 The held-out split is read with ``synthq.training.data`` (so torch is imported), the
 same code that made it during training.
@@ -56,8 +56,8 @@ def spec_counters(root: str, client: httpx.Client) -> tuple[float, float]:
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     if DRAFTS not in found or ACCEPTED not in found:
         raise UserError(f"{root} reports no {DRAFTS}: is it vLLM started with "
-                        "--speculative-config '{\"method\": \"eagle3\", \"model\": "
-                        "RUN/final, ...}'?")
+                        "--speculative-config '{\"method\": \"eagle3\" (or \"dflash\"), "
+                        "\"model\": RUN/final, ...}'?")
     return found[DRAFTS], found[ACCEPTED]
 
 

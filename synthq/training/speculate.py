@@ -1,7 +1,8 @@
 """Greedy speculative decoding with a trained drafter: the proof that it drafts right.
 
-Each round, the drafter proposes ``k`` tokens the way vLLM's EAGLE-3 drafts
-(step 0 over the verified prefix, then one token at a time), and one target
+Each round, the drafter proposes ``k`` tokens the way vLLM drafts with it (EAGLE-3:
+step 0 over the verified prefix, then one token at a time; DFlash: one block
+of the bonus token and ``k`` masks in one forward), and one target
 forward verifies them all: the longest prefix equal to the target's own greedy
 choices is kept, plus the target's next token. The output is therefore exactly
 the target's greedy output; the acceptance length (tokens per target forward)
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
-from synthq.training.model import Eagle3Drafter, aux_layer_ids
+from synthq.training.dflash import DFlashDrafter
+from synthq.training.drafters import Drafter
+from synthq.training.model import aux_layer_ids
 
 __all__ = ["speculative_generate", "greedy_generate", "propose", "acceptance_length",
            "Acceptance", "eos_ids"]
@@ -49,8 +52,11 @@ def _target_cached(target: Any, tokens: list[int], cache: Any
 
 
 @torch.no_grad()
-def propose(drafter: Eagle3Drafter, tokens: list[int], aux: torch.Tensor, k: int) -> list[int]:
-    """``k`` draft tokens after ``tokens`` (x_0..x_L), given aux [1, L, 3H] of x_0..x_{L-1}."""
+def propose(drafter: Drafter, tokens: list[int], aux: torch.Tensor, k: int) -> list[int]:
+    """``k`` draft tokens after ``tokens`` (x_0..x_L), given aux [1, L, 3H] of x_0..x_{L-1}.
+    A DFlash drafter drafts them in one forward (:meth:`DFlashDrafter.propose`)."""
+    if isinstance(drafter, DFlashDrafter):
+        return drafter.propose(tokens, aux, k)
     to_target = drafter.draft_to_target
     device = to_target.device  # the drafter's (a GPU during training)
     ids = torch.tensor([tokens[1:]], device=device)  # position i holds token i+1
@@ -75,7 +81,7 @@ def greedy_generate(target: Any, prompt: list[int], max_new: int) -> list[int]:
 
 
 @torch.no_grad()
-def speculative_generate(target: Any, drafter: Eagle3Drafter, prompt: list[int], max_new: int,
+def speculative_generate(target: Any, drafter: Drafter, prompt: list[int], max_new: int,
                          k: int = 5, eos: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     """Greedy draft-and-verify. Returns the new tokens and the tokens gained per verify
     round (accepted drafts + the target's own token, EOS or not: vLLM's acceptance
@@ -133,7 +139,7 @@ class Acceptance:
 
 
 @torch.no_grad()
-def acceptance_length(target: Any, drafter: Eagle3Drafter, examples: Sequence[Any], k: int,
+def acceptance_length(target: Any, drafter: Drafter, examples: Sequence[Any], k: int,
                       max_new: int = 256, heartbeat: Callable[[], None] | None = None,
                       progress: Callable[[int, int, float], None] | None = None
                       ) -> Acceptance:
