@@ -1,7 +1,7 @@
 """Issue 24's Done-when, replayed on this machine: hostile servers, one bad value, a
 half-open PostgreSQL and a skewed clock, against real processes.
 
-    python scripts/check_hostile.py [--only rss,malformed,n,requeue,halfopen,skew]
+    python scripts/check_hostile.py [--only rss,malformed,n,requeue,halfopen,heartbeat,skew]
 
 1. ``rss``: ``synthq run`` (embedded) against a server whose 500 answers carry a 3 GB
    body (``synthq.testing.hostile`` in its own process): peak RSS <= 300 MB, the
@@ -17,6 +17,9 @@ half-open PostgreSQL and a skewed clock, against real processes.
    proxy, one holding the dispatch lock (``synthq.testing.chaos.postgres_half_open``):
    the job moves again within 60 s and finishes, nothing lost, nothing paid twice
    beyond the calls in flight;
+   ``heartbeat`` (issue 30): two workers, beat, ``--inflight 16``, 300 samples, every
+   connection stranded past the workers' timeout (``chaos.stranded_heartbeat``), then
+   only the heartbeats': prompts generated twice <= 16, and 0;
 6. ``skew``: a worker 120 s behind under libfaketime (``chaos.clock_skew``): 0 answers
    paid twice, the in-flight limit exact.
 
@@ -194,6 +197,25 @@ def check_halfopen(tmp: Path) -> tuple[bool, str]:
                 f"requests {r.extra_requests} (calls in flight <= {limit})")
 
 
+def check_heartbeat(tmp: Path) -> tuple[bool, str]:
+    """Issue 30 item 5: two workers, beat, --inflight 16, 300 samples; every connection
+    stranded, then only the heartbeats' (``chaos.stranded_heartbeat``)."""
+    figures = []
+    ok = True
+    for only in (False, True):
+        where = tmp / f"heartbeat-{int(only)}"
+        where.mkdir(exist_ok=True)
+        with chaos.cluster(tmp=where) as c:
+            r = chaos.stranded_heartbeat(c, heartbeat_only=only)
+        limit = r.figures["limit"]
+        twice = max(r.extra_requests, r.doubled)
+        ok = ok and r.lost == 0 and (twice == 0 if only else twice <= limit)
+        figures.append(f"{'heartbeat only' if only else 'every connection'}: "
+                       f"{r.figures['stranded']} stranded, generated twice {r.extra_requests}, "
+                       f"doubled {r.doubled}, lost {r.lost}")
+    return ok, "; ".join(figures) + " (goal: <= 16, and 0 with the heartbeat only)"
+
+
 def check_skew(tmp: Path) -> tuple[bool, str]:
     why = chaos.has_libfaketime()
     if why:
@@ -216,6 +238,7 @@ CHECKS: dict[str, tuple[str, Callable[[Path], tuple[bool, str]]]] = {
     "n": ('4 extra_body {"n": 100}', check_n),
     "requeue": ("7 requeue max_attempts 10**12", check_requeue),
     "halfopen": ("12 PostgreSQL half-open", check_halfopen),
+    "heartbeat": ("12b a stranded heartbeat (issue 30)", check_heartbeat),
     "skew": ("14 a worker 120 s behind", check_skew),
 }
 

@@ -40,6 +40,7 @@ from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, unpack_ids
 from synthq.retry import backoff_delay
 from synthq.states import Claimed
+from synthq.streaks import Streaks
 from synthq.writer import Writer
 
 __all__ = ["Outcome", "Call", "run_claimed", "wrong_base_url"]
@@ -136,8 +137,12 @@ class Call:
 
 
 async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], InferenceClient],
-                      writer: Writer, worker: str, tokenize_pool: ThreadPool) -> Outcome:
-    """Run one claimed sample to its outcome; every write committed before it returns."""
+                      writer: Writer, worker: str, tokenize_pool: ThreadPool,
+                      streaks: Streaks | None = None) -> Outcome:
+    """Run one claimed sample to its outcome; every write committed before it returns.
+
+    ``streaks``: the process's identical failures in a row per server (synthq.streaks):
+    the ``stop_after``-th ``bad_request`` in a row on one server pauses the job."""
     c = call.claimed
     job = effective(job, c.overrides)
     multi = _multi(job, c)
@@ -187,20 +192,33 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         return Outcome.NOT_WRITTEN
     except errors.SampleError as exc:
         call.calling = False
-        return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer)
+        return await _failure(c, job, exc, attempt(exc.error_class, str(exc), result), writer,
+                              streaks)
     call.calling = False
+    if streaks is not None:
+        streaks.ok(c.server)
     # From here the answer is paid for: its wait for the commit is measured from now.
     answered = time.monotonic()
+
+    def late(s: Session, now: datetime) -> bool:  # the lease was given up meanwhile
+        return states.keep_late(s, c.sample_id, c.token, worker=worker, server=c.server,
+                                turn=c.turn, started_at=call.started_at,
+                                lease_until=now + timedelta(seconds=call.lease_s), now=now)
+
     if not multi:
         return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                             since=answered)
+                             since=answered, late=late)
     return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                            since=answered)
+                            since=answered, late=late)
+
+
+#: Makes a sample whose lease was given up this call's again (states.keep_late).
+Late = Callable[[Session, datetime], bool]
 
 
 async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
                      writer: Writer, tokenize_pool: ThreadPool, *,
-                     since: float | None = None) -> Outcome:
+                     since: float | None = None, late: Late | None = None) -> Outcome:
     """A turn of a conversation regenerated turn by turn has its answer: store it and
     send the sample back for its next turn, or finish it after its last (or a cut)."""
     answer = _answer(result)
@@ -213,28 +231,32 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
         if reason is None:
             won = await _write(writer, c, lambda s, now: states.advance_turn(
                 s, c.sample_id, c.token, turn=c.turn + 1, turns=answers, now=now,
-                attempt=attempt), since=since)
+                attempt=attempt), since=since, late=late)
             return Outcome.TURN if won else Outcome.NOT_WRITTEN
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
-                         extra=extra, since=since)
+                         extra=extra, since=since, late=late)
 
 
 async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
                   writer: Writer, tokenize_pool: ThreadPool, *,
                   answers: list[dict[str, Any]] | None = None,
-                  extra: dict[str, Any] | None = None, since: float | None = None) -> Outcome:
+                  extra: dict[str, Any] | None = None, since: float | None = None,
+                  late: Late | None = None) -> Outcome:
     """Store the response, tokenize it if the job says so, and mark the sample. ``since``:
-    when a new answer arrived (its first write makes it durable)."""
+    when a new answer arrived (its first write makes it durable); ``late``: how that write
+    keeps the answer if the lease was given up meanwhile."""
     columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, lambda s, now: states.complete(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since)
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since,
+            late=late)
         return Outcome.DONE if won else Outcome.NOT_WRITTEN
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since):
+            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since,
+            late=late):
         return Outcome.NOT_WRITTEN
     loop = asyncio.get_running_loop()
     try:
@@ -252,13 +274,22 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
 
 
 async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,
-                 since: float | None = None) -> bool:
+                 since: float | None = None, late: Late | None = None) -> bool:
     """A write of this sample's; one the database refuses (not a transient error, e.g.
     text PostgreSQL cannot store) fails the sample with ``unstorable`` instead.
-    ``since``: the write makes an answer that arrived then durable (measured)."""
+    ``since``: the write makes an answer that arrived then durable (measured). ``late``:
+    when the write loses (the lease was given up meanwhile), the answer is kept by a
+    second write that takes the sample back first (states.keep_late), if it still can."""
     try:
-        return bool(await writer.write(fn, since=since) if since is not None
-                    else await writer.write(fn))
+        won = bool(await writer.write(fn, since=since) if since is not None
+                   else await writer.write(fn))
+        if won or late is None:
+            return won
+        won = bool(await writer.write(lambda s, now: late(s, now) and fn(s, now)))
+        if won:
+            log.info("sample %s: its answer came after its lease was given up; kept (no "
+                     "later attempt had finished)", c.sample_id)
+        return won
     except errors.DiskFull:
         raise  # nothing can be written: the sample is not at fault
     except Exception as exc:  # noqa: BLE001 - recorded on the sample
@@ -317,10 +348,13 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
 
 
 async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
-                   writer: Writer) -> Outcome:
+                   writer: Writer, streaks: Streaks | None = None) -> Outcome:
     hint = wrong_base_url(c.server, exc)
     if hint is not None:
         return await _wrong_base(c, hint, attempt, writer)
+    stop = streaks.failed(c.server, exc.error_class, str(exc)) if streaks is not None else None
+    pause = stop.line("call", f"`synthq resume {job.name}` and `synthq requeue {job.name} "
+                      f"--failed --class {stop.error_class}`") if stop is not None else None
     message = str(exc)
     if _multi(job, c):  # which turn, for the person who requeues it
         message = f"turn {c.turn + 1} of {c.turn_count}: {message}"
@@ -339,6 +373,11 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     decided = {"retry": retry}
 
     def record(s: Session, now: datetime) -> bool:
+        from synthq.enums import JobState
+
+        if pause is not None and states.set_job_state(s, c.job_id, JobState.PAUSED, now=now,
+                                                      reason=pause):
+            log.warning("job %s paused: %s", c.job_id, pause)
         charge = True
         if overload:  # this call's own row is not inserted yet: + 1
             calls = s.scalar(select(func.count()).select_from(Attempt)

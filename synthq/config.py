@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     #: as dead (its capacity is freed, its running samples go back to pending).
     heartbeat_interval: float = 2.0
     worker_timeout: float = defaults.WORKER_TIMEOUT
+    #: Seconds one heartbeat waits for the database on its own connection before it
+    #: drops it and connects again; 0: a fifth of ``worker_timeout``, at least 0.5 s. A
+    #: worker whose heartbeat is older than half of ``worker_timeout`` starts no call
+    #: (synthq.heartbeat).
+    heartbeat_timeout: float = Field(default=0.0, ge=0)
     #: Calls one generation process holds in flight; 0: the worker's ``-c``.
     worker_capacity: int = 0
     #: A worker's refill claims the samples for its own freed slots in the
@@ -124,6 +129,10 @@ class Settings(BaseSettings):
     capture_timeout: float = 120.0
     capture_file_timeout: float = 60.0
     capture_reserve_bytes: int = 1 << 30
+    #: Identical failures in a row of a class that names the server's configuration
+    #: (``bad_request``; for capture also ``capture_mismatch``) after which a server's
+    #: stage stops (synthq.streaks); 0: never.
+    stop_after: int = Field(default=5, ge=0)
     #: Seconds one Celery ``capture`` task runs a job's stage before it returns.
     capture_task_seconds: float = 60.0
     #: API key sent to inference servers (vLLM accepts any unless started with --api-key).

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 __all__ = ["safe_url", "utcnow", "get_engine", "session_scope", "dispose_engines", "with_db_retry",
            "disk_full", "database_location", "CLAIM_PATH_ATTEMPTS", "service_process",
-           "pg_connect_args"]
+           "pg_connect_args", "heartbeat_engine", "HEARTBEAT_APPLICATION"]
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -129,14 +129,20 @@ def _seconds_ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-def pg_connect_args(*, service: bool) -> dict[str, object]:
+def pg_connect_args(*, service: bool, deadline: float | None = None) -> dict[str, object]:
     """libpq connection parameters for every synthq PostgreSQL connection: TCP keepalives,
     ``tcp_user_timeout``, a connect timeout and, for a service process, the server-side
     statement, lock and idle-transaction timeouts (``options``). A URL's own query
-    parameters override these (libpq takes the later value)."""
+    parameters override these (libpq takes the later value).
+
+    ``deadline`` (the heartbeat's session, :func:`heartbeat_engine`): every limit of the
+    session, the connect timeout included, at most that many seconds."""
+    import math
+
     from synthq.config import get_settings
 
     s = get_settings()
+    statement, lock = s.db_statement_timeout, s.db_lock_timeout
     args: dict[str, object] = {
         "keepalives": 1, "keepalives_idle": s.db_keepalive_idle,
         "keepalives_interval": s.db_keepalive_interval,
@@ -144,10 +150,16 @@ def pg_connect_args(*, service: bool) -> dict[str, object]:
         "tcp_user_timeout": _seconds_ms(s.db_tcp_user_timeout),
         "connect_timeout": s.db_connect_timeout,
     }
+    if deadline is not None:
+        statement = min(statement, deadline) if statement > 0 else deadline
+        lock = min(lock, deadline) if lock > 0 else deadline
+        args["connect_timeout"] = min(s.db_connect_timeout, max(2, math.ceil(deadline)))
+        args["tcp_user_timeout"] = _seconds_ms(min(s.db_tcp_user_timeout, deadline))
+        args["application_name"] = HEARTBEAT_APPLICATION
     if service:
         # The server's own keepalives too: it ends a session whose client vanished.
-        options = {"statement_timeout": _seconds_ms(s.db_statement_timeout),
-                   "lock_timeout": _seconds_ms(s.db_lock_timeout),
+        options = {"statement_timeout": _seconds_ms(statement),
+                   "lock_timeout": _seconds_ms(lock),
                    "idle_in_transaction_session_timeout":
                        _seconds_ms(s.db_idle_in_transaction_timeout),
                    "tcp_keepalives_idle": s.db_keepalive_idle,
@@ -156,6 +168,39 @@ def pg_connect_args(*, service: bool) -> dict[str, object]:
                    "tcp_user_timeout": _seconds_ms(s.db_tcp_user_timeout)}
         args["options"] = " ".join(f"-c {k}={v}" for k, v in options.items())
     return args
+
+
+#: ``application_name`` of the heartbeat's sessions (``pg_stat_activity`` tells them apart).
+HEARTBEAT_APPLICATION = "synthq-heartbeat"
+
+
+def heartbeat_engine(deadline: float) -> Engine:
+    """The worker heartbeat's own engine (:mod:`synthq.heartbeat`): one connection, apart
+    from the pool that claims and writes, whose every answer is awaited at most
+    ``deadline`` seconds (the server ends its statements by then too). A stranded
+    connection is dropped after that and the next beat connects again; the writer's long
+    deadline (``db_statement_timeout`` + ``db_answer_margin``) no longer silences the
+    worker. SQLite (one file, no network): the default engine."""
+    from synthq.config import get_settings
+
+    url = get_settings().database_url
+    if url.startswith("sqlite"):
+        return get_engine(url)
+    key = f"{url}#heartbeat"
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = create_engine(
+                url, pool_size=1, max_overflow=1, pool_recycle=1800,
+                connect_args=pg_connect_args(service=True, deadline=deadline))
+            event.listen(engine, "connect", _calibrate)
+            guarded = _guarded_connection(deadline)
+
+            @event.listens_for(engine, "do_connect")
+            def _connect(_dialect, _record, cargs, cparams):  # type: ignore[no-untyped-def]
+                return guarded.connect(*cargs, **cparams)
+
+        return engine
 
 
 def _answer_timeout() -> float | None:

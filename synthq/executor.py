@@ -13,9 +13,11 @@ or ``synthq run``) has one :class:`Executor`:
   SSE parsing and the stall and total clocks of :mod:`synthq.inference`.
 * **one writer thread** (:mod:`synthq.writer`) commits outcomes in batches.
 * **keepalive**: the process's ``workers`` row is refreshed every
-  ``heartbeat_interval`` seconds, and the leases of its running samples are
-  renewed in one statement when a third of a lease has passed. A sample whose
-  lease turns out lost (the sweep gave it away) has its call cancelled.
+  ``heartbeat_interval`` seconds on a connection of its own (:mod:`synthq.heartbeat`:
+  a stranded writer no longer silences it), and the leases of its running samples
+  are renewed through the writer in one statement when a third of a lease has
+  passed. A sample whose lease turns out lost (the sweep gave it away) has its call
+  cancelled. While its heartbeat is late the process starts no call.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
 from synthq.dispatch import LocalClaim
 from synthq.errors import DiskFull, brief
+from synthq.heartbeat import Heartbeat
 from synthq.inference import InferenceClient
 from synthq.jobview import effective, get_job, lease_seconds
 from synthq.retry import backoff_delay
+from synthq.streaks import GENERATION_CLASSES, Streaks
 from synthq.writer import Writer
 
 __all__ = ["Executor", "default_executor", "reset_default_executor", "process_sample"]
@@ -81,8 +85,13 @@ class Executor:
         self._thread = threading.Thread(target=self.loop.run_forever, name="synthq-loop",
                                         daemon=True)
         self._thread.start()
+        #: bad_request in a row per server: the stop_after-th pauses the job (synthq.streaks).
+        self.streaks = Streaks(GENERATION_CLASSES, settings.stop_after)
+        self.heartbeat = Heartbeat(self.name, capacity=lambda: self.capacity,
+                                   inflight=lambda: len(self._calls))
         # Known to the dispatcher before the first message can arrive.
         self._heartbeat_now()
+        self.heartbeat.start()
         self._keepalive = asyncio.run_coroutine_threadsafe(self._keep_alive(), self.loop)
 
     # -- public, any thread -------------------------------------------------------------
@@ -99,12 +108,14 @@ class Executor:
         items = [(int(i[0]), str(i[1]), i[2] if len(i) > 2 else None) for i in items]
         if not items:
             return {}
-        if self._stopping:  # shutting down: hand the samples back instead of starting them
+        if self._stopping or not self.heartbeat.fresh():
+            # Shutting down, or silent to the sweep (it may give our samples away):
+            # hand the samples back instead of starting them.
             def release() -> int:
                 with session_scope() as s:
                     return states.release(s, [(i, t) for i, t, _ in items], now=utcnow())
 
-            with_db_retry(release, attempts=CLAIM_PATH_ATTEMPTS, what="release on shutdown")
+            with_db_retry(release, attempts=CLAIM_PATH_ATTEMPTS, what="release of a batch")
             return {i: Outcome.STALE for i, _, _ in items}
         job_ids = {j for _, _, j in items if j is not None}
         # The message names the jobs, so the lease is theirs from the start
@@ -144,9 +155,11 @@ class Executor:
 
     def local_claim(self) -> LocalClaim | None:
         """What a refill dispatch may claim for this process itself (``dispatch(local=)``):
-        its free slots; None while shutting down or unable to write."""
+        its free slots; None while shutting down, unable to write, or while its heartbeat
+        is late."""
         room = self.capacity - self.inflight - self._starting
-        if self._stopping or self.writer.disk_full is not None or room <= 0:
+        if self._stopping or self.writer.disk_full is not None or room <= 0 \
+                or not self.heartbeat.fresh():
             return None
         return LocalClaim(self.name, room,
                           lambda session, job_id: lease_seconds(get_job(job_id, session)),
@@ -207,9 +220,7 @@ class Executor:
         self._stopping = True
         # Capacity 0 at once: the dispatcher stops queueing samples for this worker.
         self.capacity = 0
-        inflight = len(self._calls)
-        self.writer.submit(lambda s, now: workers.heartbeat(
-            s, self.name, capacity=0, inflight=inflight, now=now))
+        self.heartbeat.wake()
 
         def cut() -> None:
             for call in list(self._calls.values()):
@@ -225,6 +236,7 @@ class Executor:
             return
         self._closed = True
         self._keepalive.cancel()
+        self.heartbeat.stop()
 
         async def close_clients() -> None:
             for client in [*self._clients.values(), *self._retired]:
@@ -284,7 +296,8 @@ class Executor:
         self._calls[c.sample_id] = call
         try:
             outcome = await run_claimed(call, job, client=self._client, writer=self.writer,
-                                        worker=self.name, tokenize_pool=self._tokenize_pool)
+                                        worker=self.name, tokenize_pool=self._tokenize_pool,
+                                        streaks=self.streaks)
         except DiskFull:  # nothing can be written: the lease (or the next run) brings it back
             outcome = Outcome.NOT_WRITTEN
         except Exception as exc:  # a bug: hand the sample back, never strand it or the batch
@@ -358,15 +371,11 @@ class Executor:
         return Outcome.RETRY if retry else Outcome.FAILED
 
     def _heartbeat_now(self) -> None:
-        def beat() -> None:
-            with session_scope() as s:
-                workers.heartbeat(s, self.name, capacity=self.capacity, inflight=0, now=utcnow())
-
-        with_db_retry(beat, what="worker heartbeat")
+        """The first heartbeat, before any message can arrive."""
+        with_db_retry(self.heartbeat.write, what="worker heartbeat")
 
     async def _keep_alive(self) -> None:
         interval = get_settings().heartbeat_interval
-        last_beat = time.monotonic()
         while True:
             calls = list(self._calls.values())
             # Renew often enough for the shortest lease (a third of it), at most every beat.
@@ -374,17 +383,14 @@ class Executor:
             await asyncio.sleep(max(0.2, step))
             now_mono = time.monotonic()
             due = [c for c in self._calls.values() if now_mono - c.renewed_at >= c.lease_s / 3]
-            beat = now_mono - last_beat >= interval
-            if not due and not beat:
+            if not due:
                 continue
             try:
-                held = await self.writer.write(self._keepalive_write(due, beat))
+                held = await self.writer.write(self._renewal(due))
             except Exception as exc:  # noqa: BLE001 - the next round tries again
                 if not isinstance(exc, DiskFull):  # said once, where it was met
-                    log.warning("heartbeat/renewal failed: %s", str(exc).splitlines()[0][:200])
+                    log.warning("lease renewal failed: %s", str(exc).splitlines()[0][:200])
                 continue
-            if beat:
-                last_beat = now_mono
             for call in due:
                 call.renewed_at = now_mono
                 if call.claimed.sample_id not in held and call.calling:
@@ -392,17 +398,13 @@ class Executor:
                     if call.task is not None:
                         call.task.cancel()
 
-    def _keepalive_write(self, due: list[Call], beat: bool) -> Callable[[Any, datetime], set[int]]:
+    def _renewal(self, due: list[Call]) -> Callable[[Any, datetime], set[int]]:
         by_lease: dict[float, list[tuple[int, str]]] = {}
         for call in due:
             by_lease.setdefault(call.lease_s, []).append(
                 (call.claimed.sample_id, call.claimed.token))
-        inflight = len(self._calls)
 
         def write(s: Any, now: datetime) -> set[int]:
-            if beat:
-                workers.heartbeat(s, self.name, capacity=self.capacity, inflight=inflight,
-                                  now=now)
             held: set[int] = set()
             for lease, items in by_lease.items():
                 held |= states.renew_many(s, items, lease_until=now + timedelta(seconds=lease))

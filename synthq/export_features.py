@@ -107,6 +107,9 @@ class _Row:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     path: Path
+    #: The row the example's tokens start at in that file (a per-turn sample's file
+    #: holds its examples end to end, synthq.capture.ingest.ingest_parts).
+    start: int = 0
 
 
 def _examples(job_id: int, layers: list[int]) -> Iterator[list[_Row]]:
@@ -131,12 +134,12 @@ def _examples(job_id: int, layers: list[int]) -> Iterator[list[_Row]]:
                 turns = [int(e["turn"]) for e in r.examples] if r.examples else [None]
                 for turn, (ids, mask) in zip(turns, ex._tokens(r), strict=True):
                     eid = str(r.id) if turn is None else f"{r.id}:{turn}"
-                    path = paths.get(eid) or paths.get(str(r.id))
-                    if path is None:
+                    found = paths.get(eid) or paths.get(str(r.id))
+                    if found is None:
                         missing.append(eid)
                         continue
                     out.append(_Row(eid, r.id, ids.astype(np.int64), mask.astype(np.int64),
-                                    path))
+                                    *found))
             if missing:
                 break
             yield out
@@ -152,6 +155,10 @@ def _read(row: _Row) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     data = load_file(str(row.path))
+    if row.start:  # the example's own rows of its sample's file
+        total = data["token_ids"].shape[0]
+        data = {k: v[row.start:] if v.dim() and v.shape[0] == total else v
+                for k, v in data.items()}
     ids = data["token_ids"].numpy()
     n = len(row.input_ids)
     if len(ids) < n or not np.array_equal(ids[:n], row.input_ids):
@@ -190,7 +197,8 @@ def _cut(row: _Row, dest: Path) -> int:
     cut = {}
     for name, t in tensors.items():
         per_row = len(t.data) // max(1, t.shape[0])
-        cut[name] = files.Tensor(t.dtype, (n, *t.shape[1:]), t.data[:n * per_row])
+        cut[name] = files.Tensor(t.dtype, (n, *t.shape[1:]),
+                                 t.data[row.start * per_row:(row.start + n) * per_row])
     meta = dict(meta, cut_from=row.path.stem)
     meta.pop("sha256_hidden_states", None)
     blob = files.dumps(cut, meta)
@@ -223,14 +231,14 @@ def _speculators(rows: Iterator[list[_Row]], tmp: Path, manifest: FeaturesManife
             for page in rows:
                 for row in page:
                     i = manifest.exported
-                    ids = _token_ids(row.path)
+                    ids = _token_ids(row.path)[row.start:]
                     n = len(row.input_ids)
                     if len(ids) < n or not np.array_equal(ids[:n], row.input_ids):
                         raise UserError(f"example {row.id}: its captured token ids are not "
                                         "its input_ids (retokenized since the capture?): run "
                                         "`synthq capture JOB` again")
                     dest = hs / f"hs_{i}.safetensors"
-                    if len(ids) == n:
+                    if len(ids) == n and not row.start:
                         how = _link(row.path, dest)
                     else:
                         how = "cut"
@@ -343,6 +351,10 @@ def export_features(job_id: int, out_dir: Path, *, fmt: str, target: str | None 
         stale = s.scalar(select(func.count()).where(
             Sample.job_id == job_id, Sample.state == SampleState.DONE,
             or_(Sample.input_ids.is_(None), Sample.tokenize_version != job.tokenize_version)))
+    if stored == "float8_e4m3":
+        raise UserError("the captures are stored as float8_e4m3 (with a scale of synthq's "
+                        "own, which the peers' readers do not apply): capture again with "
+                        "--dtype bfloat16 to export them")
     if stale:
         raise UserError(f"{stale:,} done samples are not tokenized at the job's current "
                         "tokenize_version: wait for `synthq retokenize` (then `synthq capture "

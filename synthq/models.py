@@ -183,11 +183,19 @@ class Job(Base):
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
     #: The stored dtype: ``auto`` (the engine's own: a bf16 engine's files stay bf16),
-    #: ``float32``, ``bfloat16`` or ``float16``.
+    #: ``float32``, ``bfloat16``, ``float16`` or ``float8_e4m3``.
     capture_dtype: Mapped[str] = mapped_column(String(16), default="auto",
                                                server_default="auto")
     #: Most capture requests in flight on each capture server.
     capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
+    #: Why synthq stopped the capture stage (identical failures in a row on one server,
+    #: synthq.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
+    capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Capture server URL → the folder where its engine writes files, as this machine
+    #: sees it (vLLM's stock connector names files by request id: synthq takes them
+    #: only from there, synthq.capture.confine).
+    capture_files: Mapped[dict[str, str]] = mapped_column(JsonType, default=dict,
+                                                          server_default="{}")
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
     moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)

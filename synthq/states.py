@@ -39,6 +39,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    delete,
     event,
     exists,
     func,
@@ -59,8 +60,8 @@ from synthq.models import Attempt, Job, Sample, Worker
 __all__ = [
     "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
-    "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose",
-    "requeue", "expire", "retokenized", "set_job_state",
+    "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
+    "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
 ]
 
@@ -162,20 +163,24 @@ def _insert_attempts(session: Session) -> None:
         _exec(session, insert(Attempt), rows)
 
 
+def _lost_rows(sample_id: int, worker: str | None, started: datetime) -> list[Any]:
+    """Conditions on the ``lost`` rows of one call: the sweep's (it reclaimed the sample
+    from a silent worker) and the worker's own. The sweep's row starts at the claim (the
+    worker's own clock), a moment before the worker's; a later claim of the same sample by
+    the same worker starts after it."""
+    return [Attempt.sample_id == sample_id, Attempt.worker == worker, Attempt.outcome == "lost",
+            Attempt.started_at.between(started - timedelta(seconds=120),
+                                       started + timedelta(seconds=1))]
+
+
 def _logged_by_sweep(session: Session, row: dict[str, Any]) -> bool:
     """Whether the sweep already logged this call as ``lost`` (it reclaimed the sample from
-    a silent worker, which then woke and found its lease gone): one row per cut call.
-
-    The sweep's row starts at the claim (the worker's own clock), a moment before the
-    worker's; a later claim of the same sample by the same worker starts after it."""
+    a silent worker, which then woke and found its lease gone): one row per cut call."""
     started = row.get("started_at")
     if started is None:
         return False
     return _exec(session, select(Attempt.id).where(
-        Attempt.sample_id == row["sample_id"], Attempt.worker == row.get("worker"),
-        Attempt.outcome == "lost",
-        Attempt.started_at.between(started - timedelta(seconds=120),
-                                   started + timedelta(seconds=1))).limit(1)).first() is not None
+        *_lost_rows(row["sample_id"], row.get("worker"), started)).limit(1)).first() is not None
 
 
 # -- dispatch and claim ----------------------------------------------------------------
@@ -377,6 +382,28 @@ def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
     """The lease was lost mid-call: the sample is someone else's; only the call is logged."""
     _attempt(session, {**attempt, "outcome": "lost"}, won=True)
     return False
+
+
+def keep_late(session: Session, sample_id: int, token: str, *, worker: str, server: str,
+              turn: int, started_at: datetime, lease_until: datetime, now: datetime) -> bool:
+    """pending, queued or running (another holder) → running under ``token`` again: an
+    answer that arrived after its lease was given up (the sweep counted its worker dead,
+    or the lease ran out) is kept when no later attempt has finished, i.e. the sample is
+    still open at the same turn with no answer stored, and its job is not cancelled.
+
+    The caller then writes the answer with ``token`` in the same transaction. A later
+    holder's writes lose their compare-and-set from here (its renewal cuts its call); a
+    later attempt that finished first makes this one lose: the result is written once.
+    The ``lost`` rows of this call (the sweep's, the worker's own) go: it was answered."""
+    job_open = exists().where(Job.id == Sample.job_id,
+                              Job.state.in_([JobState.ACTIVE, JobState.PAUSED]))
+    won = _cas(session, sample_id, OPEN,
+               dict(state=SampleState.RUNNING, claim=token, worker=worker, server=server,
+                    expires_at=lease_until, updated_at=now),
+               extra=[Sample.response_content.is_(None), Sample.turn == turn, job_open])
+    if won:
+        _exec(session, delete(Attempt).where(*_lost_rows(sample_id, worker, started_at)))
+    return won
 
 
 # -- repair ---------------------------------------------------------------------------
@@ -584,6 +611,18 @@ def set_job_state(session: Session, job_id: int, target: JobState, *, now: datet
         .values(state=target, updated_at=now,
                 pause_reason=reason if target == JobState.PAUSED else None)
         .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def set_capture_stopped(session: Session, job_id: int, reason: str | None, *,
+                        now: datetime) -> bool:
+    """Stop the job's capture stage with ``reason`` (synthq.streaks), or (None) let it run
+    again. Generation is not touched. True when the row changed."""
+    stopped = Job.capture_stopped.is_(None) if reason is not None \
+        else Job.capture_stopped.is_not(None)
+    result = session.execute(update(Job).where(Job.id == job_id, stopped)
+                             .values(capture_stopped=reason, updated_at=now)
+                             .execution_options(synchronize_session=False))
     return result.rowcount == 1  # type: ignore[attr-defined]
 
 

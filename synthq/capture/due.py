@@ -29,7 +29,8 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout)]
     for job_id, servers, limit in session.execute(
             select(Job.id, Job.capture_servers, Job.capture_limit)
-            .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]))):
+            .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]),
+                   Job.capture_stopped.is_(None))):
         if not servers:
             continue
         states.expire(session, now=now, live_workers=alive, job_ids=[job_id])

@@ -3,7 +3,13 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header
 (``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the
 tensors' bytes. Only what capture needs: read a file whole, convert float32 to
-bfloat16/float16, write a file to bytes.
+bfloat16/float16 or to float8 e4m3 with a per-tensor scale, write a file to bytes.
+
+float8 (``--dtype float8_e4m3``, safetensors ``F8_E4M3``, torch's ``float8_e4m3fn``):
+each value is stored as ``value / scale`` rounded to the nearest e4m3 number (ties to
+even), ``scale = max |value| / 448`` over the whole tensor, kept beside it as the
+``<name>_scale`` tensor (float32, shape [1]); :func:`hidden_states` multiplies it back.
+A quarter of float32's bytes; e4m3 keeps 3 mantissa bits (a relative error up to 1/16).
 """
 
 from __future__ import annotations
@@ -15,15 +21,46 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Tensor", "read", "dumps", "convert", "MAX_HEADER", "DTYPE_NAMES"]
+__all__ = ["Tensor", "read", "dumps", "convert", "convert_scaled", "hidden_states",
+           "MAX_HEADER", "E4M3_MAX", "DTYPE_NAMES"]
 
 #: A header larger than this is not a capture file (the connector's are < 1 KiB).
 MAX_HEADER = 1 << 20
 _NUMPY = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-          "BF16": np.uint16}
-_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+          "BF16": np.uint16, "F8_E4M3": np.uint8}
+_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3": "F8_E4M3"}
 #: safetensors' float codes → synthq's dtype names.
 DTYPE_NAMES = {code: name for name, code in _CODE.items()}
+#: The largest finite e4m3 (``e4m3fn``: no infinities, NaN only at 0x7F / 0xFF).
+E4M3_MAX = 448.0
+
+
+def _e4m3_table() -> np.ndarray:
+    """The value of each of the 256 e4m3fn bytes (float32; NaN at 0x7F and 0xFF)."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    value = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7.0))
+    value[(exp == 15) & (man == 7)] = np.nan
+    return (sign * value).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+#: Bytes 0x00..0x7E: the non-negative finite values, in increasing order.
+_E4M3_POS = _E4M3[:0x7F]
+
+
+def _to_e4m3(values: np.ndarray) -> bytes:
+    """``values`` (already scaled into [-448, 448]) as e4m3 bytes, nearest, ties to even."""
+    a = np.minimum(np.abs(values.astype(np.float32)), E4M3_MAX).ravel()
+    hi = np.clip(np.searchsorted(_E4M3_POS, a), 1, len(_E4M3_POS) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - _E4M3_POS[lo], _E4M3_POS[hi] - a
+    pick = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    pick = np.where(a <= _E4M3_POS[0], 0, pick)
+    signed = pick.astype(np.uint8) | np.where(np.signbit(values.ravel()), 0x80, 0) \
+        .astype(np.uint8)
+    return signed.tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +71,10 @@ class Tensor:
     data: bytes
 
     def array(self) -> np.ndarray:
-        """As numpy (bfloat16 widened to float32)."""
+        """As numpy (bfloat16 and float8 widened to float32; a float8 tensor's scale is
+        not applied here: :func:`hidden_states`)."""
+        if self.dtype == "F8_E4M3":
+            return _E4M3[np.frombuffer(self.data, dtype=np.uint8)].reshape(self.shape)
         if self.dtype == "BF16":
             raw = np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16
             return raw.view(np.float32).reshape(self.shape)
@@ -66,9 +106,31 @@ def read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
+def convert_scaled(tensor: Tensor, dtype: str) -> tuple[Tensor, float | None]:
+    """``tensor`` stored as ``dtype``, and its scale (float8; None for the others)."""
+    if _CODE[dtype] != "F8_E4M3":
+        return convert(tensor, dtype), None
+    if tensor.dtype == "F8_E4M3":
+        raise ValueError("a float8 tensor cannot be converted again (its scale is elsewhere)")
+    values = tensor.array().astype(np.float32, copy=False)
+    amax = float(np.max(np.abs(values))) if values.size else 0.0
+    scale = amax / E4M3_MAX if amax > 0 and np.isfinite(amax) else 1.0
+    return Tensor("F8_E4M3", tensor.shape, _to_e4m3(values / np.float32(scale))), scale
+
+
+def hidden_states(tensors: dict[str, Tensor]) -> np.ndarray:
+    """A capture file's ``hidden_states`` as float32, its float8 scale applied."""
+    out = tensors["hidden_states"].array()
+    scale = tensors.get("hidden_states_scale")
+    return out * scale.array().astype(np.float32)[0] if scale is not None else out
+
+
 def convert(tensor: Tensor, dtype: str) -> Tensor:
-    """A float32 tensor stored as ``dtype`` (``float32``, ``bfloat16``, ``float16``)."""
+    """A float32 tensor stored as ``dtype`` (``float32``, ``bfloat16``, ``float16``; float8
+    needs its scale: :func:`convert_scaled`)."""
     code = _CODE[dtype]
+    if code == "F8_E4M3":
+        raise ValueError("float8 is stored with a scale: use convert_scaled")
     if tensor.dtype == code:
         return tensor
     values = tensor.array().astype(np.float32, copy=False)

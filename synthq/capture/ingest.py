@@ -8,6 +8,11 @@ A file counts only once it is in the store and its row says so (the row's
 * the connector's checksum of ``hidden_states`` matches (when it wrote one);
 * ``token_ids`` equal the sample's ``input_ids`` and the layer count is the job's:
   otherwise ``capture_mismatch`` (never data).
+
+A sample of several examples (``--examples per-turn``, synthq.examples) is captured
+one request per example, each its own prompt: :func:`ingest_parts` checks each
+file against its example's ids and stores them end to end as one file, whose rows
+align with the sample's concatenated ``input_ids`` and ``loss_mask``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
 from synthq.errors import CaptureIncomplete, CaptureMismatch
 
-__all__ = ["Ingested", "wait_whole", "ingest", "discard"]
+__all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,43 @@ def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, 
            metadata: dict[str, str]) -> Ingested:
     """Check the engine's file against the sample and put it in the store, its hidden
     states as ``dtype`` (``auto``: as the engine wrote them)."""
+    return ingest_parts([path], [input_ids], layers=layers, dtype=dtype, store=store,
+                        metadata=metadata)
+
+
+def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[int], dtype: str,
+                 store: Store, metadata: dict[str, str]) -> Ingested:
+    """Check each engine file against its piece of the sample's ids (one per example) and
+    store them end to end as one file: ``hidden_states`` [sum of tokens, layers, hidden],
+    ``token_ids`` the pieces concatenated (the sample's ``input_ids``)."""
+    parts = [check(p, input_ids=ids, layers=layers) for p, ids in zip(paths, pieces, strict=True)]
+    sizes = {t.shape[2] for t in parts}
+    if len(sizes) != 1:
+        raise CaptureMismatch(f"the examples' files have hidden sizes {sorted(sizes)}")
+    if len({t.dtype for t in parts}) > 1:
+        parts = [files.convert(t, "float32") for t in parts]
+    want = np.concatenate(pieces).astype(np.int64)
+    whole = files.Tensor(parts[0].dtype, (len(want), len(layers), parts[0].shape[2]),
+                         b"".join(t.data for t in parts))
+    if dtype == AUTO:  # the engine's own dtype: a bf16 engine's file is not widened
+        dtype = files.DTYPE_NAMES[whole.dtype]
+    hidden, scale = files.convert_scaled(whole, dtype)  # float8: one scale for the file
+    out = {"hidden_states": hidden,
+           "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
+    if scale is not None:
+        out["hidden_states_scale"] = files.Tensor("F32", (1,),
+                                                  np.float32(scale).astype("<f4").tobytes())
+    meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
+                    sha256_hidden_states=hashlib.sha256(hidden.data).hexdigest())
+    if len(pieces) > 1:  # where each example's rows start (synthq.examples.split's cuts)
+        meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
+    stored = store.put(files.dumps(out, meta_out))
+    return Ingested(stored, len(want), hidden.shape[2], dtype)
+
+
+def check(path: Path, *, input_ids: np.ndarray, layers: list[int]) -> files.Tensor:
+    """The engine's file's ``hidden_states``, once it is whole and its token ids and shape
+    are ``input_ids``'s; raises ``capture_incomplete`` or ``capture_mismatch``."""
     try:
         tensors, meta = files.read(path)
     except (OSError, ValueError) as exc:
@@ -93,15 +135,7 @@ def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, 
             f"{layers}?")
     if hidden.dtype not in ("F32", "BF16", "F16"):
         raise CaptureMismatch(f"hidden_states is {hidden.dtype}, not a float")
-    if dtype == AUTO:  # the engine's own dtype: a bf16 engine's file is not widened
-        dtype = files.DTYPE_NAMES[hidden.dtype]
-    stored_hidden = files.convert(hidden, dtype)
-    out = {"hidden_states": stored_hidden,
-           "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
-    meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
-                    sha256_hidden_states=hashlib.sha256(stored_hidden.data).hexdigest())
-    stored = store.put(files.dumps(out, meta_out))
-    return Ingested(stored, len(want), hidden.shape[2], dtype)
+    return hidden
 
 
 def discard(path: Path) -> None:

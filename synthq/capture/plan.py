@@ -24,7 +24,7 @@ __all__ = ["AUTO", "DTYPES", "Plan", "drafter_layers", "target_config", "layers_
            "check_space", "auto_dtype"]
 
 #: Stored dtypes and their sizes in bytes.
-DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1}
 #: The stored dtype that keeps the engine's own (the job's default).
 AUTO = "auto"
 

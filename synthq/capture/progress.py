@@ -46,16 +46,18 @@ class _CaptureJob(NamedTuple):
     capture_dtype: str
     train_target: str | None
     tokenizer: str | None
+    #: Why synthq stopped the stage (synthq.streaks); None: it runs.
+    capture_stopped: str | None = None
 
 
 def _job(reader: Reader, job_id: int) -> _CaptureJob | None:
     found = reader.rows("SELECT capture_servers, capture_layers, capture_dtype, train_target, "
-                        "tokenizer FROM jobs WHERE id = :id", {"id": job_id})
+                        "tokenizer, capture_stopped FROM jobs WHERE id = :id", {"id": job_id})
     if not found:
         return None
-    servers, layers, dtype, target, tokenizer = found[0]
+    servers, layers, dtype, target, tokenizer, stopped = found[0]
     return _CaptureJob(list(read_json(servers) or []), read_json(layers), dtype or AUTO,
-                       target, tokenizer)
+                       target, tokenizer, stopped)
 
 
 @dataclass
@@ -159,6 +161,9 @@ class CaptureProgress:
     projected_bytes: int | None
     #: Free space where the store lives.
     free_bytes: int | None
+    #: Why synthq stopped the stage: a server failed several captures in a row the same
+    #: way (synthq.streaks); None: it runs.
+    stopped: str | None = None
 
     @property
     def done(self) -> int:
@@ -177,6 +182,8 @@ class CaptureProgress:
         waiting = f", {self.waiting:,} not picked up yet" if self.waiting else ""
         out = [f"capture: {self.done:,}/{self.total:,} done, {c['running']:,} running, "
                f"{c['pending']:,} pending, {c['failed']:,} failed{waiting} ({where})"]
+        if self.stopped:
+            out.append(self.stopped)
         left = ("size of the rest unknown until the first file" if self.projected_bytes is None
                 else f"about {size(self.projected_bytes)} more to write")
         free = "" if self.free_bytes is None else f", {size(self.free_bytes)} free"
@@ -240,4 +247,5 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
         counts={s.value: rows.by_state.get(s.value, 0) for s in CaptureState},
         waiting=int(waiting), failures=rows.failures, reasons=reasons,
         retrying=rows.retrying, calls=rows.calls, bytes=rows.bytes, tokens=rows.tokens,
-        layers=layers, dtype=dtype, projected_bytes=projected, free_bytes=free)
+        layers=layers, dtype=dtype, projected_bytes=projected, free_bytes=free,
+        stopped=job.capture_stopped and safe_url(job.capture_stopped))

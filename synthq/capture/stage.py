@@ -10,7 +10,15 @@ pending at the next sweep (or at once, for the embedded SQLite file, whose
 lock the next run holds).
 
 Each capture sends the sample's own ``input_ids`` as the prompt (token ids,
-``max_tokens: 1``) so the captured rows align one to one with its loss mask.
+``max_tokens: 1``) so the captured rows align one to one with its loss mask. A
+sample of several examples (``--examples per-turn``) holds their ids end to end:
+each example is sent as its own prompt (one request each, as it was served), and
+their files are stored end to end as the sample's one file (synthq.capture.ingest).
+
+A server that fails ``stop_after`` captures in a row the same way (``bad_request``,
+``capture_mismatch``: it is misconfigured, and each call costs it a prefill) stops
+the stage (synthq.streaks): one line naming the server and the cause, kept in
+``jobs.capture_stopped`` until ``synthq capture JOB --retry-failed``.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
+from synthq import states as job_states
 from synthq import workers
-from synthq.capture import ingest, states
+from synthq.capture import confine, ingest, states
 from synthq.capture.plan import Plan, check_space, layers_for
 from synthq.capture.progress import CaptureCounts, counts, store_root
 from synthq.capture.progress import plan as progress_plan
@@ -54,9 +63,11 @@ from synthq.errors import (
     TimeoutError_,
     UserError,
 )
+from synthq.examples import split
 from synthq.models import Capture, Job, Sample
 from synthq.retry import backoff_delay
 from synthq.sqlread import reader_of
+from synthq.streaks import CAPTURE_CLASSES, Streaks
 
 __all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
            "summary"]
@@ -140,8 +151,11 @@ def check_answer(urls: list[str]) -> list[Engine]:
         return [describe(client, url) for url in urls]
 
 
-def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str) -> Path:
-    """One capture request; the path of the engine's file. Errors carry their class."""
+def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str,
+          folder: str | None = None) -> Path:
+    """One capture request; the path of the engine's file, one this request may read and
+    delete (synthq.capture.confine: named by ``name``, or inside ``folder``, the server's
+    declared engine-files folder). Errors carry their class."""
     body = {"model": engine.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {NAME_KEY: name}}
     try:
@@ -161,12 +175,9 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str)
         raise BadRequest("the server's answer has no kv_transfer_params.hidden_states_path: "
                          "start it with extract_hidden_states and a hidden-states connector") \
             from exc
-    # The file is read and then deleted: only the one this request named is ever
-    # touched, whatever path a server answers (synthq_connector names it so).
-    if path.name != f"{name}.safetensors":
-        raise BadRequest(f"the server answered the file {path.name!r}, not this request's "
-                         f"{name}.safetensors: start it with synthq_connector")
-    return path
+    # The file is read and then deleted: only this request's is ever touched, whatever
+    # path a server answers.
+    return confine.accept(path, name=name, folder=folder)
 
 
 def _take(chunks: Any, limit: int) -> list[bytes]:
@@ -227,6 +238,9 @@ class Stage:
         #: Captures this process is running, and on which server.
         self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
         self.pool: ThreadPoolExecutor | None = None
+        #: Identical failures in a row per server; the line that stopped the stage.
+        self.streaks = Streaks(CAPTURE_CLASSES, settings.stop_after)
+        self.stopped: str | None = None
 
     # -- setup -------------------------------------------------------------
     def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
@@ -239,6 +253,9 @@ class Stage:
             s.expunge(job)
         layers = layers_for(job)
         engines = {url: describe(self.client, url) for url in job.capture_servers}
+        for url, folder in (job.capture_files or {}).items():  # the probe checks each
+            if url in engines:
+                confine.check_folder(url, folder)
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
             p = plan(s, job, at=self.store)
@@ -248,6 +265,11 @@ class Stage:
 
     # -- the loop ----------------------------------------------------------
     def run(self) -> Summary:
+        with session_scope() as s:
+            stopped = s.scalar(select(Job.capture_stopped).where(Job.id == self.job_id))
+            if stopped:  # a misconfigured server stopped it: nothing runs until the fix
+                self.say(stopped)
+                return summary(s, self.job_id)
         job, _, engines = self.prepare()
         settings = get_settings()
         lease = self.timeout + settings.capture_file_timeout + settings.lease_margin
@@ -267,7 +289,7 @@ class Stage:
                     self._beat(len(self.inflight))
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     self.stop.set()
-                if not self.stop.is_set():
+                if not self.stop.is_set() and self.stopped is None:
                     self._fill(job, engines, lease)
                 if not self.inflight:
                     with session_scope() as s:
@@ -275,7 +297,7 @@ class Stage:
                         due_later = s.scalar(select(func.min(Capture.next_attempt_at)).where(
                             Capture.job_id == self.job_id,
                             Capture.state == CaptureState.PENDING))
-                    if self.stop.is_set() or not left.open:
+                    if self.stop.is_set() or self.stopped is not None or not left.open:
                         return left
                     # Pending but not due (backing off), or running in another process.
                     pause = 0.5
@@ -318,45 +340,53 @@ class Stage:
                                        now=utcnow())
                 rows = s.execute(select(Sample.id, Sample.input_ids, Sample.examples).where(
                     Sample.id.in_([c.sample_id for c in claimed]))).all() if claimed else []
-                # A per-turn sample (--examples per-turn) holds several whole prompts
-                # end to end: one request for all of them would give wrong states.
-                ids = {sid: (None if examples else bytes(b)) for sid, b, examples in rows}
-                per_turn = {sid for sid, _, examples in rows if examples}
+                ids = {sid: (bytes(b) if b is not None else None, examples)
+                       for sid, b, examples in rows}
             assert self.pool is not None
             for c in claimed:
-                if c.sample_id in per_turn:
-                    self._record_failure(job, c, InvalidInput(
-                        "per-turn examples (--examples per-turn) are not captured yet: "
-                        "capture a job of whole conversations"))
-                    continue
-                fut = self.pool.submit(self._one, job, engine, c, ids.get(c.sample_id))
+                raw, examples = ids.get(c.sample_id, (None, None))
+                fut = self.pool.submit(self._one, job, engine, c, raw, examples)
                 self.inflight[fut] = (c, url)
 
     def _one(self, job: Job, engine: Engine, claimed: states.Claimed,
-             raw_ids: bytes | None) -> None:
-        """One capture, start to recorded outcome. Never raises for a capture's own fault."""
+             raw_ids: bytes | None, examples: list[dict[str, Any]] | None = None) -> None:
+        """One capture, start to recorded outcome. Never raises for a capture's own fault.
+
+        ``examples`` (``samples.examples``): the sample holds several examples end to
+        end; each is sent as its own prompt."""
         layers = layers_for(job)
-        engine_file: Path | None = None
+        engine_files: list[Path] = []
         try:
             if raw_ids is None:
                 raise CaptureIncomplete("the sample has no input_ids (retokenized?)")
             input_ids = np.frombuffer(raw_ids, dtype="<i4")
+            try:
+                pieces = [ids for ids, _ in split(input_ids, input_ids, examples)]
+            except ValueError as exc:
+                raise InvalidInput(f"the sample's examples do not fit its ids: {exc}") \
+                    from exc
             name = f"synthq-{job.id}-{claimed.sample_id}-{claimed.token}"
-            engine_file = _call(self.client, engine, input_ids.tolist(), name)
-            ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
-            got = ingest.ingest(engine_file, input_ids=input_ids, layers=layers,
-                                dtype=job.capture_dtype, store=self.store,
-                                metadata={"engine": engine.version, "model": engine.model,
-                                          "job": job.name, "sample_id": str(claimed.sample_id)})
+            for k, piece in enumerate(pieces):
+                engine_files.append(_call(self.client, engine, piece.tolist(),
+                                          name if len(pieces) == 1 else f"{name}-{k}",
+                                          (job.capture_files or {}).get(engine.url)))
+            for engine_file in engine_files:
+                ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
+            got = ingest.ingest_parts(
+                engine_files, pieces, layers=layers, dtype=job.capture_dtype,
+                store=self.store, metadata={"engine": engine.version, "model": engine.model,
+                                            "job": job.name,
+                                            "sample_id": str(claimed.sample_id)})
         except SampleError as exc:
-            self._record_failure(job, claimed, exc)
+            self._record_failure(job, claimed, engine.url, exc)
             return
         except Exception as exc:  # a bug of ours: counted, classed, backed off, never a loop
             log.exception("capture of sample %d failed", claimed.sample_id)
-            self._record_failure(job, claimed, ServerError(f"{type(exc).__name__}: {exc}"))
+            self._record_failure(job, claimed, engine.url,
+                                 ServerError(f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            if engine_file is not None:
+            for engine_file in engine_files:
                 ingest.discard(engine_file)
         with session_scope() as s:
             won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
@@ -364,14 +394,21 @@ class Stage:
                               num_tokens=got.num_tokens, layer_ids=layers,
                               dtype=got.dtype, engine=engine.version,
                               engine_model=engine.model)
+        self.streaks.ok(engine.url)
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "
                         "it was recorded", claimed.sample_id)
 
-    def _record_failure(self, job: Job, claimed: states.Claimed, exc: SampleError) -> None:
+    def _record_failure(self, job: Job, claimed: states.Claimed, server: str,
+                        exc: SampleError) -> None:
         now = utcnow()
         message = str(exc)[:2000]
+        stop = self.streaks.failed(server, exc.error_class, message)
+        line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
+            if stop is not None else None
         with session_scope() as s:
+            if line is not None:  # already stopped by another process: kept as it is
+                job_states.set_capture_stopped(s, job.id, line, now=now)
             if isinstance(exc, RetryableError) and not isinstance(exc, PermanentError) \
                     and claimed.attempts < job.max_attempts:
                 delay = backoff_delay(claimed.attempts, base=job.backoff_base,
@@ -383,3 +420,7 @@ class Stage:
                 states.fail(s, claimed, now=now, error_class=exc.error_class,
                             error_message=message)
         log.warning("capture of sample %d: %s: %s", claimed.sample_id, exc.error_class, message)
+        if line is not None and self.stopped is None:
+            # Claim nothing more; the calls in flight end and are recorded.
+            self.stopped = line
+            self.say(line)

@@ -42,12 +42,21 @@ def capture(
         "its training target [default: the job's].")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="Stored dtype: auto (the engine's own), float32, bfloat16 (half a float32's "
-        "disk) or float16 [default: the job's, auto].")] = None,
+        "disk), float16, or float8_e4m3 (a quarter, with a per-tensor scale) [default: the "
+        "job's, auto].")] = None,
     limit: Annotated[int | None, typer.Option(
         min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
         "8].")] = None,
+    engine_files: Annotated[list[str] | None, typer.Option(
+        "--engine-files", help="URL=DIR: the folder where capture server URL's engine writes "
+        "its files (its connector's shared_storage_path, as this machine sees it). With it "
+        "synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by request "
+        "id) too, from that folder only. Repeat per server; URL= (empty DIR) removes it.")] \
+        = None,
     retry_failed: Annotated[bool, typer.Option(
-        "--retry-failed", help="Send failed captures again (their attempts reset).")] = False,
+        "--retry-failed", help="Send failed captures again (their attempts reset), and run "
+        "a stage that synthq stopped (a server failed several captures in a row the same "
+        "way) again, after the fix.")] = False,
     plan_only: Annotated[bool, typer.Option(
         "--plan", help="Print the disk plan and the stage's counts; capture nothing.")] = False,
     as_json: JsonOpt = False,
@@ -78,6 +87,17 @@ def capture(
             urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
             capture_stage.check_answer(urls)  # each must answer before the job stores it
             changes["capture_servers"] = urls
+        if engine_files:
+            from synthq.capture.confine import check_folder
+
+            folders: dict[str, str] = {}
+            for item in engine_files:
+                url, eq, folder = item.rpartition("=")
+                if not eq or not url:
+                    raise UserError(f"--engine-files {item!r}: expected URL=DIR")
+                url = jobspec.check(jobspec.BY_NAME["capture_servers"], [url])[0]
+                folders[url] = str(check_folder(url, folder)) if folder else ""
+            changes["capture_files"] = folders
         if (parsed := _layers(layers)) is not None:
             changes["capture_layers"] = parsed
         if dtype is not None:
@@ -92,11 +112,17 @@ def capture(
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
+            if "capture_files" in changes:  # merged into the job's, "" removes one
+                merged = {**(row.capture_files or {}), **changes["capture_files"]}
+                changes["capture_files"] = {k: v for k, v in merged.items() if v}
             if changes:
                 from synthq import states
 
                 states.update_job(s, row, changes, now=utcnow())
             if retry_failed:
+                from synthq import states as job_states
+
+                job_states.set_capture_stopped(s, job_id, None, now=utcnow())
                 capture_states.requeue_failed(s, job_id, now=utcnow())
         if plan_only:
             with session_scope() as s:

@@ -44,7 +44,8 @@ __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable"
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
            "broker_wipe", "payloads", "overload", "broker_refuses_writes", "disk_full",
            "silent_worker", "postgres_half_open", "clock_skew", "faked", "LIBFAKETIME",
-           "has_libfaketime", "PG_HALF_OPEN_LIMITS", "can_mount_tmpfs", "REQUIRES"]
+           "has_libfaketime", "PG_HALF_OPEN_LIMITS", "stranded_heartbeat",
+           "STRANDED_HEARTBEAT_LIMITS", "can_mount_tmpfs", "REQUIRES"]
 
 
 
@@ -999,6 +1000,77 @@ def postgres_half_open(cluster: Cluster, *, n: int = 80, limit: int = 8) -> Resu
     return _result("postgres_half_open", job_id, n, requests, started, moved - at,
                    "strand -> more done than the calls in flight", stranded=stranded,
                    limit=limit)
+
+
+#: A stranded connection's answer is given up after 3 + 2 s, longer than the workers'
+#: timeout (3 s): the proportions of the defaults (20 + 5 s against 15 s), quicker.
+STRANDED_HEARTBEAT_LIMITS = {**PG_HALF_OPEN_LIMITS, "SYNTHQ_WORKER_TIMEOUT": "3"}
+
+
+def _heartbeat_ports() -> set[int]:
+    """The client ports of the workers' heartbeat sessions (``application_name``
+    ``synthq-heartbeat``, synthq.heartbeat), as PostgreSQL sees them."""
+    from sqlalchemy import text
+
+    from synthq.db import session_scope
+
+    with session_scope() as s:
+        return {int(p) for (p,) in s.execute(text(
+            "SELECT client_port FROM pg_stat_activity WHERE application_name = "
+            "'synthq-heartbeat' AND client_port IS NOT NULL"))}
+
+
+def stranded_heartbeat(cluster: Cluster, *, n: int = 300, limit: int = 16, workers: int = 2,
+                       heartbeat_only: bool = False,
+                       env: dict[str, str] | None = None) -> Result:
+    """Issue 30 item 5: ``workers`` workers and beat, ``--inflight limit``, ``n`` samples;
+    a TCP proxy strands every PostgreSQL connection open at one moment (with
+    ``heartbeat_only``, only the workers' heartbeat sessions); new connections pass.
+    Before the fix a worker's heartbeat waited behind its stranded writer for the whole
+    answer deadline, longer than the workers' timeout: the sweep gave away the samples of
+    a worker that kept working, and 160 of 300 answers were paid twice.
+
+    ``env``: the database limits (default :data:`STRANDED_HEARTBEAT_LIMITS`). Figures:
+    ``doubled`` (samples with two answered calls; goal <= ``limit``, 0 with
+    ``heartbeat_only``), ``swept`` (calls the sweep logged lost), ``stranded``."""
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope
+    from synthq.models import Attempt, Sample
+    from synthq.testing.halfopen import StrandingProxy
+
+    assert cluster.pg is not None
+    started = time.monotonic()
+    cluster.setenv(**(STRANDED_HEARTBEAT_LIMITS if env is None else env))
+    with StrandingProxy("127.0.0.1", cluster.pg.port) as proxy:
+        via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
+        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+        job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
+        for _ in range(workers):
+            cluster.worker(concurrency=limit, **via)
+        cluster.wait_workers(workers)
+        cluster.beat(**via)
+        wait_until(lambda: counts(job_id)["done"] >= n // 5, 90, f"{n // 5} samples done",
+                   logs=cluster.logs)
+        ports = _heartbeat_ports() if heartbeat_only else None
+        stranded = proxy.strand(ports)
+        at = time.monotonic()
+        before = counts(job_id)["done"]
+        moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
+                           60, "the job to move again after the strand", interval=0.2,
+                           logs=cluster.logs)
+        wait_until(lambda: counts(job_id)["done"] >= n, 180, "every sample done",
+                   interval=0.25, logs=cluster.logs)
+        requests = sim.stats()["requests"]
+    with session_scope() as s:
+        swept = s.scalar(select(func.count()).select_from(Attempt)
+                         .join(Sample, Sample.id == Attempt.sample_id)
+                         .where(Sample.job_id == job_id, Attempt.outcome == "lost",
+                                Attempt.error_message.like("the worker stopped reporting%"))) or 0
+    return _result("stranded_heartbeat" + ("_only" if heartbeat_only else ""), job_id, n,
+                   requests, started, moved - at,
+                   "strand -> more done than the calls in flight", stranded=stranded,
+                   limit=limit, swept=int(swept))
 
 
 #: libfaketime's multi-threaded library (Debian's ``faketime`` package), or None.

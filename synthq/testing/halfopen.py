@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import Collection
 from typing import Any
 
 __all__ = ["StrandingProxy"]
@@ -23,6 +24,9 @@ class _Conn:
     def __init__(self) -> None:
         self.stranded = asyncio.Event()
         self.writers: list[asyncio.StreamWriter] = []
+        #: The local port of the proxy's connection to the target (what the target's
+        #: server sees as the client's port: PostgreSQL's ``pg_stat_activity.client_port``).
+        self.upstream_port = 0
 
 
 class StrandingProxy:
@@ -60,6 +64,7 @@ class StrandingProxy:
             writer.close()
             return
         conn.writers = [writer, up_writer]
+        conn.upstream_port = int(up_writer.get_extra_info("sockname")[1])
         self._conns.append(conn)
         # Cancelled at close(): ended quietly (asyncio would log the cancelled handler).
         with contextlib.suppress(asyncio.CancelledError):
@@ -91,10 +96,12 @@ class StrandingProxy:
             read.cancel()
             strand.cancel()
 
-    def strand(self) -> int:
-        """Strand every connection open now; returns how many."""
+    def strand(self, upstream_ports: Collection[int] | None = None) -> int:
+        """Strand every connection open now (or only those whose connection to the target
+        leaves from one of ``upstream_ports``); returns how many."""
         def go() -> int:
-            live = [c for c in self._conns if not c.stranded.is_set()]
+            live = [c for c in self._conns if not c.stranded.is_set()
+                    and (upstream_ports is None or c.upstream_port in upstream_ports)]
             for c in live:
                 c.stranded.set()
             return len(live)

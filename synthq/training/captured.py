@@ -110,28 +110,38 @@ def load_target_head(path: str) -> TargetHead:
                       norm_style=norm_style(config))
 
 
-def captured_paths(job_id: int, layers: list[int]) -> dict[str, Path]:
-    """Example id (the sample id) → its captured file, for the job's done captures; the
-    captures must hold ``layers`` (the drafter's three and the last layer's)."""
+def captured_paths(job_id: int, layers: list[int]) -> dict[str, tuple[Path, int]]:
+    """Example id → its captured file and the row its tokens start at, for the job's done
+    captures; the captures must hold ``layers`` (the drafter's three and the last
+    layer's). A sample's examples (``--examples per-turn``: ids ``SAMPLE:TURN``, as the
+    export names them) share the sample's file, each from its own offset."""
     from sqlalchemy import select
 
     from synthq.capture.stage import store
     from synthq.db import session_scope
     from synthq.enums import CaptureState
-    from synthq.models import Capture
+    from synthq.models import Capture, Sample
 
     root = store()
-    out: dict[str, Path] = {}
+    out: dict[str, tuple[Path, int]] = {}
     other: set[tuple[int, ...]] = set()
     with session_scope() as s:
-        for sample_id, path, layer_ids in s.execute(select(
-                Capture.sample_id, Capture.path, Capture.layer_ids).where(
+        for sample_id, path, layer_ids, examples in s.execute(select(
+                Capture.sample_id, Capture.path, Capture.layer_ids, Sample.examples)
+                .join(Sample, Sample.id == Capture.sample_id).where(
                 Capture.job_id == job_id, Capture.state == CaptureState.DONE)):
             if list(layer_ids or []) != layers:
                 other.add(tuple(layer_ids or []))
                 continue
-            if path:
-                out[str(sample_id)] = root.path(path)
+            if not path:
+                continue
+            if not examples:
+                out[str(sample_id)] = (root.path(path), 0)
+                continue
+            offset = 0
+            for e in examples:
+                out[f"{sample_id}:{int(e['turn'])}"] = (root.path(path), offset)
+                offset += int(e["tokens"])
     if not out:
         hint = f" (captured layers {sorted(other)})" if other else ""
         raise UserError(f"no captured features with layers {layers} for this job{hint}: run "
@@ -144,12 +154,12 @@ class CapturedFeatures(FeatureCache):
     layers side by side, ``last`` = the final norm of the last layer's output, ``top`` =
     the target's greedy token over its whole vocabulary."""
 
-    def __init__(self, paths: dict[str, Path], head: TargetHead) -> None:
+    def __init__(self, paths: dict[str, tuple[Path, int]], head: TargetHead) -> None:
         self.paths = paths
         self.target = head
 
     def path(self, example_id: str) -> Path:
-        return self.paths[example_id]
+        return self.paths[example_id][0]
 
     def missing(self, examples: list[Example]) -> list[int]:
         return [i for i, ex in enumerate(examples) if ex.id not in self.paths]
@@ -166,14 +176,18 @@ class CapturedFeatures(FeatureCache):
     def read(self, example: Example) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        data = load_file(str(self.paths[example.id]))
+        path, start = self.paths[example.id]
+        data = load_file(str(path))
         n = len(example.input_ids)  # examples are cut to max_len; files hold them whole
-        ids = data["token_ids"][:n].numpy()
+        rows = slice(start, start + n)  # a per-turn example's rows within its sample's file
+        ids = data["token_ids"][rows].numpy()
         if not np.array_equal(ids, example.input_ids):
             raise UserError(f"example {example.id}: its captured token ids differ from its "
                             "input_ids (retokenized since the capture?): run `synthq capture "
                             "JOB` again")
-        hidden = data["hidden_states"][:n].float()  # [L, 4, H]
+        hidden = data["hidden_states"][rows].float()  # [L, 4, H]
+        if "hidden_states_scale" in data:  # float8 (synthq.capture.files): its scale back
+            hidden = hidden * data["hidden_states_scale"].float()[0]
         last = self.target.final_norm(hidden[:, 3])  # [L, H]
         top = (last @ self.target.head.T).argmax(-1)  # [L] over the target's whole vocabulary
         return {"aux": hidden[:, :3].reshape(n, -1).contiguous(), "last": last, "top": top}

@@ -79,3 +79,13 @@ def test_the_api_takes_capture_servers_checked_as_the_cli_does(
     assert 'id="capture"' in page and "Hidden-state capture" in page
     assert 'data-class="capture_mismatch"' in page and "4.1 kB" in page
     assert "the engine&#39;s token ids are not the sample&#39;s" in page
+    # A stage synthq stopped (issue 30 item 2) says why in the record and on the page.
+    from synthq import states as job_states
+    from synthq.db import utcnow
+
+    line = f"capture stopped: server {sim.url} failed 5 captures in a row with bad_request: x"
+    with session_scope() as s:
+        assert job_states.set_capture_stopped(s, job_id, line, now=utcnow())
+    assert client.get(f"/api/jobs/{job_id}").json()["capture"]["stopped"] == line
+    page = client.get(f"/ui/jobs/{job_id}", headers={"Authorization": ""}).text
+    assert 'id="capture-stopped"' in page and "failed 5 captures in a row" in page

@@ -34,6 +34,31 @@ def test_postgres_half_open(cluster: chaos.Cluster) -> None:
     assert r.doubled <= r.figures["limit"] and r.extra_requests <= r.figures["limit"]
 
 
+@pytest.mark.parametrize("strand", ["every_connection", "heartbeat_only"])
+def test_stranded_heartbeat(cluster: chaos.Cluster, strand: str) -> None:
+    """Issue 30 item 5: two workers, beat, ``--inflight 16``, 300 samples; every PostgreSQL
+    connection stranded at one moment (or only the workers' heartbeat sessions), for
+    longer than the workers' timeout. Before the fix the heartbeat waited behind the
+    stranded writer, the sweep counted a working worker dead and up to 55 prompts (160 at
+    the default limits) were generated twice; now at most the calls in flight, and none
+    when only the heartbeat's connection is stranded
+    (:func:`synthq.testing.chaos.stranded_heartbeat`)."""
+    only = strand == "heartbeat_only"
+    r = chaos.stranded_heartbeat(cluster, heartbeat_only=only)
+    print(f"\n{r.line()}")
+    limit = r.figures["limit"]
+    assert r.lost == 0
+    if only:
+        assert r.figures["stranded"] == 2  # one heartbeat session per worker
+        assert r.extra_requests == 0 and r.doubled == 0 and r.figures["swept"] == 0
+    else:
+        assert r.figures["stranded"] >= 4
+        assert r.extra_requests <= limit and r.doubled <= limit
+        # No working worker was counted dead (before: 9-55 of its calls swept as lost in 5
+        # of 6 runs).
+        assert r.figures["swept"] == 0
+
+
 #: Small broker limits: a command waits 2 s for its answer, a silent BRPOP connection
 #: is dropped after about 1 + 2 s; a message lost with its connection comes back after 5 s.
 REDIS_LIMITS = {"SYNTHQ_BROKER_SOCKET_TIMEOUT": "2", "SYNTHQ_BROKER_HEALTH_CHECK_INTERVAL": "2",

@@ -89,7 +89,10 @@ class CaptureServer:
             self.proc.kill()
 
 
-def start_capture_server(root: Path, *, startup_timeout: float = 900) -> CaptureServer:
+def start_capture_server(root: Path, *, startup_timeout: float = 900,
+                         connector: str = "synthq") -> CaptureServer:
+    """``connector``: ``synthq`` (synthq_connector) or ``stock`` (vLLM's stock connector,
+    its CUDA copy replaced for the CPU: tests/engine/stock_cpu_connector.py)."""
     python = vllm_python()
     model = build_tiny_target(root / "tiny-target")
     engine_dir = root / "engine-files"
@@ -99,10 +102,12 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900) -> Capture
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
                 "eagle_aux_hidden_state_layer_ids": CAPTURE_LAYERS}}}
-    kv = {"kv_connector": "SynthqHiddenStatesConnector",
-          "kv_connector_module_path": "synthq_connector", "kv_role": "kv_producer",
+    name, module = {"synthq": ("SynthqHiddenStatesConnector", "synthq_connector"),
+                    "stock": ("StockCpuHiddenStatesConnector", "stock_cpu_connector")}[connector]
+    kv = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(engine_dir)}}
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1",
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])
+    env = dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_LOGGING_LEVEL="WARNING")
     with open(log, "wb") as out:
         proc = subprocess.Popen(

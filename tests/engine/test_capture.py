@@ -279,3 +279,46 @@ def test_bfloat16_store_halves_the_disk(capture_server: CaptureServer, generated
                                    atol=1e-2)
     (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
     assert nbytes < tokens * (len(CAPTURE_LAYERS) * HIDDEN * 2 + 8) + SAMPLES * 1024
+
+
+@pytest.fixture(scope="module")
+def stock_capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureServer]:
+    server = start_capture_server(tmp_path_factory.mktemp("vllm-stock"), connector="stock")
+    yield server
+    server.stop()
+
+
+def test_stock_connector_files_are_captured_from_the_declared_folder(
+        stock_capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    """Issue 30 item 1: vLLM's stock connector (its CUDA copy replaced for the CPU, its
+    naming by request id, locks and layout kept) served 60 samples: before, every
+    capture failed bad_request (the name check). With its engine-files folder declared,
+    every file is captured, equal to transformers', and taken out of the folder."""
+    server = stock_capture_server
+    data = _copy(generated, tmp_path)
+    layers = ",".join(str(i) for i in CAPTURE_LAYERS)
+    refused = _capture(data, "--server", server.url, "--layers", layers, "--json")
+    assert "bad_request" in refused.stdout, refused.stdout + refused.stderr  # no folder yet
+    assert "capture stopped: server" in refused.stdout  # after 5 of them (item 2)
+    # Refused files are neither read nor deleted: the engine's folder keeps them.
+    left_alone = set(server.engine_dir.glob("*.safetensors"))
+    assert 5 <= len(left_alone) < SAMPLES
+    out = _capture(data, "--engine-files", f"{server.url}={server.engine_dir}",
+                   "--retry-failed", "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
+    reference = Reference(server.model_dir)
+    assert _check_files(data, reference, atol=1e-4) == SAMPLES
+    from synthq.capture import files
+
+    worst = 0.0
+    for path, raw in _rows(data, "SELECT c.path, s.input_ids FROM captures c JOIN samples s "
+                                 "ON s.id = c.sample_id WHERE c.state = 'done'"):
+        got = files.read(data / "hidden-states" / path)[0]["hidden_states"].array()
+        worst = max(worst, float(np.abs(got - reference.states(
+            np.frombuffer(raw, dtype="<i4"))).max()))
+    print(f"\nstock connector: {SAMPLES} of {SAMPLES} captured; worst difference against "
+          f"transformers {worst:.2e}")
+    # Each file taken was deleted once stored; the refused ones are still there.
+    assert set(server.engine_dir.glob("*.safetensors")) == left_alone

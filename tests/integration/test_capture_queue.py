@@ -46,6 +46,10 @@ class FakeCaptureServer:
         self.active = self.most = self.requests = 0
         #: A hostile server's answer: this path instead of the file it wrote.
         self.answer_path: Path | None = None
+        #: Name files by request id, as vLLM's stock connector does (not synthq_name);
+        #: write token ids other than the request's.
+        self.stock_naming = False
+        self.wrong_ids = False
         self.lock = threading.Lock()
         server = self
 
@@ -70,13 +74,18 @@ class FakeCaptureServer:
                 with server.lock:
                     server.active += 1
                     server.requests += 1
+                    request_no = server.requests
                     server.most = max(server.most, server.active)
                 try:
                     time.sleep(server.hold)
                     ids = body["prompt"]
                     name = body["kv_transfer_params"]["synthq_name"]
+                    if server.stock_naming:
+                        name = f"cmpl-{request_no}-0"
                     path = server.engine_dir / f"{name}.safetensors"
                     hidden = hidden_of(ids)
+                    if server.wrong_ids:
+                        ids = [i + 1 for i in ids]
                     tensors = {"hidden_states": files.Tensor("F32", hidden.shape,
                                                              hidden.tobytes()),
                                "token_ids": files.Tensor("I64", (len(ids),), np.asarray(
@@ -213,3 +222,141 @@ def test_a_dead_capture_process_does_not_hold_its_servers_room(
     with session_scope() as s:
         assert due_jobs(s, now=utcnow()) == [job_id]
     assert _states(job_id) == {"pending": 6}
+
+
+def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
+        job_factory: Any, fake_engine: FakeCaptureServer, tmp_path: Path) -> None:
+    """Issue 30 item 2: a server that names every file its own way (the stock connector's
+    naming, without synthq's) failed each of 176 captures with bad_request, each a
+    prefill. Now the stage stops after ``stop_after`` (5) identical failures: one line
+    naming the server and the cause, in the job's status; a rerun sends nothing until
+    ``synthq capture JOB --retry-failed`` after the fix, which captures everything."""
+    from support import run_cli
+
+    from synthq.capture.stage import Stage
+    from synthq.db import session_scope
+    from synthq.models import Job
+    from synthq.report import job_status
+
+    fake_engine.answer_path = fake_engine.engine_dir / "cmpl-request-id.safetensors"
+    n, limit = 40, 2
+    job_id = _done_samples(job_factory, n, fake_engine.url, limit)
+    said: list[str] = []
+    left = Stage(job_id, say=said.append).run()
+    calls = fake_engine.requests
+    print(f"\nmisconfigured capture server: stopped after {calls} calls of {n}")
+    assert 5 <= calls <= 5 + limit - 1, calls  # the fifth, and what was in flight with it
+    assert left.failures == {"bad_request": calls} and left.done == 0, left
+    [line] = [x for x in said if "stopped" in x]
+    assert line.startswith(f"capture stopped: server {fake_engine.url} failed 5 captures in "
+                           "a row with bad_request: the server answered the file")
+    assert "--retry-failed" in line
+    with session_scope() as s:
+        status = job_status(s, s.get_one(Job, job_id))
+    assert status.capture is not None and status.capture.stopped == line
+    assert line in status.capture.lines()
+    Stage(job_id, say=said.append).run()  # stopped: sends nothing
+    assert fake_engine.requests == calls
+    fake_engine.answer_path = None  # the fix
+    run_cli("capture", str(job_id), "--retry-failed")
+    assert _states(job_id) == {"done": n}
+    with session_scope() as s:
+        status = job_status(s, s.get_one(Job, job_id))
+    assert status.capture is not None and status.capture.stopped is None
+
+
+def test_a_per_turn_sample_is_captured_one_prompt_per_example(
+        job_factory: Any, fake_engine: FakeCaptureServer) -> None:
+    """Issue 30 item 3: a per-turn sample (``--examples per-turn``) holds its examples' ids
+    end to end, each a whole prompt of its own. Before, the stage refused it
+    (invalid_input). Now each example is sent as its own prompt, and the sample's file
+    holds their states end to end: its rows align with the sample's concatenated ids
+    and mask, each example's from its own offset (what training reads)."""
+    from synthq.capture.stage import Stage
+    from synthq.config import get_settings
+    from synthq.db import session_scope
+    from synthq.models import Capture, Sample
+    from synthq.training.captured import captured_paths
+
+    job_id = _done_samples(job_factory, 3, fake_engine.url, 2)
+    pieces = [np.arange(5, dtype="<i4") + 100, np.arange(7, dtype="<i4") + 200]
+    with session_scope() as s:
+        sid = s.scalar(select(Sample.id).where(Sample.job_id == job_id).order_by(Sample.id))
+        s.execute(update(Sample).where(Sample.id == sid).values(
+            input_ids=np.concatenate(pieces).tobytes(), num_tokens=12,
+            loss_mask=np.array([0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1], np.uint8).tobytes(),
+            examples=[{"turn": 0, "tokens": 5, "supervised": 2},
+                      {"turn": 2, "tokens": 7, "supervised": 3}]))
+    left = Stage(job_id).run()
+    assert left.done == 3 and left.failures == {}, left
+    assert fake_engine.requests == 4  # two for the per-turn sample, one for each other
+    with session_scope() as s:
+        path = s.scalar(select(Capture.path).where(Capture.sample_id == sid))
+    tensors, meta = files.read(get_settings().data_dir / "hidden-states" / path)
+    got = tensors["hidden_states"].array()
+    want = np.concatenate([hidden_of(p.tolist()) for p in pieces])
+    np.testing.assert_array_equal(got, want)  # each example computed as its own prompt
+    assert not np.array_equal(got, hidden_of(np.concatenate(pieces).tolist()))
+    assert tensors["token_ids"].array().tolist() == np.concatenate(pieces).tolist()
+    assert meta["example_tokens"] == "5,7"
+    found = captured_paths(job_id, LAYERS)
+    assert found[f"{sid}:0"][1] == 0 and found[f"{sid}:2"][1] == 5
+    assert str(sid) not in found
+
+
+@pytest.mark.parametrize("case", ["declared", "undeclared", "outside", "symlink", "other_ids"])
+def test_stock_connector_files_are_taken_only_from_the_declared_folder(
+        job_factory: Any, fake_engine: FakeCaptureServer, tmp_path: Path, case: str) -> None:
+    """Issue 30 item 1: files named by request id (vLLM's stock connector) are captured
+    when the server has a declared engine-files folder (``--engine-files URL=DIR``), and
+    then only from it: a path outside it, a symlink in it, and a file whose token_ids are
+    not the sample's are refused, and nothing but the request's own file is read or
+    deleted. Without the folder such files are refused as before."""
+    from synthq.capture.stage import Stage
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    fake_engine.stock_naming = True
+    n = 6
+    job_id = _done_samples(job_factory, n, fake_engine.url, 2)
+    if case != "undeclared":
+        with session_scope() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(
+                capture_files={fake_engine.url: str(fake_engine.engine_dir)}))
+    victim = tmp_path / "victim.safetensors"
+    victim.write_text("not yours")
+    if case == "outside":
+        fake_engine.answer_path = victim
+    elif case == "symlink":
+        link = fake_engine.engine_dir / "link.safetensors"
+        link.symlink_to(victim)
+        fake_engine.answer_path = link
+    fake_engine.wrong_ids = case == "other_ids"
+    left = Stage(job_id).run()
+    assert victim.read_text() == "not yours"
+    if case == "declared":
+        assert left.done == n and left.failures == {}, left
+        from synthq.config import get_settings
+
+        assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
+        assert list(fake_engine.engine_dir.iterdir()) == []  # each taken, then deleted
+    elif case == "other_ids":
+        assert left.done == 0 and left.failures == {"capture_mismatch": n}, left
+    else:
+        assert left.done == 0 and set(left.failures) == {"bad_request"}, left
+        if case == "symlink":
+            assert (fake_engine.engine_dir / "link.safetensors").is_symlink()  # left alone
+
+
+def test_the_engine_files_folder_is_checked(pg: str, tmp_path: Path) -> None:
+    """A declared folder must be an absolute, existing, real directory."""
+    from synthq.capture.confine import check_folder
+    from synthq.errors import UserError
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    assert check_folder("u", str(tmp_path / "real")) == tmp_path / "real"
+    for bad, why in [("relative/dir", "absolute"), (str(tmp_path / "none"), "not a folder"),
+                     (str(tmp_path / "via"), "symlink")]:
+        with pytest.raises(UserError, match=why):
+            check_folder("u", bad)

@@ -236,3 +236,37 @@ def test_run_job_stops_at_once_on_a_full_sqlite_disk(simulator: Callable[..., An
     status = run_job(job_id)
     assert status.counts["done"] == n, status
     assert sim.http.get("/sim/stats").json()["requests"] <= n + limit
+
+
+def test_bad_requests_in_a_row_on_a_server_pause_the_job(simulator: Callable[..., Any],
+                                                        job_factory: Callable[..., Any]) -> None:
+    """Issue 30 item 2, generation: a server that answers every call 400 the same way is
+    misconfigured (a wrong model, a refused parameter); before, each of the job's samples
+    failed one by one. After ``stop_after`` (5) identical bad_request failures in a row
+    the job is paused, with one line naming the server and the cause; resumed after the
+    fix, and requeued, it finishes."""
+    from synthq import states
+    from synthq.embedded import run_job
+
+    sim = simulator("--latency", "0.05")
+    n, limit = 40, 2
+    report = job_factory([f"q{i}" for i in range(n)], servers=[sim.url], inflight_limit=limit)
+    sim.http.post("/sim/overload", json={"seconds": 600, "status": 400, "retry_after": None})
+    status = run_job(report.job_id)
+    calls = sim.http.get("/sim/stats").json()["requests"]
+    print(f"\nbad_request in a row: the job paused after {calls} calls of {n}")
+    assert status.state == "paused", status
+    assert 5 <= calls <= 5 + limit - 1, calls
+    assert status.failures == {"bad_request": calls}
+    reason = status.pause_reason or ""
+    assert reason.startswith(f"call stopped: server {sim.url} failed 5 calls in a row with "
+                             "bad_request: HTTP 400"), reason
+    assert f"synthq resume {status.name}" in reason
+    sim.http.post("/sim/overload", json={"seconds": 0, "status": 400, "retry_after": None})
+    from synthq.db import utcnow
+    from synthq.enums import JobState
+
+    with session_scope() as s:
+        assert states.set_job_state(s, report.job_id, JobState.ACTIVE, now=utcnow())
+        assert states.requeue(s, report.job_id, classes=["bad_request"], now=utcnow()) == calls
+    assert run_job(report.job_id).counts["done"] == n

@@ -46,8 +46,8 @@ def _same_features_and_loss(tiny_target: Any, tiny_target_dir: Path, tmp_path: P
     offline.fill(tiny_target, examples)
     paths = {}
     for ex in examples:
-        paths[ex.id] = tmp_path / f"cap-{ex.id}.safetensors"
-        capture_file(tiny_target, ex.input_ids, paths[ex.id])
+        paths[ex.id] = (tmp_path / f"cap-{ex.id}.safetensors", 0)
+        capture_file(tiny_target, ex.input_ids, paths[ex.id][0])
     head = load_target_head(str(tiny_target_dir))
     # Nothing but the embeddings, the final norm and the head came from the target.
     assert torch.equal(head.embed, tiny_target.get_input_embeddings().weight)
@@ -80,7 +80,7 @@ def test_captured_features_refuse_other_token_ids(tiny_target: Any, tiny_target_
     ex = Example("7", np.array([1, 3, 5, 6, 7, 8], dtype=np.int64), np.ones(6, np.uint8))
     capture_file(tiny_target, np.array([1, 3, 5, 6, 7, 9], dtype=np.int64),
                   tmp_path / "c.safetensors")
-    captured = CapturedFeatures({"7": tmp_path / "c.safetensors"},
+    captured = CapturedFeatures({"7": (tmp_path / "c.safetensors", 0)},
                                 load_target_head(str(tiny_target_dir)))
     from synthq.errors import UserError
 
@@ -88,3 +88,33 @@ def test_captured_features_refuse_other_token_ids(tiny_target: Any, tiny_target_
         captured.read(ex)
     with pytest.raises(UserError, match="no captured features"):
         captured.fill(None, [Example("8", ex.input_ids, ex.loss_mask)])
+
+
+def test_per_turn_examples_read_their_own_rows_of_their_samples_file(
+        tiny_target: Any, tiny_target_dir: Path, tmp_path: Path) -> None:
+    """Issue 30 item 3: a per-turn sample's examples are captured one prompt each and
+    stored end to end in the sample's one file (synthq.capture.ingest.ingest_parts);
+    each example ``SAMPLE:TURN`` reads its own rows from its offset and gets exactly
+    the features of its own prompt (the offline path computes each alone)."""
+    from safetensors.torch import load_file, save_file
+
+    turns = [Example(f"5:{t}", np.concatenate([[1, 3], 5 + (np.arange(8 + 4 * t) * 7) % 91])
+                     .astype(np.int64), np.ones(10 + 4 * t, np.uint8)) for t in range(3)]
+    offline = FeatureCache(tmp_path / "cache")
+    offline.fill(tiny_target, turns)
+    parts = []
+    for t, ex in enumerate(turns):
+        capture_file(tiny_target, ex.input_ids, tmp_path / f"turn{t}.safetensors")
+        parts.append(load_file(str(tmp_path / f"turn{t}.safetensors")))
+    whole = tmp_path / "sample.safetensors"
+    save_file({k: torch.cat([p[k] for p in parts]) for k in ("hidden_states", "token_ids")},
+              str(whole))
+    offsets = np.cumsum([0, *(len(ex.input_ids) for ex in turns[:-1])])
+    captured = CapturedFeatures({ex.id: (whole, int(o)) for ex, o in
+                                 zip(turns, offsets, strict=True)},
+                                load_target_head(str(tiny_target_dir)))
+    for i, ex in enumerate(turns):
+        a = offline.load(turns, [i], len(ex.input_ids))
+        b = captured.load(turns, [i], len(ex.input_ids))
+        assert torch.equal(a.aux, b.aux)
+        assert torch.equal(a.top, b.top)

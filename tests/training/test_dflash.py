@@ -191,7 +191,7 @@ def test_dflash_loss_on_captured_features_equals_the_offline_path(
     head = load_target_head(str(tiny_target_dir))
     idx = [0, 1, 2, 3]
     a = offline.load(examples, idx, 22)
-    b = CapturedFeatures(paths, head).load(examples, idx, 22)
+    b = CapturedFeatures({k: (p, 0) for k, p in paths.items()}, head).load(examples, idx, 22)
     d = _drafter(head, layers=1)  # built from the target's head alone, as a captured run is
     ids = torch.stack([torch.from_numpy(examples[i].input_ids) for i in idx])
     mask = torch.stack([torch.from_numpy(examples[i].loss_mask.astype(bool)) for i in idx])
