@@ -392,6 +392,10 @@ def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
     """The job's examples (exported once), split into (trained on, held out)."""
     every = load_examples(_prepare_data(ctx, run), cfg.max_len)
     examples, held_out = split_eval(every, cfg.eval_fraction, cfg.seed)
+    if cfg.max_examples and cfg.max_examples < len(examples):
+        notice(f"training on {cfg.max_examples} of the {len(examples)} training examples "
+               "(max_examples)")
+        examples = examples[:cfg.max_examples]
     if held_out:
         notice(f"{len(held_out)} of {len(every)} examples held out for evaluation "
                f"(never trained on)")

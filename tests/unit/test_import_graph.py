@@ -136,8 +136,10 @@ def test_retokenize_does_not_reach_the_call_module() -> None:
 
 
 #: What the runtime may import of synthq.testing: the simulator (the demo and
-#: ``synthq simulate``) and the tiny-target recipe (``synthq testing tiny-target``).
-RUNTIME_MAY_USE = {"synthq.testing", "synthq.testing.simulator", "synthq.testing.tiny"}
+#: ``synthq simulate``) and the recipes behind ``synthq testing tiny-target``,
+#: ``real-target`` and ``doc-prompts``.
+RUNTIME_MAY_USE = {"synthq.testing", "synthq.testing.simulator", "synthq.testing.tiny",
+                   "synthq.testing.real", "synthq.testing.docprompts"}
 
 
 def runtime_graph() -> dict[str, set[str]]:
