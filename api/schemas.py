@@ -17,7 +17,7 @@ def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
     """A pydantic field of setting ``s``: its type, default and description, its bounds
     and choices shown in the schema. The values are checked by synthq.jobspec.check (in
     :meth:`JobSettings.to_spec` and the requeue), as the CLI's are, with the same message."""
-    kinds: dict[type, Any] = {list: list[str], dict: dict[str, Any]}
+    kinds: dict[type, Any] = {list: list[s.item], dict: dict[str, Any]}
     kind: Any = kinds.get(s.type, s.type)
     if s.name == "inflight":
         kind = int | Literal["auto"]
@@ -66,6 +66,19 @@ else:
     JobSettings = create_model(
         "JobSettings", __base__=_JobSettings, __doc__="Generation and tokenization settings, "
         "as `synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
+
+
+if TYPE_CHECKING:
+    CaptureSettings = BaseModel
+else:
+    #: The capture stage's settings, as `synthq capture` takes them (synthq.jobspec.CAPTURE):
+    #: a setting declared there is a field here, with its checks, and nothing else is.
+    CaptureSettings = create_model(
+        "CaptureSettings", __config__=ConfigDict(extra="forbid"), __doc__="The capture "
+        "stage's settings, as `synthq capture` takes them; an omitted one is kept.",
+        **{s.name: (_field(s)[0] | None, Field(None, description=_field(s)[1].description,
+                                               json_schema_extra=_field(s)[1].json_schema_extra))
+           for s in jobspec.CAPTURE})
 
 
 class JobCreate(JobSettings):
