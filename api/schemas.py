@@ -10,13 +10,14 @@ from synthq import jobspec
 from synthq.enqueue import JobSpec
 from synthq.jobspec import Setting
 from synthq.query import SampleRow
+from synthq.training.runs import RunRecord
 
 
 def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
     """A pydantic field of setting ``s``: its type, default and description, its bounds
     and choices shown in the schema. The values are checked by synthq.jobspec.check (in
     :meth:`JobSettings.to_spec` and the requeue), as the CLI's are, with the same message."""
-    kinds: dict[type, Any] = {list: list[str], dict: dict[str, Any]}
+    kinds: dict[type, Any] = {list: list[s.item], dict: dict[str, Any]}
     kind: Any = kinds.get(s.type, s.type)
     if s.name == "inflight":
         kind = int | Literal["auto"]
@@ -67,6 +68,19 @@ else:
         "as `synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
 
 
+if TYPE_CHECKING:
+    CaptureSettings = BaseModel
+else:
+    #: The capture stage's settings, as `synthq capture` takes them (synthq.jobspec.CAPTURE):
+    #: a setting declared there is a field here, with its checks, and nothing else is.
+    CaptureSettings = create_model(
+        "CaptureSettings", __config__=ConfigDict(extra="forbid"), __doc__="The capture "
+        "stage's settings, as `synthq capture` takes them; an omitted one is kept.",
+        **{s.name: (_field(s)[0] | None, Field(None, description=_field(s)[1].description,
+                                               json_schema_extra=_field(s)[1].json_schema_extra))
+           for s in jobspec.CAPTURE})
+
+
 class JobCreate(JobSettings):
     """A job from a file on the server (under the data directory) or a Hugging Face id."""
 
@@ -108,25 +122,9 @@ class EnqueueResult(BaseModel):
 # prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 
-class TrainingRunSummary(BaseModel):
-    """A drafter training run: synthq's own estimate and what a real engine served."""
-
-    id: int
-    job_id: int
-    state: str
-    step: int
-    total_steps: int | None = None
-    loss: float | None = None
-    #: Teacher-forced estimate from training accuracies (optimistic).
-    accept: float | None = None
-    #: synthq's greedy draft-and-verify on the held-out split.
-    eval_acceptance_length: float | None = None
-    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
-    served_acceptance_length: float | None = None
-    served_engine: str | None = None
-    served_engine_version: str | None = None
-    checkpoint: str | None = None
-    error: str | None = None
+#: A drafter training run: synthq.training.runs.RunRecord, the record `synthq runs --json`
+#: prints (one definition for both).
+TrainingRunSummary = RunRecord
 
 
 class JobStateChange(BaseModel):

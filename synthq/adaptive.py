@@ -74,7 +74,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -600,8 +600,7 @@ def tick(job_ids: Sequence[int] | None = None, *, scrape: bool = True) -> dict[s
         floor, cap = servers[url]
         gauges = _scrape(url) if scrape else {}
         with session_scope() as s:
-            if s.get_bind().dialect.name == "postgresql":  # one lock with the dispatcher's room
-                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": locks.DISPATCH})
+            locks.hold(s, locks.DISPATCH)  # one lock with the dispatcher's room
             now = utcnow()
             row = s.get(Server, url)
             if row is not None and row.limit_at is not None and \

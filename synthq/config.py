@@ -214,8 +214,6 @@ def get_settings() -> Settings:
 def status_settings() -> defaults.StatusSettings:
     """What a status and its cost report read of the settings, from the environment."""
     settings = get_settings()
-    from synthq.capture.progress import store_root
-
     return defaults.StatusSettings(
         worker_timeout=settings.worker_timeout, gpu_hour_price=settings.gpu_hour_price,
-        capture_store=str(store_root(settings.capture_store, settings.data_dir)))
+        capture_store=str(defaults.store_root(settings.capture_store, settings.data_dir)))

@@ -8,9 +8,11 @@ one definition for both.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["DATA_DIR", "WORKER_TIMEOUT", "GPU_HOUR_PRICE", "StatusSettings"]
+__all__ = ["DATA_DIR", "WORKER_TIMEOUT", "GPU_HOUR_PRICE", "StatusSettings", "store_root"]
 
 #: Where the embedded SQLite file (``synthq.db``) and other local state live.
 DATA_DIR = "synthq-data"
@@ -29,3 +31,12 @@ class StatusSettings(NamedTuple):
     gpu_hour_price: float | None = GPU_HOUR_PRICE
     #: Where captured hidden states live (None: ``<SYNTHQ_DATA_DIR>/hidden-states``).
     capture_store: str | None = None
+
+
+def store_root(capture_store: str | Path | None, data_dir: str | Path | None = None) -> Path:
+    """Where captured hidden states live: ``SYNTHQ_CAPTURE_STORE``, else ``<data
+    dir>/hidden-states`` (the data dir: ``data_dir``, else ``SYNTHQ_DATA_DIR`` or
+    :data:`DATA_DIR`)."""
+    if capture_store:
+        return Path(capture_store)
+    return Path(data_dir or os.environ.get("SYNTHQ_DATA_DIR") or DATA_DIR) / "hidden-states"

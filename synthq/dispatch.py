@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import String, bindparam, func, literal, or_, select, text, union_all
+from sqlalchemy import String, bindparam, func, literal, or_, select, union_all
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from synthq import locks, states, workers
+from synthq.capture import states as capture_states
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState, SampleState
@@ -327,8 +328,7 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
     """
     settings = get_settings()
     with session_scope() as s:
-        if s.get_bind().dialect.name == "postgresql":
-            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+        locks.hold(s, _LOCK_KEY)
         now = utcnow()
         servers = _servers(s, job_ids)
         if server is not None:
@@ -452,8 +452,13 @@ FORGET_WORKERS_AFTER = 3600.0
 
 
 def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
-    """Return expired leases, dead workers' samples and unclaimed queued samples to
-    ``pending``. Returns the count.
+    """The sweep of every kind of leased work that a dead holder can leave behind: expired
+    leases, dead workers' samples and captures, and unclaimed queued samples go back to
+    ``pending`` (or ``failed``, on their last attempt). Returns the count.
+
+    The tick's ``sweep`` stage calls it, and so does a capture stage's heartbeat (a
+    ``synthq capture`` may run where no tick does). Training runs are swept by the
+    readiness check (the ``train`` stage), which sends each swept run its message.
 
     ``reclaim_all`` treats every lease as expired: for a process that knows it
     is the only one working on these jobs (the embedded runner, at start).
@@ -476,8 +481,12 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) ->
     cutoff = now + timedelta(days=36500) if reclaim_all else now
     try:
         with session_scope() as s:
-            moved = states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
-                                  worker_timeout=settings.worker_timeout if judge else None)
+            moved = len(states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
+                                      worker_timeout=settings.worker_timeout if judge else None))
+            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout)] \
+                if judge else None
+            moved += capture_states.expire(s, now=now, live_workers=live, job_ids=job_ids,
+                                           everything=reclaim_all)
             workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
             # The counters' delta rows (PostgreSQL), folded so a read sums a few rows.
             states.compact_counts(s)
@@ -485,4 +494,4 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) ->
         database_trouble()
         raise
     _sweeps["last"] = mono
-    return len(moved)
+    return moved

@@ -169,22 +169,11 @@ class JobSpec:
         """The tokenization settings, or None without a tokenizer."""
         from synthq.tokenize import TokenizeSettings
 
-        if not self.tokenizer:
-            return None
-        return TokenizeSettings(
-            tokenizer=self.tokenizer, chat_template=self.chat_template,
-            chat_template_kwargs=json.dumps(self.chat_template_kwargs, sort_keys=True),
-            max_seq_len=self.max_seq_len, reasoning=self.reasoning,
-            mask=self.mask or "last_turn", think_open=self.think_open,
-            think_close=self.think_close)
+        return TokenizeSettings.from_job(self)
 
     def generation_settings(self) -> dict[str, Any]:
-        settings = {"model": self.model, "max_tokens": self.max_tokens,
-                    "sampling": self.sampling, "extra_body": self.extra_body}
-        if self.regenerate == "all":  # as Job.generation_settings
-            settings["regenerate"] = "all"
-            settings["history_reasoning"] = self.history_reasoning
-        return settings
+        """As :meth:`synthq.models.Job.generation_settings` (both synthq.jobspec's)."""
+        return jobspec.generation_settings(lambda column: getattr(self, column))
 
 
 @dataclass

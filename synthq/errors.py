@@ -11,8 +11,13 @@
         │   ├── StalledError          no streamed chunk for too long   (stalled)
         │   ├── ConnectionFailed      refused, reset, DNS, broken stream (connection)
         │   ├── RateLimited           HTTP 429, honours Retry-After    (rate_limited)
-        │   └── ServerError           HTTP >= 500, or 408/409; honours (server_error)
-        │                             Retry-After when it carries one
+        │   ├── ServerError           HTTP >= 500, or 408/409; honours (server_error)
+        │   │                         Retry-After when it carries one
+        │   ├── WorkerError           an unexpected error of synthq's  (worker_error)
+        │   │                         own: retried, then failed
+        │   └── Lost                  the holder stopped (kill -9, a   (lost)
+        │                             lost lease) before it recorded
+        │                             the call: a capture's expiry
         └── PermanentError        retrying cannot help: fail at once
             ├── BadRequest            HTTP 4xx other than below        (bad_request)
             ├── ContextLength         prompt + max_tokens over window  (context_length)
@@ -65,11 +70,14 @@ __all__ = [
     "NoSupervisedTokens",
     "CaptureMismatch",
     "CaptureIncomplete",
+    "WorkerError",
+    "Lost",
     "OVERLOAD_CALLS_PER_ATTEMPT",
     "TOKENIZATION_CLASSES",
     "RETOKENIZABLE",
     "retokenizable",
     "RETRYABLE_CLASSES",
+    "ALL_CLASSES",
     "PERMANENT_CLASSES",
     "brief",
 ]
@@ -247,6 +255,21 @@ class CaptureIncomplete(RetryableError):
     error_class = "capture_incomplete"
 
 
+class WorkerError(RetryableError):
+    """An unexpected error in the worker (a bug of synthq's, or an answer that sets one
+    off): the call is given back after the job's backoff, and fails once its attempts
+    are spent."""
+
+    error_class = "worker_error"
+
+
+class Lost(RetryableError):
+    """The process that held it stopped (kill -9, or its lease passed) before it recorded
+    the call; the sweep gave it back."""
+
+    error_class = "lost"
+
+
 #: An overload answer (Retry-After) is not charged to max_attempts, up to this many
 #: calls per attempt of the budget in all: a server that says "later" for ever still
 #: ends the sample (default 5 attempts: 20 calls, minutes of Retry-After).
@@ -272,6 +295,18 @@ def retokenizable(state: str, error_class: str | None) -> bool:
     classes = RETOKENIZABLE[state]
     return classes is None or error_class in classes
 
+def _classes(root: type[SampleError]) -> frozenset[str]:
+    """The failure class of ``root`` and of every class below it (in this module)."""
+    found, todo = set(), [root]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls is not root:
+            found.add(cls.error_class)
+    return frozenset(found)
+
+
+#: A call's failure classes (docs/design.md, invariant 7).
 RETRYABLE_CLASSES = frozenset(
     c.error_class for c in (TimeoutError_, StalledError, ConnectionFailed, RateLimited, ServerError)
 )
@@ -280,6 +315,9 @@ PERMANENT_CLASSES = frozenset(
     for c in (BadRequest, ContextLength, InvalidInput, EmptyResponse, Truncated, BoundaryUnstable,
               MaskMismatch, NoSupervisedTokens, ResponseTooLarge, RequestTooLarge, Unstorable)
 )
+#: Every failure class a sample or a capture can end with: each one a class of this
+#: module (``worker_error`` and ``lost`` included), what ``requeue --class`` accepts.
+ALL_CLASSES = _classes(SampleError)
 
 
 def brief(exc: BaseException) -> str:

@@ -38,7 +38,7 @@ from synthq.call import Call, Outcome, run_claimed
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
 from synthq.dispatch import LocalClaim
-from synthq.errors import DiskFull, brief
+from synthq.errors import DiskFull, WorkerError, brief
 from synthq.heartbeat import Heartbeat
 from synthq.inference import InferenceClient
 from synthq.jobview import effective, get_job, lease_seconds
@@ -182,7 +182,7 @@ class Executor:
                               len(claimed))
                 with self._starting_lock:
                     self._starting = 0
-                why = ("worker_error", "the worker could not start the call")
+                why = (WorkerError.error_class, "the worker could not start the call")
 
         def give_back() -> None:  # no call was made: the attempt is not charged
             now = utcnow()
@@ -325,8 +325,8 @@ class Executor:
     async def _give_back(self, c: states.Claimed, why: str, call: Call | None = None,
                          job: Any = None) -> Outcome:
         """running → pending after an unexpected error (class ``worker_error``), after the
-        job's backoff, so the sample does not wait out its lease; LOST if even that cannot
-        be written.
+        job's backoff, so the sample does not wait out its lease; ``NOT_WRITTEN`` if even
+        that cannot be written.
 
         The call counts against ``max_attempts`` (the claim charged it) like any other:
         once they are spent the sample fails as ``worker_error``, so a bug, or a server
@@ -341,7 +341,7 @@ class Executor:
         if call is not None and call.calling:
             attempt = dict(sample_id=c.sample_id, server=c.server, worker=self.name,
                            started_at=call.started_at, ended_at=utcnow(),
-                           outcome="worker_error", error_message=message,
+                           outcome=WorkerError.error_class, error_message=message,
                            latency_s=time.monotonic() - call.started_mono)
         settings = effective(job, c.overrides) if job is not None else None
         delay, retry = 0.0, True
@@ -352,12 +352,13 @@ class Executor:
 
         def record(s: Any, now: datetime) -> bool:
             if not retry:
-                return states.fail(s, c.sample_id, c.token, now=now, error_class="worker_error",
+                return states.fail(s, c.sample_id, c.token, now=now,
+                                   error_class=WorkerError.error_class,
                                    error_message=f"{message} (gave up after {c.attempts} "
                                    "attempts)", attempt=attempt)
             return states.retry(s, c.sample_id, c.token, now=now,
                                 next_attempt_at=now + timedelta(seconds=delay),
-                                error_class="worker_error", error_message=message,
+                                error_class=WorkerError.error_class, error_message=message,
                                 attempt=attempt)
 
         try:

@@ -59,6 +59,7 @@ import synthq
 from synthq.db import get_engine, session_scope, utcnow
 from synthq.errors import UserError
 from synthq.examples import Example, build, exported, split
+from synthq.jobspec import EXPORTED
 from synthq.models import Job, Sample
 from synthq.packing import unpack_ids, unpack_mask
 from synthq.secrets import safe_keys
@@ -77,9 +78,8 @@ MANIFEST = "manifest.json"
 #: Files whose bytes identify a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Job columns recorded in the manifest: what produced the data.
-SETTINGS = ("model", "max_tokens", "sampling", "extra_body", "keep_truncated", "tokenizer",
-            "chat_template_kwargs", "max_seq_len", "reasoning", "think_open", "think_close",
-            "mask", "tokenize_version", "regenerate", "history_reasoning", "examples")
+#: (The declared settings that say so, synthq.jobspec.EXPORTED, and the tokenize version.)
+SETTINGS = (*EXPORTED, "tokenize_version")
 
 
 def parquet_schema() -> Any:

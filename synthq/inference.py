@@ -24,7 +24,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +42,7 @@ import openai
 from synthq import errors, netio
 from synthq.jobspec import RESERVED_BODY
 
-__all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after"]
+__all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after", "status_error"]
 
 log = logging.getLogger(__name__)
 
@@ -121,21 +121,30 @@ def _is_context_length(message: str) -> bool:
                                     "context length", "too many tokens", "prompt is too long"))
 
 
-def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
-    status = exc.status_code
+def status_error(status: int, said: str, headers: Mapping[str, str], *,
+                 body: str = "") -> errors.SampleError:
+    """The failure an HTTP error answer is (every caller of an inference server: a
+    generation's call, a capture's): 429 ``rate_limited``; 5xx, 408 and 409
+    ``server_error``; a prompt over the window ``context_length``; any other
+    ``bad_request``. ``said``: the answer's message; ``body``: its whole text."""
     # Retry-After is honoured wherever it comes (429, and 503 from a server or a
     # gateway with a bounded queue): it is named in the message, where the
     # dispatcher reads it back to space its probes of that server.
-    retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
-    said = f" (Retry-After {retry_after:g} s)" if retry_after is not None else ""
-    message = f"HTTP {status}{said}: {exc.message}"[:2000]
+    retry_after = parse_retry_after(headers.get("retry-after"))
+    after = f" (Retry-After {retry_after:g} s)" if retry_after is not None else ""
+    message = f"HTTP {status}{after}: {said}"[:2000]
     if status == 429:
         return errors.RateLimited(message, retry_after)
     if status >= 500 or status in (408, 409):
         return errors.ServerError(message, retry_after)
-    if _is_context_length(str(exc.message)) or _is_context_length(str(exc.body)):
+    if _is_context_length(said) or _is_context_length(body):
         return errors.ContextLength(message)
     return errors.BadRequest(message)
+
+
+def _convert_status(exc: openai.APIStatusError) -> errors.SampleError:
+    return status_error(exc.status_code, str(exc.message), exc.response.headers,
+                        body=str(exc.body))
 
 
 def _error_response(response: httpx2.Response, data: bytes) -> httpx2.Response:

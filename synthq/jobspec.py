@@ -9,6 +9,19 @@ line wherever it comes from. :func:`build` turns checked values into the
 :class:`synthq.enqueue.JobSpec`; :func:`check_overrides` and
 :func:`apply_overrides` are the per-sample settings of a requeue.
 
+Each setting names its **role** in the job: :data:`GENERATION` (the answers
+depend on it: part of the "same work" key, :func:`generation_settings`),
+:data:`TOKENIZATION` (how examples are made from the answers: the
+``TokenizeSettings``), :data:`OPERATIONAL` (how the job runs: enqueueing it
+again changes it, :data:`OPERATIONAL`'s columns), or none; whether it is
+**exported** (the export manifest's settings, :data:`EXPORTED`); and its
+**column** on ``jobs`` (:attr:`Setting.column`). Those lists are made from the
+roles here, not written again where they are used.
+
+:data:`CAPTURE` holds the settings of the hidden-state capture stage (``synthq
+capture``): declared the same way (type, default, bounds, choices, help), so
+the command's options, their checks and the columns' defaults follow from them.
+
 Adding a setting: one ``Setting(...)`` here, plus where it is used (a
 ``JobSpec`` field and its column, or the code that reads it).
 
@@ -28,7 +41,8 @@ from typing import Any
 
 from synthq.errors import UserError
 
-__all__ = ["Setting", "SETTINGS", "BY_NAME", "OVERRIDABLE", "OPERATIONAL", "RESERVED_BODY",
+__all__ = ["Setting", "SETTINGS", "CAPTURE", "BY_NAME", "OVERRIDABLE", "OPERATIONAL",
+           "RESERVED_BODY", "GENERATION", "TOKENIZATION", "EXPORTED", "generation_settings",
            "default", "urls",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
@@ -44,6 +58,11 @@ MAX_TOKENS = 10_000_000
 MAX_INFLIGHT = 100_000
 DEFAULT_MAX_INFLIGHT = 256
 DEFAULT_MIN_INFLIGHT = 4
+
+#: Roles of a setting (:attr:`Setting.role`).
+GENERATION_ROLE = "generation"
+TOKENIZATION_ROLE = "tokenization"
+OPERATIONAL_ROLE = "operational"
 
 
 @dataclass(frozen=True)
@@ -89,12 +108,35 @@ class Setting:
     #: dropped; the API takes only hosts of SYNTHQ_ALLOWED_SERVERS (:func:`urls`), and
     #: every output shows them masked.
     urls: bool = False
-    #: How the job runs, not what it makes: enqueueing the job again with another value
-    #: changes it on the job (synthq.enqueue.get_or_create_job).
-    operational: bool = False
+    #: What it is to the job: ``generation`` (the answers depend on it: part of the "same
+    #: work" key), ``tokenization`` (how the examples are made: ``TokenizeSettings``),
+    #: ``operational`` (how the job runs, not what it makes: enqueueing the job again
+    #: with another value changes it, synthq.enqueue.get_or_create_job), or None.
+    role: str | None = None
+    #: Recorded in the export manifest's settings (what produced the data).
+    exported: bool = False
+    #: With role ``generation``: part of the key only while the column ``[0]`` holds
+    #: ``[1]`` (jobs made before the setting existed keep their keys).
+    key_when: tuple[str, Any] | None = None
+    #: The items' type of a list.
+    item: Any = str
     #: With ``operational``: enqueueing the job again without the setting (an empty
     #: value) keeps the job's, rather than clearing what ``synthq capture`` set.
     kept_when_omitted: bool = False
+
+    @property
+    def operational(self) -> bool:
+        return self.role == OPERATIONAL_ROLE
+
+    @property
+    def column(self) -> str | None:
+        """The ``jobs`` column that stores it (``sampling`` for a sampling key); None: no
+        column of its own (the command reads it, or it makes other columns)."""
+        if self.field == "":
+            return None
+        if self.field and self.field.startswith("sampling."):
+            return "sampling"
+        return self.key
 
     @property
     def flag(self) -> str:
@@ -139,44 +181,46 @@ _POSITIVE_SECONDS = dict(low=0.0, high=MAX_SECONDS, low_open=True)
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("servers", list, required=True, flags=("--server", "-s"), cli="list", urls=True,
-            operational=True,
+            role=OPERATIONAL_ROLE,
             help="Base URL of an OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat "
                  "for several."),
     Setting("model", str, required=True, flags=("--model", "-m"), max_len=200,
-            help="Model name the server serves."),
+            help="Model name the server serves.", role=GENERATION_ROLE, exported=True),
     Setting("name", str, field="name", flags=("--job", "-j"), max_len=200,
             help="Job name [default: the dataset's file name]. Same name and settings again "
                  "= resume/add."),
     Setting("max_tokens", int, 4096, "max_tokens per answer.", low=1, high=MAX_TOKENS,
             requeue="sample", requeue_help="max_tokens for the requeued samples only (stored "
-            "per sample)."),
+            "per sample).", role=GENERATION_ROLE, exported=True),
     Setting("temperature", float, None, "Sampling temperature.", low=0, high=100,
             field="sampling.temperature", omitted="not sent: the server's own",
             requeue="sample", requeue_help="Sampling temperature for the requeued samples "
-            "only."),
+            "only.", role=GENERATION_ROLE, exported=True),
     Setting("top_p", float, None, "Nucleus sampling top_p.", low=0, high=1, low_open=True,
             field="sampling.top_p", omitted="not sent: the server's own", requeue="sample",
-            requeue_help="top_p for the requeued samples only."),
+            requeue_help="top_p for the requeued samples only.",
+            role=GENERATION_ROLE, exported=True),
     Setting("timeout", float, 1800.0, "Total seconds one call may take.",
-            field="total_timeout", also=_below_visibility, requeue="sample", operational=True,
+            field="total_timeout", also=_below_visibility, requeue="sample", role=OPERATIONAL_ROLE,
             requeue_help="Total seconds one call of the requeued samples may take.",
             **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("stall_timeout", float, 300.0, "Seconds without a streamed chunk before a call "
             "counts as stalled.", requeue="sample", requeue_help="Stall timeout of the "
-            "requeued samples' calls.", operational=True, **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+            "requeued samples' calls.",
+            role=OPERATIONAL_ROLE, **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("max_attempts", int, 5, "Calls per sample before it is failed.", low=1,
-            high=1000, requeue="sample", operational=True,
+            high=1000, requeue="sample", role=OPERATIONAL_ROLE,
             requeue_help="Calls per requeued sample before it is failed."),
     Setting("backoff_base", float, 2.0, "Backoff base seconds (doubles per attempt, full "
-            "jitter).", low=0, high=MAX_SECONDS, operational=True),
-    Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.", operational=True,
+            "jitter).", low=0, high=MAX_SECONDS, role=OPERATIONAL_ROLE),
+    Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.", role=OPERATIONAL_ROLE,
             **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     # inflight is "N" or "auto"; its three settings are read together by
     # synthq.enqueue.inflight_settings, which words their errors.
     Setting("inflight", str, "64", "Most requests in flight per server (set it to what the "
             "server batches, e.g. vLLM's max_num_seqs), or `auto`: each server's limit follows "
             "its latency and errors (see `synthq status`).", field="", requeue="job",
-            metavar="<N|auto>", operational=True,
+            metavar="<N|auto>", role=OPERATIONAL_ROLE,
             requeue_help="The servers' in-flight limit from now on: a number, or `auto` "
             "(adaptive per server)."),
     Setting("max_inflight", int, None, "With --inflight auto: the hard cap per server.",
@@ -184,27 +228,28 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_inflight", int, None, "With --inflight auto: the floor per server.",
             low=1, high=MAX_INFLIGHT, field="", omitted="4", requeue="job"),
     Setting("gpus", int, 1, "GPUs behind each server (cost report).", low=1, high=100_000,
-            operational=True),
+            role=OPERATIONAL_ROLE),
     Setting("gpu_hour_price", float, None, "Dollars per GPU-hour: status shows dollars "
             "spent, $/1M generated tokens and the projected cost.", low=0, high=999_999,
             must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE",
-            operational=True),
+            role=OPERATIONAL_ROLE),
     Setting("max_response_bytes", int, 4 << 20, "Bytes of answer after which a call fails "
-            "as response_too_large.", low=1, high=1 << 30, operational=True),
+            "as response_too_large.", low=1, high=1 << 30, role=OPERATIONAL_ROLE),
     Setting("keep_truncated", bool, False, "Keep answers cut by max_tokens "
             "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",),
-            operational=True),
+            role=OPERATIONAL_ROLE, exported=True),
     Setting("stream", bool, True, "Stream answers (a stall clock: a silent server is caught "
             "mid-answer). --no-stream: one plain call per sample, less CPU per sample, the "
-            "total --timeout only.", flags=("--stream/--no-stream",), operational=True),
+            "total --timeout only.", flags=("--stream/--no-stream",), role=OPERATIONAL_ROLE),
     Setting("chat_template_kwargs", dict, None, "JSON object sent as chat_template_kwargs "
             "(and used by the tokenizer), e.g. '{\"enable_thinking\": true}'.", cli="json",
             requeue="sample", requeue_help="JSON object sent as chat_template_kwargs for the "
-            "requeued samples."),
+            "requeued samples.", role=TOKENIZATION_ROLE, exported=True),
     Setting("extra_body", dict, None, "JSON object of extra request fields (not those synthq "
             "sets or that change the answers' count, length or shape: n, max_tokens, "
             "stream_options, ...).", cli="json", requeue="sample", requeue_help="JSON object "
-            "of extra request fields for the requeued samples (merged over the job's)."),
+            "of extra request fields for the requeued samples (merged over the job's).",
+            role=GENERATION_ROLE, exported=True),
     Setting("return_token_ids", bool, False, "Ask vLLM for token ids (return_token_ids).",
             field="", flags=("--return-token-ids/--no-return-token-ids",)),
     Setting("id_field", str, None, "The row field holding each row's own id, kept as the "
@@ -213,44 +258,82 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tokenizer", str, None, "The target model's tokenizer (a local path or Hugging "
             "Face id). With it, each answer is tokenized with an assistant-only loss mask; "
             "without it, a sample is done once its answer is stored.", max_len=500,
-            omitted="none"),
+            omitted="none", role=TOKENIZATION_ROLE, exported=True),
     Setting("chat_template", str, None, "A Jinja chat template that overrides the "
             "tokenizer's own (the CLI reads it from a file).", cli="file",
-            omitted="the tokenizer's"),
+            omitted="the tokenizer's", role=TOKENIZATION_ROLE),
     Setting("max_seq_len", int, 4096, "Truncate training examples to this many tokens.",
-            low=1, high=MAX_TOKENS),
+            low=1, high=MAX_TOKENS, role=TOKENIZATION_ROLE, exported=True),
     Setting("reasoning", str, "auto", "auto: keep where the chat template renders "
             "reasoning, drop where it cannot (said in one line at enqueue; the job stores "
             "the result); keep: reasoning_content is rendered into the assistant turn and "
-            "supervised; drop: left out.", choices=("auto", "keep", "drop")),
+            "supervised; drop: left out.", choices=("auto", "keep", "drop"),
+            role=TOKENIZATION_ROLE, exported=True),
     Setting("mask", str, None, "last_turn: supervise the generated answer; "
             "all_assistant_turns: also the dataset's earlier assistant turns.",
             choices=("last_turn", "all_assistant_turns"),
-            omitted="all_assistant_turns with --regenerate all, else last_turn"),
+            omitted="all_assistant_turns with --regenerate all, else last_turn",
+            role=TOKENIZATION_ROLE, exported=True),
     Setting("think_open", str, "<think>\n", "Opens kept reasoning where the template has no "
-            "reasoning_content (escapes like \\n are read).", cli="escapes", max_len=64),
+            "reasoning_content (escapes like \\n are read).", cli="escapes", max_len=64,
+            role=TOKENIZATION_ROLE, exported=True),
     Setting("think_close", str, "\n</think>\n\n", "Closes kept reasoning where the template "
-            "has no reasoning_content.", cli="escapes", max_len=64),
+            "has no reasoning_content.", cli="escapes", max_len=64,
+            role=TOKENIZATION_ROLE, exported=True),
     Setting("regenerate", str, "last", "last: regenerate the last assistant turn; all: every "
-            "assistant turn, each on the regenerated history.", choices=("last", "all")),
+            "assistant turn, each on the regenerated history.", choices=("last", "all"),
+            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all")),
     Setting("history_reasoning", str, "drop", "With --regenerate all: drop: earlier turns are "
             "sent with their content only; keep: with their reasoning_content too.",
-            choices=("drop", "keep")),
+            choices=("drop", "keep"),
+            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all")),
     Setting("examples", str, None, "With --regenerate all: conversation: one training "
             "example per conversation, masked per --mask; per-turn: one per regenerated turn, "
             "its history as sent and its answer supervised.",
             choices=("conversation", "per-turn"),
             omitted="per-turn where the template cannot mask several turns at once (tried at "
-            "enqueue), else conversation"),
+            "enqueue), else conversation", exported=True),
     Setting("capture_servers", list, [], "Base URL of a capture server (…/v1): a vLLM started "
             "with extract_hidden_states and synthq's connector; each done sample's hidden "
             "states are captured there (the stage `synthq capture` runs alone). Repeat for "
             "several. Each must answer before the job stores it.",
-            flags=("--capture-server",), cli="list", urls=True, operational=True,
+            flags=("--capture-server",), cli="list", urls=True, role=OPERATIONAL_ROLE,
             kept_when_omitted=True),
 )
 
-BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+#: The most output_hidden_states index a capture may name.
+MAX_LAYER = 4096
+
+
+def _layer_ids(layers: list[int]) -> None:
+    if not layers or any(i < 0 or i > MAX_LAYER for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise UserError(f"--layers {','.join(map(str, layers))}: distinct indices between 0 "
+                        f"and {MAX_LAYER}")
+
+
+#: The capture stage's settings (``synthq capture``; synthq.capture), stored on the job.
+#: The default of a setting may be a sentinel its reader resolves (e.g. ``auto``).
+CAPTURE: tuple[Setting, ...] = (
+    Setting("capture_layers", list, None, "output_hidden_states indices to capture, "
+            "comma-separated; must be the server's eagle_aux_hidden_state_layer_ids.",
+            item=int, cli="ints", flags=("--layers",), metavar="<i,j,...>",
+            omitted="the drafter's three and the last layer's, [2, N//2, N-3, N], from the "
+            "target's config.json", also=_layer_ids, role=OPERATIONAL_ROLE),
+    Setting("capture_dtype", str, "auto", "Stored dtype: auto (the engine's own), float32, "
+            "bfloat16 (half a float32's disk), float16, or float8_e4m3 (a quarter, with a "
+            "per-tensor scale).",
+            choices=("auto", "float32", "bfloat16", "float16", "float8_e4m3"),
+            flags=("--dtype",), role=OPERATIONAL_ROLE),
+    Setting("capture_limit", int, 8, "Capture requests in flight per server.", low=1,
+            high=4096, flags=("--limit",), role=OPERATIONAL_ROLE),
+    Setting("train_target", str, None, "The target model's folder (its config.json gives the "
+            "layer count and width for the default layers and the disk plan). Stored on the "
+            "job as its training target.", max_len=1000, flags=("--target", "-t"),
+            role=OPERATIONAL_ROLE),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in (*SETTINGS, *CAPTURE)}
 
 #: Per-sample settings a requeue may set, by the key ``samples.overrides`` stores.
 OVERRIDABLE: tuple[str, ...] = tuple(s.key for s in SETTINGS if s.requeue == "sample")
@@ -304,9 +387,10 @@ def check(s: Setting, value: Any) -> Any:
                             f"{len(value):,}")
     elif s.type is dict and not isinstance(value, dict):
         raise UserError(f"{s.flag} must be a JSON object")
-    elif s.type is list and not (isinstance(value, list)
-                                 and all(isinstance(v, str) for v in value)):
-        raise UserError(f"{s.flag} must be a list of strings")
+    elif s.type is list and not (isinstance(value, list) and all(
+            isinstance(v, s.item) and not isinstance(v, bool) for v in value)):
+        raise UserError(f"{s.flag} must be a list of "
+                        f"{'integers' if s.item is int else 'strings'}")
     if s.urls:
         value = _urls(s, value)
     if s.name == "extra_body":
@@ -357,6 +441,15 @@ def _one_of(choices: tuple[str, ...]) -> str:
     if len(choices) == 2:
         return " or ".join(choices)
     return "one of " + ", ".join(choices)
+
+
+def ints(text: str, s: Setting) -> list[int]:
+    """A comma-separated list of integers as the CLI takes it (``--layers 2,4,5,8``)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{s.flag} {text!r}: give comma-separated integers, e.g. 2,4,5,8") \
+            from None
 
 
 def check_values(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -479,3 +572,30 @@ def kept_when_omitted(key: str) -> bool:
 OPERATIONAL: tuple[str, ...] = tuple(
     key for s in SETTINGS if s.operational
     for key in (inflight_settings("auto") if s.name == "inflight" else [s.key]))
+
+
+def _columns(role: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(s.column for s in SETTINGS if s.role == role and s.column))
+
+
+#: The job columns whose values the answers depend on: the "same work" key's settings.
+GENERATION: tuple[str, ...] = _columns(GENERATION_ROLE)
+#: The job columns that make examples from the answers (``synthq.tokenize.TokenizeSettings``).
+TOKENIZATION: tuple[str, ...] = _columns(TOKENIZATION_ROLE)
+#: The job columns recorded in the export manifest (what produced the data).
+EXPORTED: tuple[str, ...] = tuple(dict.fromkeys(s.column for s in SETTINGS
+                                                if s.exported and s.column))
+
+
+def generation_settings(get: Callable[[str], Any]) -> dict[str, Any]:
+    """What makes two generations of one prompt the same work (part of the content key):
+    each :data:`GENERATION` column's value (``get(column)``), those with ``key_when`` only
+    while it holds (a last-turn job's keys stay as they were before regenerating all)."""
+    out: dict[str, Any] = {}
+    for s in SETTINGS:
+        if s.role != GENERATION_ROLE or not s.column or s.column in out:
+            continue
+        if s.key_when is not None and get(s.key_when[0]) != s.key_when[1]:
+            continue
+        out[s.column] = get(s.column)
+    return out

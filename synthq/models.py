@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import CaptureState, JobState, RunState, SampleState
+from synthq.jobspec import default
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
            "TrainingRun", "UTCDateTime", "ApiSession", "Capture"]
@@ -183,11 +184,13 @@ class Job(Base):
     #: last layer's, from the target's config).
     capture_layers: Mapped[list[int] | None] = mapped_column(JsonType, nullable=True)
     #: The stored dtype: ``auto`` (the engine's own: a bf16 engine's files stay bf16),
-    #: ``float32``, ``bfloat16``, ``float16`` or ``float8_e4m3``.
-    capture_dtype: Mapped[str] = mapped_column(String(16), default="auto",
-                                               server_default="auto")
+    #: ``float32``, ``bfloat16``, ``float16`` or ``float8_e4m3`` (synthq.jobspec.CAPTURE
+    #: declares them).
+    capture_dtype: Mapped[str] = mapped_column(String(16), default=default("capture_dtype"),
+                                               server_default=str(default("capture_dtype")))
     #: Most capture requests in flight on each capture server.
-    capture_limit: Mapped[int] = mapped_column(Integer, default=8, server_default="8")
+    capture_limit: Mapped[int] = mapped_column(Integer, default=default("capture_limit"),
+                                               server_default=str(default("capture_limit")))
     #: Why synthq stopped the capture stage (identical failures in a row on one server,
     #: synthq.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
     capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -206,12 +209,9 @@ class Job(Base):
 
     def generation_settings(self) -> dict[str, Any]:
         """What makes two generations of one prompt the same work (part of the content key)."""
-        settings = {"model": self.model, "max_tokens": self.max_tokens,
-                    "sampling": self.sampling, "extra_body": self.extra_body}
-        if self.regenerate == "all":  # absent for last-turn jobs: their keys stay as they were
-            settings["regenerate"] = "all"
-            settings["history_reasoning"] = self.history_reasoning
-        return settings
+        from synthq.jobspec import generation_settings
+
+        return generation_settings(lambda column: getattr(self, column))
 
     def key_generation_settings(self) -> dict[str, Any]:
         """The settings new rows' content keys are computed under (those of the job's
@@ -518,7 +518,7 @@ class Capture(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None]
     #: Running: the capture process's lease.
-    lease_expires_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
     #: Random token; every transition out of running must present it.
     claim: Mapped[str | None] = mapped_column(String(32))
     worker: Mapped[str | None] = mapped_column(String(200))

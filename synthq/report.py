@@ -1,6 +1,8 @@
 """What a job is doing: counts per state, rate, ETA, failures, load per server.
 
-This module only reads (:mod:`synthq.states` is the only writer).
+This module only reads, but for the cost report's fold of a job's busy time
+(:mod:`synthq.cost` writes it back to the job's row while a status runs); every state
+change is :mod:`synthq.states`' (the ledger's, :mod:`synthq.ledger`).
 
 Every figure is defined once, here (and in :mod:`synthq.cost` for the cost
 report): a few reads in plain SQL (:mod:`synthq.sqlread`), and Python that
@@ -17,11 +19,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from synthq.capture.progress import CaptureProgress, capture_progress, store_root
+from synthq.capture.progress import CaptureProgress, capture_progress
 from synthq.clock import SKEW_WARNING_S, utcnow
 from synthq.cost import CostJob, job_cost
 from synthq.counts import call_counts, counted, sample_counts, state_counts
-from synthq.defaults import StatusSettings
+from synthq.defaults import StatusSettings, store_root
 from synthq.enums import INFLIGHT, SampleState
 from synthq.errors import retokenizable
 from synthq.health import unhealthy

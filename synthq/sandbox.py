@@ -79,18 +79,28 @@ class _Budget:
         self.left = chars
 
 
-_local = threading.local()
+class _Local(threading.local):
+    #: The render under way in this thread (None: no render; a class attribute, so that
+    #: reading it is a plain attribute read, not a getattr with a default).
+    budget: _Budget | None = None
+
+
+_local = _Local()
 
 
 def _budget() -> _Budget | None:
-    return getattr(_local, "budget", None)
+    return _local.budget
+
+
+def _late(budget: _Budget) -> TemplateLimitError:
+    return TemplateLimitError(f"the chat template ran over {budget.seconds:g} s in one "
+                              "render (synthq's limit)")
 
 
 def _tick() -> None:
-    budget = _budget()
+    budget = _local.budget
     if budget is not None and time.monotonic() > budget.deadline:
-        raise TemplateLimitError(f"the chat template ran over {budget.seconds:g} s in one "
-                                 "render (synthq's limit)")
+        raise _late(budget)
 
 
 def _over() -> TemplateLimitError:
@@ -100,13 +110,13 @@ def _over() -> TemplateLimitError:
 
 def _need(n: int) -> None:
     """Refuse an operation that would build ``n`` characters more than are left."""
-    budget = _budget()
+    budget = _local.budget
     if budget is not None and n > budget.left:
         raise _over()
 
 
 def _charge(n: int) -> None:
-    budget = _budget()
+    budget = _local.budget
     if budget is not None:
         budget.left -= n
         if budget.left < 0:
@@ -258,8 +268,10 @@ _ITERATE = "synthq_clock"
 def _iterate(context: Any, iterable: Iterable[Any]) -> Iterator[Any]:
     # pass_context: jinja2 never folds it at compile time (it would print the generator).
     del context
+    budget = _local.budget  # the render's (a loop runs inside one)
     for item in iterable:
-        _tick()
+        if budget is not None and time.monotonic() > budget.deadline:
+            raise _late(budget)
         yield item
 
 
@@ -319,11 +331,12 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
         """Every output and ``{% set %}`` block is joined here: charged as it grows."""
-        budget, parts, total = _budget(), [], 0
+        budget, parts, total = _local.budget, [], 0
         for piece in pieces:
             total += len(piece)
             if budget is not None:
-                _tick()
+                if time.monotonic() > budget.deadline:
+                    raise _late(budget)
                 if total > budget.left:
                     raise _over()
             parts.append(piece)
@@ -336,6 +349,18 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return _charge_result("".join(map(str, items)))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:
+            # The common case (``'<|im_start|>' + message.role``), inline: the same
+            # clock, the same charge before the string is built, one budget read.
+            budget = _local.budget
+            if budget is not None:
+                if time.monotonic() > budget.deadline:
+                    raise _late(budget)
+                size = len(left) + len(right)
+                if size > budget.left:
+                    raise _over()
+                budget.left -= size
+            return left + right
         _tick()
         if operator == "*":
             seq, times = (left, right) if isinstance(right, int) else (right, left)
@@ -353,11 +378,15 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return _charge_result(super().call_binop(context, operator, left, right))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        _tick()
+        budget = _local.budget  # _tick(), inline: a template reads attributes all along
+        if budget is not None and time.monotonic() > budget.deadline:
+            raise _late(budget)
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        _tick()
+        budget = _local.budget
+        if budget is not None and time.monotonic() > budget.deadline:
+            raise _late(budget)
         return super().getitem(obj, argument)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805

@@ -17,7 +17,7 @@ from synthq import jobspec, states
 from synthq.db import utcnow
 from synthq.enqueue import EnqueueReport, JobSpec, enqueue
 from synthq.enums import JobState
-from synthq.errors import PERMANENT_CLASSES, RETRYABLE_CLASSES, TOKENIZATION_CLASSES, UserError
+from synthq.errors import ALL_CLASSES, TOKENIZATION_CLASSES, UserError
 from synthq.models import Job
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requeue_with",
@@ -25,7 +25,7 @@ __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requ
            "preflight"]
 
 #: Failure classes a requeue may name.
-KNOWN_CLASSES = frozenset(RETRYABLE_CLASSES | PERMANENT_CLASSES | TOKENIZATION_CLASSES)
+KNOWN_CLASSES = frozenset(ALL_CLASSES | TOKENIZATION_CLASSES)
 
 
 def check_classes(classes: Sequence[str]) -> None:

@@ -1,11 +1,13 @@
 """Every write to samples, attempts and job states: one module, each transition a compare-and-set.
 
-Each sample transition is an ``UPDATE ... WHERE id=? AND state IN (allowed
-sources) [AND claim=?]`` and returns whether it won. A duplicate delivery, a
-worker whose lease expired, or two racing workers therefore can never write a
-result twice or overwrite a newer state (docs/design.md, invariant 2). A call's
-``attempts`` row is written by the transition that records the call's
-outcome, in the same transaction.
+Samples are one kind of leased work (:data:`SAMPLES`): their claim, their
+compare-and-set, their expiry and their requeue are :mod:`synthq.ledger`'s, the
+same as captures' and training runs'. Each sample transition is an ``UPDATE ...
+WHERE id=? AND state IN (allowed sources) [AND claim=?]`` and returns whether it
+won. A duplicate delivery, a worker whose lease expired, or two racing workers
+therefore can never write a result twice or overwrite a newer state
+(docs/design.md, invariant 2). A call's ``attempts`` row is written by the
+transition that records the call's outcome, in the same transaction.
 
 ::
 
@@ -52,18 +54,24 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import ClauseElement
 
+from synthq import ledger
 from synthq.enums import FINISHED, INFLIGHT, JobState, SampleState
 from synthq.models import Attempt, Job, Sample, Worker
 
 __all__ = [
-    "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
+    "SAMPLES", "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
     "queue", "claim_batch", "claim", "release", "renew", "renew_many",
     "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
     "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
 ]
+
+#: Samples as a kind of leased work: queued (offered) before they are claimed; the lease
+#: (or a queued sample's claim deadline) in ``expires_at``.
+SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
+                      done=SampleState.DONE, failed=SampleState.FAILED,
+                      offered=SampleState.QUEUED, lease="expires_at", hot=True)
 
 #: Sample states that keep a job from being finished.
 OPEN = (SampleState.PENDING, SampleState.QUEUED, SampleState.RUNNING)
@@ -108,33 +116,12 @@ def _exec(session: Session, statement: Any, params: Any = None) -> Any:
 
 def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
          values: dict[str, Any], *, token: str | None = None, extra: Sequence[Any] = ()) -> bool:
-    if not extra and not any(hasattr(v, "__clause_element__") or isinstance(v, ClauseElement)
-                             for v in values.values()):
-        # The hot path: one statement per shape, every value a parameter.
-        stmt = _cas_statement(tuple(sources), tuple(values), token is not None)
-        params = {f"v_{k}": v for k, v in values.items()}
-        params["cas_id"] = sample_id
-        if token is not None:
-            params["cas_token"] = token
-        return _exec(session, stmt, params).rowcount == 1  # type: ignore[no-any-return]
-    conds = [Sample.id == sample_id, Sample.state.in_(sources), *extra]
-    if token is not None:
-        conds.append(Sample.claim == token)
-    result = _exec(session, update(Sample).where(and_(*conds)).values(**values))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return ledger.cas(session, SAMPLES, sample_id, sources, values, token=token, extra=extra)
 
 
-@functools.lru_cache(maxsize=256)
-def _cas_statement(sources: tuple[SampleState, ...], keys: tuple[str, ...], token: bool) -> Any:
-    """``UPDATE samples SET ... WHERE id = ? AND state IN (...) [AND claim = ?]`` with every
-    value a bound parameter: the same statement object each time, so SQLAlchemy's cache
-    key and compiled form are reused (building one per write was a tenth of a worker's CPU)."""
-    columns = Sample.__table__.c
-    conds = [Sample.id == bindparam("cas_id"), Sample.state.in_(sources)]
-    if token:
-        conds.append(Sample.claim == bindparam("cas_token"))
-    return update(Sample).where(and_(*conds)).values(
-        {k: bindparam(f"v_{k}", type_=columns[k].type) for k in keys})
+def _move(session: Session, transition: str, sample_id: int, token: str, *, now: datetime,
+          **values: Any) -> bool:
+    return ledger.move(session, SAMPLES, transition, sample_id, token, now=now, **values)
 
 
 def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
@@ -202,7 +189,7 @@ def _queue_statement() -> Any:
     now = bindparam("now", type_=columns["updated_at"].type)
     return (update(Sample)
             .where(Sample.id.in_(bindparam("ids", expanding=True)),
-                   Sample.state == SampleState.PENDING)
+                   Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
             .values(state=SampleState.QUEUED,
                     server=bindparam("server", type_=columns["server"].type),
                     claim=bindparam("token", type_=columns["claim"].type),
@@ -244,18 +231,14 @@ def _claim_statement() -> Any:
     pairs = tuple_(Sample.id, Sample.claim).in_(bindparam("items", expanding=True))
     job_active = exists().where(Job.id == Sample.job_id, Job.state == JobState.ACTIVE)
     now = bindparam("now", type_=columns["updated_at"].type)
-    return (
-        update(Sample)
-        .where(pairs, Sample.state == SampleState.QUEUED, job_active)
-        .values(state=SampleState.RUNNING,
-                claim=bindparam("new_token", type_=columns["claim"].type),
-                expires_at=bindparam("lease_until",
-                                           type_=columns["expires_at"].type),
-                worker=bindparam("worker", type_=columns["worker"].type), started_at=now,
-                updated_at=now,
-                attempts=case((Sample.response_content.is_(None), Sample.attempts + 1),
-                              else_=Sample.attempts))
-        .returning(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
+    return ledger.claim_statement(
+        SAMPLES, [pairs, Sample.state.in_(ledger.allowed(SAMPLES, "claim")), job_active],
+        token=bindparam("new_token", type_=columns["claim"].type),
+        lease=bindparam("lease_until", type_=columns["expires_at"].type),
+        worker=bindparam("worker", type_=columns["worker"].type), now=now,
+        values={"attempts": case((Sample.response_content.is_(None), Sample.attempts + 1),
+                                 else_=Sample.attempts)},
+        returning=(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
                    Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
                    Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turn,
                    Sample.turn_count, Sample.turns, Sample.overrides))
@@ -273,31 +256,22 @@ def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
     """queued → pending, for items still queued under their token (their job is not active)."""
     if not items:
         return 0
-    result = _exec(session,
-        update(Sample)
-        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
-               Sample.state == SampleState.QUEUED)
-        .values(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
-                updated_at=now))
-    return int(result.rowcount)
+    return int(ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "unoffer"), dict(
+        state=SampleState.PENDING, claim=None, server=None, expires_at=None, updated_at=now)))
 
 
 def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
     """running → running with a later lease. False means the lease was lost."""
-    return _cas(session, sample_id, [SampleState.RUNNING], dict(expires_at=lease_until),
-                token=token)
+    return ledger.cas(session, SAMPLES, sample_id, ledger.allowed(SAMPLES, "renew"),
+                      dict(expires_at=lease_until), token=token)
 
 
 def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime) -> set[int]:
     """:func:`renew` for many samples in one statement; returns the ids still held."""
     if not items:
         return set()
-    rows = _exec(session,
-        update(Sample)
-        .where(tuple_(Sample.id, Sample.claim).in_([tuple(i) for i in items]),
-               Sample.state == SampleState.RUNNING)
-        .values(expires_at=lease_until)
-        .returning(Sample.id))
+    rows = ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "renew"),
+                           dict(expires_at=lease_until), returning=(Sample.id,))
     return {r[0] for r in rows}
 
 
@@ -307,10 +281,8 @@ def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime
 def complete(session: Session, sample_id: int, token: str, *, now: datetime,
              attempt: dict[str, Any] | None = None, **result: Any) -> bool:
     """running → done, writing the result in the same statement (invariant 3)."""
-    won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.DONE, claim=None, expires_at=None,
-                    error_class=None, error_message=None, finished_at=now, updated_at=now,
-                    **result), token=token)
+    won = _move(session, "finish", sample_id, token, now=now, error_class=None,
+                error_message=None, **result)
     _attempt(session, attempt, won=won)
     return won
 
@@ -318,8 +290,8 @@ def complete(session: Session, sample_id: int, token: str, *, now: datetime,
 def store_response(session: Session, sample_id: int, token: str, *, now: datetime,
                    attempt: dict[str, Any] | None = None, **response: Any) -> bool:
     """running → running, saving the raw response before tokenization (invariant 4)."""
-    won = _cas(session, sample_id, [SampleState.RUNNING], dict(updated_at=now, **response),
-               token=token)
+    won = ledger.cas(session, SAMPLES, sample_id, ledger.allowed(SAMPLES, "renew"),
+                     dict(updated_at=now, **response), token=token)
     _attempt(session, attempt, won=won)
     return won
 
@@ -332,10 +304,9 @@ def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
     A conversation regenerated turn by turn goes round the usual states once per
     turn (docs/design.md, "States"); each turn gets a fresh attempt budget.
     """
-    won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
-                    next_attempt_at=now, attempts=0, turn=turn, turns=turns,
-                    error_class=None, error_message=None, updated_at=now), token=token)
+    won = _move(session, "release", sample_id, token, now=now, server=None,
+                next_attempt_at=now, attempts=0, turn=turn, turns=turns, error_class=None,
+                error_message=None)
     _attempt(session, attempt, won=won)
     return won
 
@@ -343,10 +314,9 @@ def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
 def skip(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
          now: datetime) -> bool:
     """running → skipped: the sample is fine but yields no training example."""
-    return _cas(session, sample_id, [SampleState.RUNNING],
-                dict(state=SampleState.SKIPPED, claim=None, expires_at=None,
-                     error_class=error_class, error_message=error_message, finished_at=now,
-                     updated_at=now), token=token)
+    # Like ``fail``, into the sample's own final state.
+    return _move(session, "fail", sample_id, token, now=now, state=SampleState.SKIPPED,
+                 error_class=error_class, error_message=error_message)
 
 
 def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: datetime,
@@ -357,12 +327,9 @@ def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: date
     ``charge=False`` gives the call back to the sample's attempt budget (an
     overload answer: the server asked us to come back later)."""
     extra = {} if charge else {"attempts": Sample.attempts - 1}
-    won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
-                    last_server=Sample.server, next_attempt_at=next_attempt_at,
-                    error_class=error_class, error_message=error_message, updated_at=now,
-                    **extra),
-               token=token)
+    won = _move(session, "retry", sample_id, token, now=now, server=None,
+                last_server=Sample.server, next_attempt_at=next_attempt_at,
+                error_class=error_class, error_message=error_message, **extra)
     _attempt(session, attempt, won=won)
     return won
 
@@ -370,10 +337,8 @@ def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: date
 def fail(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
          now: datetime, attempt: dict[str, Any] | None = None) -> bool:
     """running → failed."""
-    won = _cas(session, sample_id, [SampleState.RUNNING],
-               dict(state=SampleState.FAILED, claim=None, expires_at=None,
-                    error_class=error_class, error_message=error_message, finished_at=now,
-                    updated_at=now), token=token)
+    won = _move(session, "fail", sample_id, token, now=now, error_class=error_class,
+                error_message=error_message)
     _attempt(session, attempt, won=won)
     return won
 
@@ -430,33 +395,33 @@ def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
     settings; the others keep theirs. A finished job becomes active again in the
     same transaction.
     """
-    conds = [Sample.job_id == job_id, Sample.state == SampleState.FAILED]
+    scope = [Sample.job_id == job_id]
     if classes:
-        conds.append(Sample.error_class.in_(classes))
+        scope.append(Sample.error_class.in_(classes))
     if sample_ids:
-        conds.append(Sample.id.in_(sample_ids))
-    base = dict(state=SampleState.PENDING, attempts=0, next_attempt_at=now, claim=None,
-                server=None, finished_at=None, updated_at=now)
+        scope.append(Sample.id.in_(sample_ids))
+    #: What ledger.requeue sets (and the kind's own columns), for the rows moved one by one.
+    again = dict(next_attempt_at=now, claim=None, server=None)
+    base = dict(state=SampleState.PENDING, attempts=0, finished_at=None, updated_at=now,
+                **again)
     kept: list[Any] = []
     if "truncated" in classes:
         kept = [Sample.job_id == job_id, Sample.state == SampleState.DONE,
                 Sample.finish_reason == "length",
                 *([Sample.id.in_(sample_ids)] if sample_ids else [])]
     if not overrides and not kept:
-        result = session.execute(
-            update(Sample).where(*conds).values(**base)
-            .execution_options(synchronize_session=False))
-        moved = int(result.rowcount)  # type: ignore[attr-defined]
+        moved = ledger.requeue(session, SAMPLES, scope, now=now, **again)
     else:
-        moved = _requeue_rows(session, conds, kept, base, overrides or {})
+        moved = _requeue_rows(session, scope, kept, base, again, overrides or {}, now=now)
     if moved:
         reactivate(session, job_id, now=now)
     return moved
 
 
-def _requeue_rows(session: Session, conds: list[Any], kept: list[Any], base: dict[str, Any],
-                  overrides: dict[str, Any]) -> int:
+def _requeue_rows(session: Session, scope: list[Any], kept: list[Any], base: dict[str, Any],
+                  again: dict[str, Any], overrides: dict[str, Any], *, now: datetime) -> int:
     """:func:`requeue` row by row: each sample's own overrides merged, answers cleared."""
+    conds = [Sample.state == SampleState.FAILED, *scope]
     where = or_(and_(*conds), and_(*kept)) if kept else and_(*conds)
     rows = session.execute(
         select(Sample.id, Sample.state, Sample.overrides, Sample.turns)
@@ -476,11 +441,8 @@ def _requeue_rows(session: Session, conds: list[Any], kept: list[Any], base: dic
     for key, ids in groups.items():
         for start in range(0, len(ids), 1000):
             chunk = ids[start:start + 1000]
-            result = session.execute(
-                update(Sample).where(Sample.id.in_(chunk), Sample.state == SampleState.FAILED)
-                .values(**base, overrides=json.loads(key))
-                .execution_options(synchronize_session=False))
-            moved += int(result.rowcount)  # type: ignore[attr-defined]
+            moved += ledger.requeue(session, SAMPLES, [Sample.id.in_(chunk)], now=now,
+                                    overrides=json.loads(key), **again)
     return moved
 
 
@@ -664,49 +626,30 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     if worker_timeout is not None:
         live = select(Worker.name).where(
             Worker.heartbeat_at >= now - timedelta(seconds=worker_timeout))
-        gone = gone | and_(Sample.state == SampleState.RUNNING, Sample.worker.is_not(None),
-                           Sample.worker.not_in(live))
-    where = [Sample.state.in_(INFLIGHT), gone,
-             *([Sample.job_id.in_(job_ids)] if job_ids is not None else [])]
-    rows = session.execute(
-        select(Sample.id, Sample.state, Sample.attempts,
-               _max_attempts(session.get_bind().dialect.name), Sample.server,
-               Sample.worker, Sample.started_at, Sample.response_content.is_(None),
-               case((Job.regenerate == "all", Sample.turn), else_=None))
-        .join(Job, Job.id == Sample.job_id).where(*where)
-        .with_for_update(of=Sample, skip_locked=True)
-    ).all()
-    if not rows:
-        return []
-    exhausted = {r[0] for r in rows if r[1] == SampleState.RUNNING and r[2] >= r[3]}
-    back = [r[0] for r in rows if r[0] not in exhausted]
-    moved: list[tuple[int, SampleState]] = []
-    if back:
-        session.execute(
-            update(Sample).where(Sample.id.in_(back), *where)
-            .values(state=SampleState.PENDING, claim=None, server=None, expires_at=None,
-                    last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
-                                     else_=Sample.last_server),
-                    next_attempt_at=now, updated_at=now)
-            .execution_options(synchronize_session=False))
-        moved += [(i, SampleState.PENDING) for i in back]
-    if exhausted:
-        session.execute(
-            update(Sample).where(Sample.id.in_(exhausted), *where)
-            .values(state=SampleState.FAILED, claim=None, expires_at=None,
-                    error_class="connection",
-                    error_message="the worker stopped reporting during its last attempt",
-                    finished_at=now, updated_at=now)
-            .execution_options(synchronize_session=False))
-        moved += [(i, SampleState.FAILED) for i in exhausted]
+        gone = gone | ledger.held_by_dead(SAMPLES, live)
+    expired = ledger.expire(
+        session, SAMPLES, now=now, gone=gone,
+        scope=[Sample.job_id.in_(job_ids)] if job_ids is not None else [],
+        cap=_max_attempts(session.get_bind().dialect.name), join=(Job, Job.id == Sample.job_id),
+        columns=(Sample.server, Sample.worker, Sample.started_at,
+                 Sample.response_content.is_(None),
+                 case((Job.regenerate == "all", Sample.turn), else_=None)),
+        back=dict(server=None,
+                  last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
+                                   else_=Sample.last_server),
+                  next_attempt_at=now),
+        failed=dict(error_class="connection",
+                    error_message="the worker stopped reporting during its last attempt"))
     # The calls those workers were making never ended: log them as lost.
+    # (rows: id, state, attempts, cap, server, worker, started_at, unanswered, turn)
     lost = [dict(sample_id=r[0], server=r[4], worker=r[5], started_at=r[6] or now,
                  ended_at=now, outcome="lost", turn=r[8],
                  error_message="the worker stopped reporting during the call")
-            for r in rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
+            for r in expired.rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
     if lost:
         session.execute(insert(Attempt), lost)
-    return moved
+    return [*((i, SampleState.PENDING) for i in expired.back),
+            *((i, SampleState.FAILED) for i in expired.failed)]
 
 
 # -- the counters -------------------------------------------------------------------------

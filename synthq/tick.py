@@ -9,9 +9,11 @@ The order, and why (docs/design.md, "The tick", points here):
 
 1. **probe**: servers due a health probe; one found down is sent at most one
    call by this tick's dispatch, not a batch.
-2. **sweep**: expired leases, dead workers' samples and unclaimed queued
+2. **sweep**: every kind of leased work a dead holder leaves (synthq.ledger):
+   expired leases, dead workers' samples and captures, and unclaimed queued
    samples go back to ``pending``, so the dispatch below frees their slots and
-   sends them again in the same tick.
+   sends them again in the same tick (and the capture step finds its servers' true
+   room). Training runs are swept by the train step, which sends each its message.
 3. **adapt**: the adaptive limits (``--inflight auto``) *before* the dispatch,
    so that what the controller decided on the calls that just ended is what
    this dispatch fills: a raise is filled at once, a cut queues nothing above

@@ -123,13 +123,17 @@ class TokenizeSettings:
 
     @classmethod
     def from_job(cls, job: Any) -> TokenizeSettings | None:
+        """The settings of a job (or JobSpec): its tokenization columns (synthq.jobspec's
+        TOKENIZATION), or None without a tokenizer."""
+        from synthq.jobspec import TOKENIZATION
+
         if not job.tokenizer:
             return None
-        return cls(tokenizer=job.tokenizer, chat_template=job.chat_template,
-                   chat_template_kwargs=json.dumps(job.chat_template_kwargs or {},
-                                                   sort_keys=True),
-                   max_seq_len=job.max_seq_len, reasoning=job.reasoning,
-                   think_open=job.think_open, think_close=job.think_close, mask=job.mask)
+        values = {column: getattr(job, column) for column in TOKENIZATION}
+        values["chat_template_kwargs"] = json.dumps(values["chat_template_kwargs"] or {},
+                                                    sort_keys=True)
+        values["mask"] = values["mask"] or "last_turn"
+        return cls(**values)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:

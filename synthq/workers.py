@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # `synthq status` reads live() (plain SQL) on its fast path, which must not load them.
 
 __all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity",
-           "pid_alive"]
+           "pid_alive", "gone_here"]
 
 
 def new_name() -> str:
@@ -77,16 +77,22 @@ def unregister(session: Session, name: str) -> None:
 def live(db: Session | Reader, *, now: datetime, timeout: float) -> list[WorkerInfo]:
     """Workers that heart-beat within ``timeout`` seconds, less those of this host whose
     process is gone (a ``synthq run`` killed with -9 is not live for its last seconds)."""
-    import socket
-
     rows = reader_of(db).rows(
         "SELECT name, capacity, inflight, heartbeat_at, started_at, clock_skew, host, pid "
         "FROM workers WHERE heartbeat_at >= :since ORDER BY started_at",
         {"since": now - timedelta(seconds=timeout)})
-    here = socket.gethostname()
     return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started), off)
             for name, capacity, inflight, beat, started, off, host, pid in rows
-            if not (host == here and not pid_alive(int(pid)))]
+            if not gone_here(host, int(pid))]
+
+
+def gone_here(host: str, pid: int) -> bool:
+    """The dead-process rule: whether ``host:pid`` names a process of this host that no
+    longer exists (kill -9). Its holdings need not wait out a lease or a heartbeat.
+    A process of another host, or this process itself, is never judged gone here."""
+    import socket
+
+    return host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid)
 
 
 def pid_alive(pid: int) -> bool:

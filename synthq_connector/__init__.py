@@ -49,10 +49,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
+# The key is synthq.capture.protocol's (stdlib only: vLLM loads this package from the
+# repository, where synthq is too), so the capture stage and this connector share it.
+from synthq.capture.protocol import NAME_KEY
+
 __all__ = ["SynthqHiddenStatesConnector", "tensor_sha256", "NAME_KEY"]
 
-#: The ``kv_transfer_params`` key with which a request names its file.
-NAME_KEY = "synthq_name"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from api.deps import JobDep, JobRef, SessionDep, SettingsDep, job_or_404
 from api.schemas import (
+    CaptureSettings,
     EnqueueResult,
     ErrorBody,
     JobCreate,
@@ -253,9 +254,7 @@ def get_job(job: JobDep, session: SessionDep) -> JobStatus:
 def get_training_runs(job: JobDep, session: SessionDep) -> list[TrainingRunSummary]:
     from synthq.training.runs import list_runs  # no torch
 
-    return [TrainingRunSummary(**{k: v for k, v in r.items()
-                                  if k in TrainingRunSummary.model_fields})
-            for r in list_runs(session, job.id)]
+    return [TrainingRunSummary(**r) for r in list_runs(session, job.id)]
 
 
 def _set_state(ref: str, target: JobState) -> JobStateChange:
@@ -281,6 +280,31 @@ def resume(job: JobRef) -> JobStateChange:
              summary="Stop a job for good (its data stays)")
 def cancel(job: JobRef) -> JobStateChange:
     return _set_state(job, JobState.CANCELLED)
+
+
+@router.put("/{job}/capture", response_model=CaptureSettings, responses=ERRORS,
+            summary="Set the job's capture settings, as `synthq capture` does (an omitted "
+            "one is kept); the stage runs under `synthq capture` or the tick")
+def set_capture(job: JobRef, body: CaptureSettings, settings: SettingsDep) -> CaptureSettings:
+    given = body.model_dump(exclude_unset=True)
+    if given.get("train_target") is not None:  # a folder the server opens: confined
+        try:
+            folder = service.data_path(settings.data_dir, given["train_target"])
+        except UserError:
+            raise HTTPException(422, "train_target must be a folder inside the data "
+                                "directory") from None
+        if not folder.is_dir():
+            raise HTTPException(422, "train_target must be a folder (holding config.json)")
+        given["train_target"] = str(folder)
+    changes = jobspec.check_values(given)
+    with session_scope() as s:
+        j = job_or_404(s, job)
+        if changes:
+            from synthq import states
+            from synthq.db import utcnow
+
+            states.update_job(s, j, changes, now=utcnow())
+        return CaptureSettings(**{c.name: getattr(j, c.name) for c in jobspec.CAPTURE})
 
 
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,

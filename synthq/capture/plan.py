@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from synthq.eagle3 import aux_layer_ids
 from synthq.errors import UserError
 
 __all__ = ["AUTO", "DTYPES", "Plan", "drafter_layers", "target_config", "layers_for",
@@ -30,10 +31,10 @@ AUTO = "auto"
 
 
 def drafter_layers(num_layers: int) -> list[int]:
-    """The drafter's three features (``[2, N//2, N-3]``, as synthq.training.model) and
-    the last layer's output (index N, before the final norm), from which training
-    recomputes the target's own distribution with its norm and ``lm_head``."""
-    return [2, num_layers // 2, num_layers - 3, num_layers]
+    """The drafter's three features (synthq.eagle3's rule) and the last layer's output
+    (index N, before the final norm), from which training recomputes the target's own
+    distribution with its norm and ``lm_head``."""
+    return [*aux_layer_ids(num_layers), num_layers]
 
 
 def target_config(*candidates: str | None) -> dict[str, Any] | None:

@@ -10,32 +10,26 @@ SQLAlchemy nor the models. :func:`plan` is the stage's disk plan
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from synthq.capture.plan import AUTO, DTYPES, Plan, auto_dtype, layers_for, target_config
 from synthq.capture.store import Store
-from synthq.defaults import DATA_DIR
+from synthq.defaults import store_root
 from synthq.enums import CaptureState, SampleState
 from synthq.errors import UserError
+from synthq.jobspec import default
 from synthq.secrets import safe_url
 from synthq.sqlread import Reader, read_json
 
+#: ``store_root`` is synthq.defaults' (a low module: config reads it too); named here for
+#: the capture stage's readers.
 __all__ = ["CaptureProgress", "CaptureCounts", "capture_progress", "counts", "plan",
            "store_root"]
 
 #: Characters of a failure's message a status shows.
 MESSAGE_CHARS = 300
-
-
-def store_root(capture_store: str | Path | None, data_dir: str | Path | None = None) -> Path:
-    """Where captured files live: ``SYNTHQ_CAPTURE_STORE``, else ``<data dir>/hidden-states``
-    (the data dir: ``data_dir``, else ``SYNTHQ_DATA_DIR`` or the default's)."""
-    if capture_store:
-        return Path(capture_store)
-    return Path(data_dir or os.environ.get("SYNTHQ_DATA_DIR") or DATA_DIR) / "hidden-states"
 
 
 class _CaptureJob(NamedTuple):
@@ -56,8 +50,8 @@ def _job(reader: Reader, job_id: int) -> _CaptureJob | None:
     if not found:
         return None
     servers, layers, dtype, target, tokenizer, stopped = found[0]
-    return _CaptureJob(list(read_json(servers) or []), read_json(layers), dtype or AUTO,
-                       target, tokenizer, stopped)
+    return _CaptureJob(list(read_json(servers) or []), read_json(layers),
+                       dtype or default("capture_dtype"), target, tokenizer, stopped)
 
 
 @dataclass
@@ -134,7 +128,8 @@ def plan(reader: Reader, job_id: int, job: Any, *, free: int) -> Plan:
 @dataclass
 class CaptureProgress:
     """A job's capture stage in a status (``JobStatus.capture``; None: the job captures
-    nothing)."""
+    nothing): the one record of it, in ``synthq status --json``, ``synthq capture --json``
+    and the API alike."""
 
     #: The job's capture servers, passwords masked.
     servers: list[str]
@@ -142,6 +137,8 @@ class CaptureProgress:
     total: int
     #: Captures per state (pending, running, done, failed), zeros included.
     counts: dict[str, int]
+    #: Of them, done: checked files in the store.
+    done: int
     #: Of ``total``, done samples the stage has not picked up yet (it adds them as it runs).
     waiting: int
     #: Failed captures by class, and one reason per class (its latest message).
@@ -164,10 +161,6 @@ class CaptureProgress:
     #: Why synthq stopped the stage: a server failed several captures in a row the same
     #: way (synthq.streaks); None: it runs.
     stopped: str | None = None
-
-    @property
-    def done(self) -> int:
-        return self.counts.get(CaptureState.DONE, 0)
 
     @property
     def over_budget(self) -> bool:
@@ -245,6 +238,7 @@ def capture_progress(reader: Reader, job_id: int, *, store: str | Path
         servers=[safe_url(u) for u in job.capture_servers],
         total=rows.total + int(waiting),
         counts={s.value: rows.by_state.get(s.value, 0) for s in CaptureState},
+        done=rows.by_state.get(CaptureState.DONE.value, 0),
         waiting=int(waiting), failures=rows.failures, reasons=reasons,
         retrying=rows.retrying, calls=rows.calls, bytes=rows.bytes, tokens=rows.tokens,
         layers=layers, dtype=dtype, projected_bytes=projected, free_bytes=free,

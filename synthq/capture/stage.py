@@ -39,33 +39,32 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
+from synthq import ledger, workers
 from synthq import states as job_states
-from synthq import workers
 from synthq.capture import confine, ingest, states
 from synthq.capture.plan import Plan, check_space, layers_for
-from synthq.capture.progress import CaptureCounts, counts, store_root
+from synthq.capture.progress import CaptureCounts, counts
 from synthq.capture.progress import plan as progress_plan
+from synthq.capture.protocol import NAME_KEY
 from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
+from synthq.defaults import store_root
+from synthq.dispatch import sweep
 from synthq.enums import CaptureState
 from synthq.errors import (
     BadRequest,
     CaptureIncomplete,
     ConnectionFailed,
-    ContextLength,
     InvalidInput,
-    PermanentError,
-    RateLimited,
-    RetryableError,
     SampleError,
     ServerError,
     TimeoutError_,
     UserError,
 )
 from synthq.examples import split
+from synthq.inference import status_error
 from synthq.models import Capture, Job, Sample
-from synthq.retry import backoff_delay
 from synthq.sqlread import reader_of
 from synthq.streaks import CAPTURE_CLASSES, Streaks
 
@@ -76,9 +75,6 @@ log = logging.getLogger(__name__)
 
 #: Bytes of a capture response read at most (the answer is one token and a path).
 MAX_BODY = 1 << 20
-#: The ``kv_transfer_params`` key with which synthq names a request's file (the
-#: connector's ``NAME_KEY``; synthq_connector is not imported: it needs vLLM).
-NAME_KEY = "synthq_name"
 
 
 def store() -> Store:
@@ -163,7 +159,8 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str,
                            json=body) as response:
             if response.status_code >= 400:
                 text = b"".join(_take(response.iter_bytes(), 4096)).decode("utf-8", "replace")
-                raise _status_error(response.status_code, text, response.headers)
+                raise status_error(response.status_code, text[:500], response.headers,
+                                   body=text)
             answer = _bounded_json(response)
     except httpx.TimeoutException as exc:
         raise TimeoutError_(f"the capture request timed out: {exc}") from exc
@@ -188,19 +185,6 @@ def _take(chunks: Any, limit: int) -> list[bytes]:
         if n >= limit:
             break
     return out
-
-
-def _status_error(status: int, text: str, headers: Any) -> SampleError:
-    message = f"HTTP {status}: {text[:500]}"
-    if status == 429:
-        err: SampleError = RateLimited(message)
-    elif status >= 500 or status in (408, 409):
-        err = ServerError(message)
-    elif "maximum context length" in text or "context_length" in text:
-        err = ContextLength(message)
-    else:
-        err = BadRequest(message)
-    return err
 
 
 #: A job's captures summed (synthq.capture.progress.counts, what a status shows too).
@@ -280,8 +264,8 @@ class Stage:
         try:
             with session_scope() as s:
                 workers.heartbeat(s, self.name, capacity=0, inflight=0, now=utcnow())
-                if self.reclaim_all:
-                    states.expire(s, now=utcnow(), job_ids=[self.job_id], everything=True)
+            if self.reclaim_all:  # this process holds the data directory: nothing else runs
+                sweep(reclaim_all=True, job_ids=[self.job_id])
             while True:
                 now_m = time.monotonic()
                 if now_m - last_beat >= settings.heartbeat_interval:
@@ -317,15 +301,15 @@ class Stage:
             self.client.close()
 
     def _beat(self, inflight: int) -> None:
-        settings = get_settings()
+        """Heartbeat, then the sweep (stopped processes' captures are due again: a
+        ``synthq capture`` may run where no tick does), then new done samples' captures."""
         with session_scope() as s:
-            now = utcnow()
-            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=now)
-            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout)]
-            expired = states.expire(s, now=now, live_workers=live, job_ids=[self.job_id])
-            states.add_missing(s, self.job_id, now=now)
+            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=utcnow())
+        expired = sweep(job_ids=[self.job_id])
+        with session_scope() as s:
+            states.add_missing(s, self.job_id, now=utcnow())
         if expired:
-            self.say(f"capture: {expired} captures of stopped processes are due again")
+            self.say(f"capture: {expired} held by stopped processes are due again")
 
     def _fill(self, job: Job, engines: dict[str, Engine], lease: float) -> None:
         for url, engine in engines.items():
@@ -409,10 +393,9 @@ class Stage:
         with session_scope() as s:
             if line is not None:  # already stopped by another process: kept as it is
                 job_states.set_capture_stopped(s, job.id, line, now=now)
-            if isinstance(exc, RetryableError) and not isinstance(exc, PermanentError) \
-                    and claimed.attempts < job.max_attempts:
-                delay = backoff_delay(claimed.attempts, base=job.backoff_base,
-                                      cap=job.backoff_cap, retry_after=exc.retry_after)
+            delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
+                                       base=job.backoff_base, cap=job.backoff_cap)
+            if delay is not None:  # the server's Retry-After a floor
                 states.retry(s, claimed, now=now, error_class=exc.error_class,
                              error_message=message,
                              next_attempt_at=now + timedelta(seconds=delay))

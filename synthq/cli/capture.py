@@ -7,24 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
+from synthq import jobspec
 from synthq.cli import JobArg, JsonOpt, app, console, ensure_db, fail, warn
+from synthq.cli.options import api_values, with_settings
 from synthq.errors import UserError
 
 
-def _layers(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        layers = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--layers {text!r}: give comma-separated layer indices, e.g. 2,4,5,8") \
-            from None
-    if not layers or any(i < 0 or i > 4096 for i in layers) or len(set(layers)) != len(layers):
-        raise UserError(f"--layers {text!r}: distinct indices between 0 and 4096")
-    return layers
-
-
 @app.command()
+@with_settings([s.name for s in jobspec.CAPTURE], mode="retokenize")
 def capture(
     job: JobArg,
     server: Annotated[list[str] | None, typer.Option(
@@ -32,27 +22,13 @@ def capture(
         "vLLM started with extract_hidden_states and synthq's connector (see "
         "`scripts/vllm-cpu.sh --capture`). Repeat for several. It must answer; it is stored "
         "on the job [default: the job's].")] = None,
-    layers: Annotated[str | None, typer.Option(
-        help="output_hidden_states indices to capture, comma-separated; must be the server's "
-        "eagle_aux_hidden_state_layer_ids [default: the drafter's three and the last "
-        "layer's, [2, N//2, N-3, N], from the target's config.json].")] = None,
-    target: Annotated[str | None, typer.Option(
-        "--target", "-t", help="The target model's folder (its config.json gives the layer "
-        "count and width for the default layers and the disk plan). Stored on the job as "
-        "its training target [default: the job's].")] = None,
-    dtype: Annotated[str | None, typer.Option(
-        help="Stored dtype: auto (the engine's own), float32, bfloat16 (half a float32's "
-        "disk), float16, or float8_e4m3 (a quarter, with a per-tensor scale) [default: the "
-        "job's, auto].")] = None,
-    limit: Annotated[int | None, typer.Option(
-        min=1, max=4096, help="Capture requests in flight per server [default: the job's, "
-        "8].")] = None,
     engine_files: Annotated[list[str] | None, typer.Option(
         "--engine-files", help="URL=DIR: the folder where capture server URL's engine writes "
         "its files (its connector's shared_storage_path, as this machine sees it). With it "
         "synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by request "
         "id) too, from that folder only. Repeat per server; URL= (empty DIR) removes it.")] \
         = None,
+    *, settings: dict[str, Any],
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Send failed captures again (their attempts reset), and run "
         "a stage that synthq stopped (a server failed several captures in a row the same "
@@ -71,8 +47,6 @@ def capture(
 
     Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
-    from synthq import jobspec
-    from synthq.capture import plan as planning
     from synthq.capture import stage as capture_stage
     from synthq.capture import states as capture_states
     from synthq.config import get_settings
@@ -87,6 +61,8 @@ def capture(
             urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
             capture_stage.check_answer(urls)  # each must answer before the job stores it
             changes["capture_servers"] = urls
+        # The capture settings given, each checked as declared (synthq.jobspec.CAPTURE).
+        changes.update(jobspec.check_values(api_values(settings)))
         if engine_files:
             from synthq.capture.confine import check_folder
 
@@ -98,17 +74,6 @@ def capture(
                 url = jobspec.check(jobspec.BY_NAME["capture_servers"], [url])[0]
                 folders[url] = str(check_folder(url, folder)) if folder else ""
             changes["capture_files"] = folders
-        if (parsed := _layers(layers)) is not None:
-            changes["capture_layers"] = parsed
-        if dtype is not None:
-            if dtype != planning.AUTO and dtype not in planning.DTYPES:
-                raise UserError(f"--dtype {dtype!r}: one of {planning.AUTO}, "
-                                f"{', '.join(planning.DTYPES)}")
-            changes["capture_dtype"] = dtype
-        if limit is not None:
-            changes["capture_limit"] = limit
-        if target is not None:
-            changes["train_target"] = target
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
@@ -129,15 +94,15 @@ def capture(
                 capture_states.add_missing(s, job_id, now=utcnow())
                 p = capture_stage.plan(s, s.get_one(Job, job_id))
                 left = capture_stage.summary(s, job_id)
-            _print(p.line(), left, as_json)
+            _print(p.line(), left, as_json, job_id)
             return
-        settings = get_settings()
+        config = get_settings()
         run = capture_stage.Stage(job_id, say=lambda line: console.print(line, highlight=False),
-                                  reclaim_all=settings.is_sqlite)
-        if settings.is_sqlite:
+                                  reclaim_all=config.is_sqlite)
+        if config.is_sqlite:
             from synthq.embedded import exclusive
 
-            with exclusive(settings.data_dir):
+            with exclusive(config.data_dir):
                 left = run.run()
         else:
             left = run.run()
@@ -146,17 +111,27 @@ def capture(
         raise typer.Exit(130) from None
     except UserError as exc:
         raise fail(str(exc)) from None
-    _print(None, left, as_json)
+    _print(None, left, as_json, job_id)
     if left.failures:
         raise typer.Exit(1)
 
 
-def _print(plan_line: str | None, left: Any, as_json: bool) -> None:
-    if as_json:
-        console.print_json(json.dumps({
-            "plan": plan_line, "total": left.total, "done": left.done,
-            "states": left.by_state, "failures": left.failures, "bytes": left.bytes,
-            "tokens": left.tokens, "calls": left.calls}))
+def _print(plan_line: str | None, left: Any, as_json: bool, job_id: int) -> None:
+    if as_json:  # the stage's record, as `synthq status --json` and the API show it
+        from dataclasses import asdict
+
+        from synthq.capture.progress import capture_progress
+        from synthq.config import get_settings
+        from synthq.db import session_scope
+        from synthq.defaults import store_root
+        from synthq.sqlread import reader_of
+
+        settings = get_settings()
+        with session_scope() as s:
+            record = capture_progress(reader_of(s), job_id, store=store_root(
+                settings.capture_store, settings.data_dir))
+        console.print_json(json.dumps({"plan": plan_line,
+                                       **(asdict(record) if record else {})}))
         return
     if plan_line:
         console.print(plan_line, highlight=False)

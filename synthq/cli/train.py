@@ -56,6 +56,9 @@ def train(
                       "default).")] = 10,
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: all "
                          "epochs).")] = 0,
+    max_examples: Annotated[int, typer.Option(help="Train on the first N examples of the "
+                            "training split (0: all); the held-out split stays the same, so "
+                            "runs of a data curve compare.")] = 0,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 1e-4,
     warmup_ratio: Annotated[float, typer.Option(help="Warmup share of the steps.")] = 0.02,
     drafter: Annotated[str, typer.Option(metavar="<eagle3|dflash>", help="The drafter "
@@ -108,7 +111,8 @@ def train(
 
     try:
         cfg = _config(dict(draft_vocab_size=draft_vocab_size, max_len=max_len,
-                           batch_size=batch_size, epochs=epochs, max_steps=max_steps, lr=lr,
+                           batch_size=batch_size, epochs=epochs, max_steps=max_steps,
+                           max_examples=max_examples, lr=lr,
                            warmup_ratio=warmup_ratio, ttt_steps=ttt_steps,
                            drafter=drafter, dflash_layers=dflash_layers,
                            dflash_anchors=dflash_anchors,

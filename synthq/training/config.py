@@ -35,6 +35,9 @@ class TrainConfig:
     epochs: int = 10
     #: Stop after this many steps (0: run all epochs).
     max_steps: int = 0
+    #: Train on the first N examples of the training split only (0: all of them); the
+    #: held-out split is the same whatever N is, so runs of a data curve compare.
+    max_examples: int = 0
     lr: float = 1e-4
     #: Linear warmup steps as a share of all steps, then cosine decay to 0.
     warmup_ratio: float = 0.02
@@ -82,6 +85,8 @@ class TrainConfig:
             raise UserError("max-len must be at least 3 (the draft predicts two tokens ahead)")
         if self.max_steps < 0:
             raise UserError("max-steps must be 0 (all epochs) or more")
+        if self.max_examples < 0:
+            raise UserError("max-examples must be 0 (all of them) or more")
         if not 0 < self.lr < 1:
             raise UserError(f"lr must be between 0 and 1, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:

@@ -182,12 +182,10 @@ def _dead_local_holder(session: Any, run_id: int) -> str | None:
     (another host's worker, a live process, a worker name of another form)."""
     held = session.scalar(select(TrainingRun.worker).where(
         TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
-    host, _, pid = (held or "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
-        return None
-    from synthq.workers import pid_alive
+    from synthq.workers import gone_here
 
-    return None if pid_alive(int(pid)) else str(held)
+    host, _, pid = (held or "").rpartition(":")
+    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
 
 
 def _state(run_id: int) -> str:
@@ -394,6 +392,10 @@ def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
     """The job's examples (exported once), split into (trained on, held out)."""
     every = load_examples(_prepare_data(ctx, run), cfg.max_len)
     examples, held_out = split_eval(every, cfg.eval_fraction, cfg.seed)
+    if cfg.max_examples and cfg.max_examples < len(examples):
+        notice(f"training on {cfg.max_examples} of the {len(examples)} training examples "
+               "(max_examples)")
+        examples = examples[:cfg.max_examples]
     if held_out:
         notice(f"{len(held_out)} of {len(every)} examples held out for evaluation "
                f"(never trained on)")

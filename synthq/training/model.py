@@ -29,17 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from synthq.eagle3 import aux_layer_ids
+
 __all__ = ["DraftConfig", "Eagle3Drafter", "aux_layer_ids", "sglang_layer_ids", "StepCache",
            "step_attn_mask"]
-
-
-def aux_layer_ids(num_layers: int) -> list[int]:
-    """``output_hidden_states`` indices of the three target features (vLLM's default).
-
-    Index i is the input of layer i (the output of layer i-1): ``[2, N//2, N-3]``
-    are the outputs of layers ``[1, N//2-1, N-4]``. Distinct for N >= 7.
-    """
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def sglang_layer_ids(num_layers: int) -> list[int]:

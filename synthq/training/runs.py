@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from synthq.models import Job, TrainingRun
 from synthq.training import states
 from synthq.training.config import TrainConfig
 
-__all__ = ["new_run", "default_output_dir", "run_dict", "list_runs", "check_target"]
+__all__ = ["RunRecord", "new_run", "default_output_dir", "run_record", "run_dict", "list_runs",
+           "check_target"]
 
 
 def default_output_dir(job_name: str) -> str:
@@ -46,25 +48,68 @@ def new_run(session: Session, job: Job, *, target: str, config: TrainConfig, tri
     return run
 
 
-def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
-    """A run as JSON: what ``synthq runs --json`` prints."""
+@dataclass(frozen=True)
+class RunRecord:
+    """A drafter training run, the one record of it: what ``synthq runs --json`` prints and
+    ``GET /api/jobs/{job}/training-runs`` returns. Times are ISO 8601 text."""
+
+    id: int
+    job_id: int
+    job: str | None
+    state: str
+    trigger: str
+    target: str
+    #: The drafter family (``eagle3``, ``dflash``).
+    drafter: str
+    step: int
+    total_steps: int | None
+    resumed_from: int
+    #: The last logged step's loss, accuracy and teacher-forced acceptance estimate
+    #: (optimistic).
+    loss: float | None
+    #: (per position of the unrolled steps)
+    acc: list[float] | float | None
+    accept: float | None
+    #: synthq's greedy draft-and-verify on the held-out split.
+    eval_acceptance_length: float | None
+    #: Measured by a real engine serving the drafter (``synthq serve-check``): trust this.
+    served_acceptance_length: float | None
+    served_engine: str | None
+    served_engine_version: str | None
+    checkpoint: str | None
+    output_dir: str
+    error: str | None
+    worker: str | None
+    settings: dict[str, Any]
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    heartbeat_at: str | None
+
+
+def _iso(at: Any) -> str | None:
+    return at.isoformat() if at else None
+
+
+def run_record(run: TrainingRun, job_name: str | None = None) -> RunRecord:
     last = run.metrics[-1] if run.metrics else {}
-    return {
-        "id": run.id, "job_id": run.job_id, "job": job_name, "state": str(run.state),
-        "trigger": run.trigger, "target": run.target,
-        "drafter": (run.settings or {}).get("drafter", "eagle3"), "step": run.step,
-        "total_steps": run.total_steps, "resumed_from": run.resumed_from,
-        "loss": last.get("loss"), "acc": last.get("acc"), "accept": last.get("accept"),
-        "eval_acceptance_length": run.eval_acceptance_length,
-        "served_acceptance_length": run.served_acceptance_length,
-        "served_engine": run.served_engine, "served_engine_version": run.served_engine_version,
-        "checkpoint": run.checkpoint, "output_dir": run.output_dir, "error": run.error,
-        "worker": run.worker, "settings": run.settings,
-        "created_at": run.created_at.isoformat(),
-        "started_at": run.started_at.isoformat() if run.started_at else None,
-        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-        "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
-    }
+    return RunRecord(
+        id=run.id, job_id=run.job_id, job=job_name, state=str(run.state), trigger=run.trigger,
+        target=run.target, drafter=(run.settings or {}).get("drafter", "eagle3"),
+        step=run.step, total_steps=run.total_steps,
+        resumed_from=run.resumed_from, loss=last.get("loss"), acc=last.get("acc"),
+        accept=last.get("accept"), eval_acceptance_length=run.eval_acceptance_length,
+        served_acceptance_length=run.served_acceptance_length,
+        served_engine=run.served_engine, served_engine_version=run.served_engine_version,
+        checkpoint=run.checkpoint, output_dir=run.output_dir, error=run.error,
+        worker=run.worker, settings=run.settings, created_at=run.created_at.isoformat(),
+        started_at=_iso(run.started_at), finished_at=_iso(run.finished_at),
+        heartbeat_at=_iso(run.heartbeat_at))
+
+
+def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
+    """A run as JSON (:class:`RunRecord`): what ``synthq runs --json`` prints."""
+    return asdict(run_record(run, job_name))
 
 
 def list_runs(session: Session, job_id: int | None = None) -> list[dict[str, Any]]:

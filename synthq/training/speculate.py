@@ -6,7 +6,11 @@ of the bonus token and ``k`` masks in one forward), and one target
 forward verifies them all: the longest prefix equal to the target's own greedy
 choices is kept, plus the target's next token. The output is therefore exactly
 the target's greedy output; the acceptance length (tokens per target forward)
-says how much the drafter saves. No KV cache: this is a check, not a server.
+says how much the drafter saves. The target keeps a KV cache across rounds (cut
+back to the accepted prefix after each verify), so a round costs the target k + 1
+positions, not the whole sequence: on a CPU that is what lets a run evaluate a
+real model's held-out prompts in minutes. The drafter recomputes its one layer
+over the prefix each round (cheap).
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ def _target(target: Any, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     device = target.get_input_embeddings().weight.device
     out = target(input_ids=torch.tensor([tokens], device=device), output_hidden_states=True,
                  use_cache=False)
+    aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids(target.config.num_hidden_layers)],
+                    dim=-1)
+    return out.logits[0].argmax(-1), aux.float()
+
+
+def _target_cached(target: Any, tokens: list[int], cache: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_target` for ``tokens`` that follow the positions ``cache`` holds (it grows
+    by them): greedy next token after each [n], aux features [1, n, 3H]."""
+    device = target.get_input_embeddings().weight.device
+    out = target(input_ids=torch.tensor([tokens], device=device), cache=cache,
+                 use_cache=True, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids(target.config.num_hidden_layers)],
                     dim=-1)
     return out.logits[0].argmax(-1), aux.float()
@@ -71,20 +87,27 @@ def speculative_generate(target: Any, drafter: Drafter, prompt: list[int], max_n
     round (accepted drafts + the target's own token, EOS or not: vLLM's acceptance
     length).
     Generation stops after ``max_new`` tokens or at a token of ``eos``."""
+    from transformers import DynamicCache
+
     drafter.eval()
-    preds, aux = _target(target, list(prompt))
+    cache = DynamicCache()
+    preds, aux = _target_cached(target, list(prompt), cache)  # aux: [1, len(prompt), 3H]
     seq = [*prompt, int(preds[-1])]
     new = [seq[-1]]
     lengths: list[int] = []
     stop = set(eos)
     while len(new) < max_new and new[-1] not in stop:
-        drafts = propose(drafter, seq, aux[:, :len(seq) - 1], k)
-        preds, aux = _target(target, seq + drafts)
-        t = len(seq) - 1  # preds[t + m] is the target's choice after seq + drafts[:m]
+        # The cache and aux hold every position but the last of seq (its token is new).
+        drafts = propose(drafter, seq, aux, k)
+        # preds[m] is the target's choice after seq + drafts[:m].
+        preds, step_aux = _target_cached(target, [seq[-1], *drafts], cache)
         m = 0
-        while m < k and drafts[m] == int(preds[t + m]):
+        while m < k and drafts[m] == int(preds[m]):
             m += 1
-        gained = [*drafts[:m], int(preds[t + m])]
+        gained = [*drafts[:m], int(preds[m])]
+        if m < k:  # seq[-1] and the accepted drafts stay cached, the rejected go
+            cache.crop(m - k)
+        aux = torch.cat([aux, step_aux[:, :1 + m]], dim=1)
         # The round counts all it accepted, as vLLM's counters do: its scheduler
         # records the accepted drafts before the stop check cuts the output at EOS
         # (vllm/v1/core/sched/scheduler.py, 0.32). Counting only up to EOS made the

@@ -1,7 +1,9 @@
 """Training run states and every training run transition.
 
-Like :mod:`synthq.states`, each transition is one compare-and-set ``UPDATE``
-naming its allowed sources; the process that trains a run holds a random
+Training runs are one kind of leased work (:data:`RUNS`): the claim, the
+compare-and-set and the expiry are :mod:`synthq.ledger`'s, as for samples and
+captures. Each transition is one compare-and-set ``UPDATE`` naming its allowed
+sources; the process that trains a run holds a random
 ``claim`` token and presents it on every write, so a worker that lost its run
 (its heartbeat went stale and another worker took it over) cannot write to it.
 
@@ -13,8 +15,11 @@ naming its allowed sources; the process that trains a run holds a random
        └──release────────┘ (the holder stops: Ctrl-C)
     (pending/running ──cancel──▶ cancelled)
 
-A running run is claimed again at once, not after the lease, when its holder is a
-process on the claiming host that no longer exists (``dead_worker``: kill -9).
+A run's lease is its holder's heartbeat (``heartbeat_at``): a running run whose
+heartbeat is older than the lease is claimable again. It is claimed again at
+once, not after the lease, when its holder is a process on the claiming host
+that no longer exists (``dead_worker``, found by :func:`synthq.workers.gone_here`:
+kill -9). Runs have no attempt cap: a stale run always goes back to pending.
 """
 
 from __future__ import annotations
@@ -25,11 +30,18 @@ from typing import Any
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
+from synthq import ledger
 from synthq.enums import RunState
 from synthq.models import TrainingRun
 
-__all__ = ["RunState", "OPEN", "create", "claim", "progress", "finish", "fail", "cancel",
-           "release", "sweep_stale"]
+__all__ = ["RUNS", "RunState", "OPEN", "create", "claim", "progress", "finish", "fail",
+           "cancel", "release", "sweep_stale"]
+
+#: Training runs as a kind of leased work: claimed from pending, the lease their
+#: holder's heartbeat.
+RUNS = ledger.Kind("training run", TrainingRun, waiting=RunState.PENDING,
+                   held=RunState.RUNNING, done=RunState.DONE, failed=RunState.FAILED,
+                   lease="heartbeat_at")
 
 
 #: States in which a run still has work to do.
@@ -53,19 +65,20 @@ def claim(session: Session, run_id: int, token: str, *, worker: str, now: dateti
           lease: float, dead_worker: str | None = None) -> bool:
     """pending → running, or a running run whose heartbeat is older than ``lease`` seconds,
     or one still held by ``dead_worker`` (a process the caller knows is gone)."""
-    stale = and_(TrainingRun.state == RunState.RUNNING,
-                 TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
-    sources = [TrainingRun.state == RunState.PENDING, stale]
+    sources = [TrainingRun.state.in_(ledger.allowed(RUNS, "claim")), _stale(now, lease)]
     if dead_worker is not None:
         sources.append(and_(TrainingRun.state == RunState.RUNNING,
                             TrainingRun.worker == dead_worker))
-    result = session.execute(
-        update(TrainingRun)
-        .where(TrainingRun.id == run_id, or_(*sources))
-        .values(state=RunState.RUNNING, claim=token, worker=worker, heartbeat_at=now,
-                started_at=now, updated_at=now, error=None)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    result = ledger.claim(session, RUNS, [TrainingRun.id == run_id, or_(*sources)],
+                          token=token, worker=worker, lease=now, now=now,
+                          values=dict(error=None))
+    return result.rowcount == 1  # type: ignore[no-any-return]
+
+
+def _stale(now: datetime, lease: float) -> Any:
+    """A running run whose holder's heartbeat is older than ``lease`` seconds."""
+    return and_(TrainingRun.state == RunState.RUNNING,
+                TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
 
 
 def progress(session: Session, run_id: int, token: str, *, now: datetime,
@@ -74,60 +87,35 @@ def progress(session: Session, run_id: int, token: str, *, now: datetime,
 
     False means the run is no longer this process's (cancelled, or taken over).
     """
-    result = session.execute(
-        update(TrainingRun)
-        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
-               TrainingRun.claim == token)
-        .values(heartbeat_at=now, updated_at=now, **values)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return ledger.move(session, RUNS, "renew", run_id, token, now=now, heartbeat_at=now,
+                       updated_at=now, **values)
 
 
 def finish(session: Session, run_id: int, token: str, *, checkpoint: str, now: datetime,
            **values: Any) -> bool:
     """running → done, with the final checkpoint."""
-    result = session.execute(
-        update(TrainingRun)
-        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
-               TrainingRun.claim == token)
-        .values(state=RunState.DONE, checkpoint=checkpoint, claim=None, finished_at=now,
-                updated_at=now, heartbeat_at=now, **values)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return ledger.move(session, RUNS, "finish", run_id, token, now=now, checkpoint=checkpoint,
+                       heartbeat_at=now, **values)
 
 
 def fail(session: Session, run_id: int, token: str | None, *, error: str, now: datetime) -> bool:
     """running → failed (with the claim), or pending → failed (``token`` None)."""
-    if token is None:
-        cond = TrainingRun.state == RunState.PENDING
-    else:
-        cond = and_(TrainingRun.state == RunState.RUNNING, TrainingRun.claim == token)
-    result = session.execute(
-        update(TrainingRun).where(TrainingRun.id == run_id, cond)
-        .values(state=RunState.FAILED, error=error, claim=None, finished_at=now, updated_at=now)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    if token is not None:
+        return ledger.move(session, RUNS, "fail", run_id, token, now=now, error=error)
+    return ledger.cas(session, RUNS, run_id, [RunState.PENDING], dict(
+        state=RunState.FAILED, error=error, claim=None, finished_at=now, updated_at=now))
 
 
 def release(session: Session, run_id: int, token: str, *, reason: str, now: datetime) -> bool:
     """running → pending: the holder stops (Ctrl-C) and hands the run back at once, so
     the next ``synthq train`` (or a worker) resumes it from its last checkpoint."""
-    result = session.execute(
-        update(TrainingRun)
-        .where(TrainingRun.id == run_id, TrainingRun.state == RunState.RUNNING,
-               TrainingRun.claim == token)
-        .values(state=RunState.PENDING, claim=None, error=reason, updated_at=now)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return ledger.move(session, RUNS, "release", run_id, token, now=now, error=reason)
 
 
 def cancel(session: Session, run_id: int, *, now: datetime) -> bool:
     """pending/running → cancelled; the training process stops at its next heartbeat."""
-    result = session.execute(
-        update(TrainingRun).where(TrainingRun.id == run_id, TrainingRun.state.in_(OPEN))
-        .values(state=RunState.CANCELLED, claim=None, finished_at=now, updated_at=now)
-        .execution_options(synchronize_session=False))
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return ledger.cas(session, RUNS, run_id, OPEN, dict(
+        state=RunState.CANCELLED, claim=None, finished_at=now, updated_at=now))
 
 
 def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: float) -> list[int]:
@@ -138,23 +126,14 @@ def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: 
     (its message may have died with the broker) is touched. The caller
     publishes a message for each; a duplicate is harmless (the claim is a CAS).
     """
-    stale = list(session.scalars(
-        select(TrainingRun.id).where(TrainingRun.state == RunState.RUNNING,
-                                     TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
-        .with_for_update(skip_locked=True)))
+    stale = ledger.expire(
+        session, RUNS, now=now, gone=_stale(now, lease),
+        back=dict(error="the training worker stopped heart-beating; resuming from the last "
+                        "checkpoint")).back
     waiting = list(session.scalars(
         select(TrainingRun.id).where(TrainingRun.state == RunState.PENDING,
                                      TrainingRun.updated_at < now - timedelta(seconds=resend_after))
         .with_for_update(skip_locked=True)))
-    if stale:
-        session.execute(
-            update(TrainingRun)
-            .where(TrainingRun.id.in_(stale), TrainingRun.state == RunState.RUNNING,
-                   TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
-            .values(state=RunState.PENDING, claim=None, updated_at=now,
-                    error="the training worker stopped heart-beating; resuming from the last "
-                          "checkpoint")
-            .execution_options(synchronize_session=False))
     if waiting:
         session.execute(update(TrainingRun).where(TrainingRun.id.in_(waiting))
                         .values(updated_at=now).execution_options(synchronize_session=False))

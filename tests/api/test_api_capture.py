@@ -89,3 +89,48 @@ def test_the_api_takes_capture_servers_checked_as_the_cli_does(
     assert client.get(f"/api/jobs/{job_id}").json()["capture"]["stopped"] == line
     page = client.get(f"/ui/jobs/{job_id}", headers={"Authorization": ""}).text
     assert 'id="capture-stopped"' in page and "failed 5 captures in a row" in page
+
+
+def test_the_api_sets_the_declared_capture_settings_checked_as_the_cli_does(
+        client: Any, simulator: Any, tmp_path: Path) -> None:
+    """PUT /api/jobs/{id}/capture takes every setting jobspec.CAPTURE declares, with the
+    same checks and messages as `synthq capture`; an omitted one is kept; train_target is
+    confined to the data directory like the tokenizer."""
+    from synthq import jobspec
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    sim = simulator("--latency", "0")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "p.jsonl").write_text(json.dumps({"prompt": "q"}) + "\n")
+    (data / "target").mkdir()
+    r = client.post("/api/jobs", json=_body(sim.url, [sim.url], name="cap"))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["CaptureSettings"]
+    assert set(schema["properties"]) == {s.name for s in jobspec.CAPTURE}
+
+    for body, said in (({"capture_layers": [2, 2]}, "--layers 2,2: distinct indices"),
+                       ({"capture_limit": 0}, "--limit"),
+                       ({"capture_dtype": "int4"}, "--dtype"),
+                       ({"train_target": "/etc"}, "inside the data directory"),
+                       ({"capture_limits": 3}, "capture_limits")):
+        r = client.put(f"/api/jobs/{job_id}/capture", json=body)
+        assert r.status_code == 422, (body, r.text)
+        assert said in json.dumps(r.json()), (body, r.text)
+
+    r = client.put(f"/api/jobs/{job_id}/capture",
+                   json={"capture_layers": [2, 4, 5, 8], "capture_dtype": "bfloat16",
+                         "train_target": "target"})
+    assert r.status_code == 200, r.text
+    r = client.put(f"/api/jobs/{job_id}/capture", json={"capture_limit": 3})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"capture_layers": [2, 4, 5, 8], "capture_dtype": "bfloat16",
+                        "capture_limit": 3, "train_target": str(data / "target")}
+    with session_scope() as s:
+        job = s.get_one(Job, job_id)
+        assert (job.capture_layers, job.capture_dtype, job.capture_limit) == \
+            ([2, 4, 5, 8], "bfloat16", 3)
+    assert client.put("/api/jobs/999999/capture", json={}).status_code == 404

@@ -79,7 +79,7 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
                           ("--mask", "<last_turn|all_assistant_turns>"),
                           ("--history-reasoning", "<drop|keep>"), ("--inflight", "<N|auto>")):
         assert choices in run[flag] and choices in helps["enqueue"][flag], run[flag]
-    assert "<parquet|jsonl>" in helps["export"]["--format"]
+    assert "<parquet|jsonl|speculators|specforge>" in helps["export"]["--format"]
     assert "<online|offline|captured>" in helps["train"]["--hidden-states"]
     assert "<now|ready|done:F|count:N|never>" in helps["train"]["--when"]
     for flag in ("--temperature", "--top-p"):

@@ -136,8 +136,10 @@ def test_retokenize_does_not_reach_the_call_module() -> None:
 
 
 #: What the runtime may import of synthq.testing: the simulator (the demo and
-#: ``synthq simulate``) and the tiny-target recipe (``synthq testing tiny-target``).
-RUNTIME_MAY_USE = {"synthq.testing", "synthq.testing.simulator", "synthq.testing.tiny"}
+#: ``synthq simulate``) and the recipes behind ``synthq testing tiny-target``,
+#: ``real-target`` and ``doc-prompts``.
+RUNTIME_MAY_USE = {"synthq.testing", "synthq.testing.simulator", "synthq.testing.tiny",
+                   "synthq.testing.real", "synthq.testing.docprompts"}
 
 
 def runtime_graph() -> dict[str, set[str]]:
@@ -160,3 +162,55 @@ def test_test_tooling_is_outside_the_runtime_import_graph() -> None:
     for allowed in RUNTIME_MAY_USE - {"synthq.testing"}:
         for goal in tooling:
             assert path_to(g, allowed, goal) is None, (allowed, goal)
+
+
+#: The floors of the house, lowest first: a module imports only modules of its own floor
+#: or below (imports inside functions count). A module of synthq named on no floor is on
+#: the domain floor, above these; the front ends (the CLI, the API, the workers) are above
+#: it, and synthq.testing is apart (see the test above).
+FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("foundation", frozenset({
+        "synthq", "synthq.defaults", "synthq.errors", "synthq.enums", "synthq.eagle3",
+        "synthq.capture", "synthq.capture.protocol", "synthq.training", "synthq.secrets",
+        "synthq.clock", "synthq.retry", "synthq.locks", "synthq.packing", "synthq.netio",
+        "synthq.sqlread"})),
+    ("settings", frozenset({"synthq.config", "synthq.jobspec"})),
+    ("storage", frozenset({"synthq.models", "synthq.db", "synthq.counts"})),
+    ("ledger", frozenset({"synthq.ledger"})),
+    ("kinds of work", frozenset({"synthq.states", "synthq.capture.states",
+                                 "synthq.training.states", "synthq.workers"})),
+)
+FRONT_ENDS = ("synthq.cli", "api", "worker")
+
+
+def floor_of(module: str) -> int:
+    """The floor's number (0: the foundation); the domain and the front ends above them."""
+    for number, (_, members) in enumerate(FLOORS):
+        if module in members:
+            return number
+    if any(module == f or module.startswith(f + ".") for f in FRONT_ENDS):
+        return len(FLOORS) + 1
+    return len(FLOORS)
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Each import of a module on a higher floor than the importer's, as ``a -> b``."""
+    return [f"{a} -> {b}" for a in sorted(g) if not a.startswith("synthq.testing")
+            for b in sorted(g[a]) if floor_of(b) > floor_of(a)]
+
+
+def test_no_floor_imports_a_higher_one() -> None:
+    """The layering: settings never import a feature (``config`` importing ``capture`` was
+    one), the ledger never a kind of work, a kind of work never the domain that drives
+    it, the domain never a front end."""
+    g = runtime_graph()
+    for _, members in FLOORS:
+        assert members <= set(g), f"modules moved: {sorted(members - set(g))}"
+    found = upward(g)
+    assert not found, f"imports of a higher floor: {found}"
+
+
+def test_the_floor_check_sees_an_upward_import() -> None:
+    g = {"synthq.config": {"synthq.capture.progress"}, "synthq.capture.progress": set(),
+         "synthq.dispatch": {"synthq.states"}, "synthq.states": set()}
+    assert upward(g) == ["synthq.config -> synthq.capture.progress"]

@@ -16,6 +16,9 @@ HOSTILE = {
              "{% endfor %}",
     "doubling": "{% set ns = namespace(x='ab') %}{% for i in range(60) %}"
                 "{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}",
+    # ``+`` of two strings takes the sandbox's inline path (the common case in templates).
+    "plus": "{% set ns = namespace(x='ab') %}{% for i in range(26) %}"
+            "{% set ns.x = ns.x + ns.x %}{% endfor %}{{ ns.x | length }}",
     "center": "{{ 'x'.center(1000000000) }}",
     "tojson": "{{ (['x' * 1000000] * 1000) | tojson }}",
     "join": "{{ (['x' * 100000] * 1000) | join(',') }}",

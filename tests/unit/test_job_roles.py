@@ -1,0 +1,68 @@
+"""One declared job (synthq.jobspec): what each setting is to the job (its role, its
+column, whether it is exported) makes the "same work" key, the tokenization settings,
+the export manifest's settings and the operational columns; the capture stage's settings
+are declared there too, and `synthq capture`'s options, checks and the columns' defaults
+follow from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from synthq import jobspec
+from synthq.errors import UserError
+
+
+def test_the_same_work_key_is_the_generation_roles_columns() -> None:
+    from synthq.enqueue import JobSpec
+
+    last = JobSpec(name="j", model="m", servers=["http://h:1/v1"], max_tokens=7,
+                   sampling={"temperature": 0.5}, extra_body={"seed": 1})
+    assert last.generation_settings() == {"model": "m", "max_tokens": 7,
+                                          "sampling": {"temperature": 0.5},
+                                          "extra_body": {"seed": 1}}
+    every = dataclasses.replace(last, regenerate="all", history_reasoning="keep")
+    assert every.generation_settings() == {**last.generation_settings(), "regenerate": "all",
+                                           "history_reasoning": "keep"}
+    assert jobspec.GENERATION == ("model", "max_tokens", "sampling", "extra_body",
+                                  "regenerate", "history_reasoning")
+
+
+def test_tokenization_settings_are_the_tokenization_roles_columns() -> None:
+    from synthq.tokenize import TokenizeSettings
+
+    assert {f.name for f in dataclasses.fields(TokenizeSettings)} == set(jobspec.TOKENIZATION)
+
+
+def test_the_export_manifest_records_the_exported_settings() -> None:
+    from synthq import export
+    from synthq.models import Job
+
+    assert set(export.SETTINGS) == {*jobspec.EXPORTED, "tokenize_version"}
+    columns = set(Job.__table__.c.keys())
+    for s in (*jobspec.SETTINGS, *jobspec.CAPTURE):
+        assert s.column is None or s.column in columns, s.name
+
+
+def test_capture_settings_make_the_capture_commands_options_and_the_columns_defaults() -> None:
+    from synthq.capture.plan import AUTO, DTYPES
+    from synthq.cli.capture import capture
+    from synthq.models import Job
+
+    params = inspect.signature(capture).parameters
+    for s in jobspec.CAPTURE:
+        assert s.name in params, s.name
+        column = Job.__table__.c[s.column]
+        if s.default is not None:
+            assert column.default.arg == s.default, s.name
+            assert column.server_default.arg == str(s.default), s.name
+    assert set(jobspec.BY_NAME["capture_dtype"].choices) == {AUTO, *DTYPES}
+    layers = jobspec.BY_NAME["capture_layers"]
+    assert jobspec.check(layers, jobspec.ints("2,4,5,8", layers)) == [2, 4, 5, 8]
+    for bad in ("2,2", "2,5000", "2,x", ""):
+        with pytest.raises(UserError, match="--layers"):
+            jobspec.check(layers, jobspec.ints(bad, layers))
+    with pytest.raises(UserError, match="--limit"):
+        jobspec.check(jobspec.BY_NAME["capture_limit"], 0)
