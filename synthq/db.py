@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -228,6 +228,15 @@ def _guarded_connection(deadline: float) -> type:
     from psycopg import errors as pg_errors
 
     class Guarded(psycopg.Connection):  # type: ignore[type-arg]
+        #: How this connection was opened, and the server's time just after (see _end_stranded).
+        _opened: tuple[str, dict[str, Any], datetime] | None = None
+
+        @classmethod
+        def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
+            conn = super().connect(conninfo, **kwargs)
+            conn._opened = (conninfo, kwargs, utcnow())
+            return conn
+
         def wait(self, gen: Any, interval: float = 0.1,
                  timeout: float | None = None) -> Any:
             if timeout is not None:  # a wait of psycopg's own with its own limit
@@ -235,12 +244,60 @@ def _guarded_connection(deadline: float) -> type:
             try:
                 return super().wait(gen, interval=interval, timeout=deadline)
             except pg_errors._WaitTimeout as exc:
+                pid = self.pgconn.backend_pid
                 self.pgconn.finish()  # never reuse it: its answer may still come, late
+                _end_stranded(pid, self._opened, wait=min(deadline, END_STRANDED_TIMEOUT))
                 raise psycopg.OperationalError(
                     f"the database did not answer within {deadline:.0f} s; the connection "
                     "was dropped (it looks half-open)") from exc
 
     return Guarded
+
+
+#: Seconds the end of a stranded session may take (connect and one statement).
+END_STRANDED_TIMEOUT = 3.0
+
+
+def _end_stranded(pid: int, opened: tuple[str, dict[str, Any], datetime] | None, *,
+                  wait: float) -> None:
+    """End the server's side of a connection just dropped as half-open, from a fresh one.
+
+    Closing our socket tells the server nothing when the path in between is stranded:
+    its session lives on. Most often it is idle in a transaction and the server's
+    ``idle_in_transaction_session_timeout`` ends it; but a session that ran a statement
+    and waits for the rest of the request (the Sync of the extended protocol, or a
+    message cut in two) is "active" to the server, under no timeout at all (a cancel is
+    ignored while it reads from its client), and keeps the row locks of its transaction
+    for good: every later write of those rows ends in ``LockNotAvailable``. So the
+    session is terminated (``pg_terminate_backend``, allowed on one's own role's
+    sessions) if it is still the one we opened (a backend started after it is not
+    touched: a process id may be reused), so that the retry finds the rows free. Never
+    raises; waits ``wait`` seconds at most (the end goes on in a thread of its own)."""
+    if opened is None or not pid:
+        return
+    import psycopg
+
+    conninfo, kwargs, at = opened
+    params = {k: v for k, v in kwargs.items() if k not in ("options", "autocommit")}
+    params["connect_timeout"] = max(1, int(END_STRANDED_TIMEOUT))
+    params["options"] = f"-c statement_timeout={_seconds_ms(END_STRANDED_TIMEOUT)}"
+    done = threading.Event()
+
+    def end() -> None:
+        try:
+            with psycopg.connect(conninfo, autocommit=True, **params) as conn:
+                row = conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE pid = %s AND backend_start <= %s", (pid, at)).fetchone()
+            if row and row[0]:
+                log.info("ended the server session %d of a half-open connection", pid)
+        except Exception as exc:  # noqa: BLE001 - the server's own timeouts remain
+            log.debug("could not end the server session %d: %s", pid, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=end, name="synthq-end-stranded", daemon=True).start()
+    done.wait(wait)
 
 
 def _sqlite_folder(db: Path) -> None:

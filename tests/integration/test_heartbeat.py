@@ -217,3 +217,48 @@ def test_a_worker_whose_heartbeat_is_late_starts_no_call(
         assert ex.local_claim() is not None
     finally:
         ex.close(timeout=10)
+
+
+def test_a_dropped_connection_takes_its_server_session_and_locks_along(
+        proxied: Any, pg: str, simulator: Callable[..., Any],
+        job_factory: Callable[..., Any]) -> None:
+    """A writer's transaction locked a sample, then sent a pipelined statement (an
+    ``executemany``: the batch's attempt rows) whose Sync the strand held back. To the
+    server that session is ``active`` (reading from its client), under no timeout, and
+    keeps its row locks for good; the writer's retries of the same writes then ended in
+    ``LockNotAvailable`` for minutes (2 of 10 chaos runs). Dropping the connection as
+    half-open now ends its server session too: the lock is free at once."""
+    import psycopg
+
+    from synthq import db as dbmod
+
+    sim = simulator("--latency", "0.1")
+    report = job_factory(["locked"], servers=[sim.url])
+    with session_scope() as s:
+        smp = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
+    direct = pg.replace("postgresql+psycopg://", "postgresql://")
+    raw = dbmod.get_engine().raw_connection()
+    conn = raw.driver_connection
+    assert conn is not None
+    pid = conn.pgconn.backend_pid
+    conn.execute("UPDATE samples SET updated_at = now() WHERE id = %s", [smp])
+    with psycopg.connect(direct, autocommit=True) as watch:
+        with pytest.raises(psycopg.OperationalError, match="half-open"), conn.pipeline() as p:
+            conn.execute("SELECT pg_sleep(0)")
+            deadline = time.monotonic() + 5
+            while watch.execute("SELECT query FROM pg_stat_activity WHERE pid = %s",
+                                [pid]).fetchone() != ("SELECT pg_sleep(0)",):
+                assert time.monotonic() < deadline, "the pipelined statement never arrived"
+                time.sleep(0.05)
+            assert proxied.strand() >= 1
+            # To the server it is a statement under way, waiting for its client: no
+            # statement, lock or idle-in-transaction timeout ends it.
+            assert watch.execute("SELECT state, wait_event FROM pg_stat_activity WHERE pid = %s",
+                                 [pid]).fetchone() == ("active", "ClientRead")
+            p.sync()  # the Sync never arrives: the answer deadline (5 s) drops it
+        # The row is free (before: locked by the stranded session, "active" for good).
+        watch.execute("SET lock_timeout = '2s'")
+        watch.execute("SELECT id FROM samples WHERE id = %s FOR UPDATE", [smp])
+        assert watch.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                             [pid]).fetchone() == (0,)
+    raw.invalidate()
