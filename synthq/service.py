@@ -22,7 +22,7 @@ from synthq.models import Job
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requeue_with",
            "set_job_state", "data_path", "enqueue_file", "bad_rows", "requeue_left_servers",
-           "preflight"]
+           "preflight", "set_capture"]
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(ALL_CLASSES | TOKENIZATION_CLASSES)
@@ -102,6 +102,15 @@ def requeue_left_servers(session: Session, job: Job) -> int:
         moved += states.requeue(session, job.id, sample_ids=ids[start:start + 10_000],
                                 now=utcnow())
     return moved
+
+
+def set_capture(session: Session, job: Job, values: dict[str, Any]) -> dict[str, Any]:
+    """The capture settings given (``jobspec.CAPTURE``), checked as `synthq capture` checks
+    them, stored on the job; returns the job's capture settings after the change."""
+    changes = jobspec.check_values(values)
+    if changes:
+        states.update_job(session, job, changes, now=utcnow())
+    return {s.name: getattr(job, s.name) for s in jobspec.CAPTURE}
 
 
 def set_job_state(session: Session, job: Job, target: JobState) -> str:

@@ -296,15 +296,8 @@ def set_capture(job: JobRef, body: CaptureSettings, settings: SettingsDep) -> Ca
         if not folder.is_dir():
             raise HTTPException(422, "train_target must be a folder (holding config.json)")
         given["train_target"] = str(folder)
-    changes = jobspec.check_values(given)
     with session_scope() as s:
-        j = job_or_404(s, job)
-        if changes:
-            from synthq import states
-            from synthq.db import utcnow
-
-            states.update_job(s, j, changes, now=utcnow())
-        return CaptureSettings(**{c.name: getattr(j, c.name) for c in jobspec.CAPTURE})
+        return CaptureSettings(**service.set_capture(s, job_or_404(s, job), given))
 
 
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,

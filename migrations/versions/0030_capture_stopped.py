@@ -37,6 +37,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs") as batch:  # SQLite rebuilds the table
-        batch.drop_column("capture_stopped")
-        batch.drop_column("capture_files")
+    # A plain DROP COLUMN (SQLite >= 3.35 has it): a batch rebuild renames the table,
+    # which the counters' triggers on samples (migration 0016) refuse.
+    op.drop_column("jobs", "capture_files")
+    op.drop_column("jobs", "capture_stopped")
