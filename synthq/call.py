@@ -114,15 +114,17 @@ def _stored(c: Claimed) -> ChatResult | None:
 class Call:
     """What the executor knows about one sample in flight (for renewal and cancelling)."""
 
-    __slots__ = ("claimed", "lease_s", "renewed_at", "started_at", "started_mono", "calling",
-                 "lost", "interrupted", "task")
+    __slots__ = ("claimed", "lease_s", "renewed_at", "started_at", "started_mono",
+                 "claimed_mono", "calling", "lost", "interrupted", "task")
 
-    def __init__(self, claimed: Claimed, lease_s: float) -> None:
+    def __init__(self, claimed: Claimed, lease_s: float, claimed_mono: float | None = None) -> None:
         self.claimed = claimed
         self.lease_s = lease_s
         self.renewed_at = time.monotonic()
         self.started_at = utcnow()
         self.started_mono = time.monotonic()
+        #: ``time.monotonic()`` before the claim statement (streaks.Streaks.holds).
+        self.claimed_mono = self.started_mono if claimed_mono is None else claimed_mono
         #: True while the HTTP call runs: the only time a lost lease cancels the task.
         self.calling = False
         #: Set by the renewal that found the lease gone.
@@ -142,7 +144,8 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
     """Run one claimed sample to its outcome; every write committed before it returns.
 
     ``streaks``: the process's identical failures in a row per server (synthq.streaks):
-    the ``stop_after``-th ``bad_request`` in a row on one server pauses the job."""
+    the ``stop_after``-th ``bad_request`` in a row on one server pauses the job, and a
+    sample claimed before that pause committed is given back unsent."""
     c = call.claimed
     job = effective(job, c.overrides)
     multi = _multi(job, c)
@@ -150,6 +153,9 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
     if stored is not None:
         return await _finish(c, job, stored, None, writer, tokenize_pool,
                              answers=c.turns if multi else None)
+    stop = streaks.holds(c.server, call.claimed_mono) if streaks is not None else None
+    if stop is not None:
+        return await _unsent(c, stop, writer)
 
     def attempt(outcome: str, message: str | None, result: ChatResult | None) -> dict[str, Any]:
         return dict(sample_id=c.sample_id, server=c.server, worker=worker,
@@ -347,6 +353,17 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
     return Outcome.RETRY if await _write(writer, c, record) else Outcome.NOT_WRITTEN
 
 
+async def _unsent(c: Claimed, stop: Any, writer: Writer) -> Outcome:
+    """Give back, uncharged and unsent, a sample claimed before its server's stop committed
+    (the job is paused: it waits in ``pending`` for the resume)."""
+    message = f"not sent: server {stop.server} was stopped after {stop.count} " \
+              f"{stop.error_class} failures in a row"
+    won = await _write(writer, c, lambda s, now: states.retry(
+        s, c.sample_id, c.token, now=now, next_attempt_at=now, error_class="interrupted",
+        error_message=message, charge=False))
+    return Outcome.RETRY if won else Outcome.NOT_WRITTEN
+
+
 async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[str, Any],
                    writer: Writer, streaks: Streaks | None = None) -> Outcome:
     hint = wrong_base_url(c.server, exc)
@@ -392,6 +409,10 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
         return states.fail(s, c.sample_id, c.token, now=now, error_class=exc.error_class,
                            error_message=gave_up, attempt=attempt)
 
-    if not await _write(writer, c, record):
+    written = await _write(writer, c, record)
+    if stop is not None and streaks is not None:
+        # Committed (or refused): claims that begin from now on see the job paused.
+        streaks.settled(c.server, time.monotonic())
+    if not written:
         return Outcome.NOT_WRITTEN
     return Outcome.RETRY if decided["retry"] else Outcome.FAILED

@@ -136,6 +136,7 @@ class Executor:
         # A full disk is no outage: stop claiming (and say so) until writes work again.
         if self.writer.disk_full is not None:
             return {i: Outcome.STALE for i, _, _ in items}
+        claimed_mono = time.monotonic()  # before the claim statement (Streaks.holds)
         try:
             claimed = with_db_retry(claim, attempts=CLAIM_PATH_ATTEMPTS,
                                     what=f"claim of {len(items)} samples")
@@ -149,7 +150,8 @@ class Executor:
         if not claimed:
             return outcomes
         jobs = {c.job_id: get_job(c.job_id) for c in claimed}
-        future = asyncio.run_coroutine_threadsafe(self._run(claimed, jobs), self.loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._run(claimed, jobs, claimed_mono=claimed_mono), self.loop)
         outcomes.update(future.result())
         return outcomes
 
@@ -161,11 +163,13 @@ class Executor:
         if self._stopping or self.writer.disk_full is not None or room <= 0 \
                 or not self.heartbeat.fresh():
             return None
+        claimed_mono = time.monotonic()  # before the dispatch that claims (Streaks.holds)
         return LocalClaim(self.name, room,
                           lambda session, job_id: lease_seconds(get_job(job_id, session)),
-                          self.start_claimed)
+                          lambda claimed: self.start_claimed(claimed, claimed_mono))
 
-    def start_claimed(self, claimed: list[states.Claimed]) -> None:
+    def start_claimed(self, claimed: list[states.Claimed],
+                      claimed_mono: float | None = None) -> None:
         """Run samples already claimed for this process (a local refill); returns at once.
         Never raises: samples it cannot start go back to ``pending``."""
         why = ("interrupted", "the worker is stopping")
@@ -174,8 +178,9 @@ class Executor:
                 jobs = {c.job_id: get_job(c.job_id) for c in claimed}
                 with self._starting_lock:
                     self._starting += len(claimed)
-                asyncio.run_coroutine_threadsafe(self._run(claimed, jobs, started=True),
-                                                 self.loop)
+                asyncio.run_coroutine_threadsafe(
+                    self._run(claimed, jobs, started=True, claimed_mono=claimed_mono),
+                    self.loop)
                 return
             except Exception:  # noqa: BLE001 - the loop is gone: hand them back, never strand
                 log.exception("could not start %d claimed samples; handing them back",
@@ -281,8 +286,10 @@ class Executor:
         return client
 
     async def _run(self, claimed: list[states.Claimed], jobs: dict[int, Any], *,
-                   started: bool = False) -> dict[int, Outcome]:
-        tasks = [asyncio.ensure_future(self._one(c, jobs[c.job_id])) for c in claimed]
+                   started: bool = False,
+                   claimed_mono: float | None = None) -> dict[int, Outcome]:
+        tasks = [asyncio.ensure_future(self._one(c, jobs[c.job_id], claimed_mono))
+                 for c in claimed]
         if started:  # start_claimed's count: the calls are in self._calls from here on
             await asyncio.sleep(0)
             with self._starting_lock:
@@ -290,8 +297,9 @@ class Executor:
         results = await asyncio.gather(*tasks)
         return {c.sample_id: r for c, r in zip(claimed, results, strict=True)}
 
-    async def _one(self, c: states.Claimed, job: Any) -> Outcome:
-        call = Call(c, lease_seconds(job))
+    async def _one(self, c: states.Claimed, job: Any,
+                   claimed_mono: float | None = None) -> Outcome:
+        call = Call(c, lease_seconds(job), claimed_mono)
         call.task = asyncio.current_task()
         self._calls[c.sample_id] = call
         try:

@@ -19,13 +19,19 @@ so after :data:`STOP_AFTER` of them in a row on one server (``SYNTHQ_STOP_AFTER`
 "Identical" compares the class and the message's shape: numbers, hex ids and quoted
 names are blanked (each capture names its own file). Any success on the server
 starts the count again. Each process counts its own calls.
+
+Once a server's stage stops, the process sends it nothing more: a sample claimed
+before the stop's write committed is given back uncalled (:meth:`Streaks.stopped`),
+so the stop costs at most the calls already in flight. A claim whose statement began
+after the stop's write committed saw the job paused, so a sample it returns means the
+job was resumed: the stop is over (:meth:`Streaks.holds`).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["STOP_AFTER", "CAPTURE_CLASSES", "GENERATION_CLASSES", "Stop", "Streaks", "shape"]
 
@@ -51,6 +57,8 @@ class Stop:
     error_class: str
     message: str
     count: int
+    #: ``time.monotonic()`` when the stop's write (the job paused) committed; None before.
+    settled_at: float | None = None
 
     def line(self, what: str, resume: str) -> str:
         """``capture stopped: server URL failed 5 captures in a row with bad_request:
@@ -67,11 +75,35 @@ class Streaks:
         self.after = after
         self._lock = threading.Lock()
         self._runs: dict[str, tuple[str, int]] = {}
+        self._stopped: dict[str, Stop] = {}
 
     def ok(self, server: str) -> None:
         """A call on ``server`` went through: its count starts again."""
         with self._lock:
             self._runs.pop(server, None)
+
+    def settled(self, server: str, at: float) -> None:
+        """The stop on ``server`` is committed (``at``: ``time.monotonic()`` after the
+        commit): claims that begin from now on see it."""
+        with self._lock:
+            stop = self._stopped.get(server)
+            if stop is not None and stop.settled_at is None:
+                self._stopped[server] = replace(stop, settled_at=at)
+
+    def holds(self, server: str, claimed_at: float) -> Stop | None:
+        """The stop that keeps a sample claimed at ``claimed_at`` (``time.monotonic()``
+        before its claim statement) from being sent to ``server``: one not committed yet,
+        or committed after that claim began. A claim begun after the commit saw the job
+        paused, so its sample means the job was resumed: the stop ends."""
+        with self._lock:
+            stop = self._stopped.get(server)
+            if stop is None:
+                return None
+            if stop.settled_at is None or claimed_at < stop.settled_at:
+                return stop
+            del self._stopped[server]
+            self._runs.pop(server, None)
+            return None
 
     def failed(self, server: str, error_class: str, message: str) -> Stop | None:
         """Count a failed call; the :class:`Stop` when it is the ``after``-th identical one in
@@ -88,4 +120,7 @@ class Streaks:
             last, n = self._runs.get(server, ("", 0))
             n = n + 1 if last == key else 1
             self._runs[server] = (key, n)
-        return Stop(server, error_class, message, n) if n == self.after else None
+            if n != self.after:
+                return None
+            stop = self._stopped[server] = Stop(server, error_class, message, n)
+        return stop

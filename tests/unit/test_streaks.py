@@ -39,3 +39,23 @@ def test_a_success_another_cause_or_class_starts_again() -> None:
     s.failed("A", "timeout", "slow")  # not a class that names the configuration: ends it
     assert s.failed("A", "bad_request", "x") is None
     assert Streaks(CAPTURE_CLASSES, after=0).failed("A", "bad_request", "x") is None
+
+
+def test_a_stop_holds_back_what_was_claimed_before_its_pause_committed() -> None:
+    """Samples claimed before the pause committed are not sent (the calls in flight are
+    all a stop costs); a claim begun after the commit saw the job paused, so its sample
+    means the job was resumed: the stop ends there, and a success alone does not end it."""
+    s = Streaks(CAPTURE_CLASSES, after=2)
+    s.failed("A", "bad_request", "x")
+    assert s.holds("A", 0.0) is None  # no stop yet
+    stop = s.failed("A", "bad_request", "x")
+    assert stop is not None
+    assert s.holds("A", 5.0) is stop  # the pause is not committed: nothing is sent
+    s.ok("A")  # a call in flight that went through does not end the stop
+    s.failed("A", "timeout", "slow")  # nor does another failure
+    s.settled("A", 10.0)
+    assert s.holds("A", 9.0) is not None  # claimed before the commit
+    assert s.holds("B", 9.0) is None  # another server
+    assert s.holds("A", 11.0) is None  # claimed after it: the job was resumed
+    assert s.holds("A", 9.0) is None  # and the stop is over
+    assert s.failed("A", "bad_request", "x") is None  # counting starts again
