@@ -39,7 +39,7 @@ from synthq.limits import current_limits, start_limit
 from synthq.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
-           "server_is_down", "active_servers", "adopt_stale"]
+           "server_is_down", "says_down", "active_servers", "adopt_stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +202,7 @@ PROBE_INTERVAL_MAX = 60.0
 _RETRY_AFTER = re.compile(r"^HTTP \d+ \(Retry-After ([0-9.]+) s\)")
 
 
-def _is_down(outcome: str | None, message: str | None) -> bool:
+def says_down(outcome: str | None, message: str | None) -> bool:
     """A call that says the server is not serving: refused, hanging, stalling, or an
     HTTP 5xx answer (overloaded: 503 from a bounded queue or a gateway). A broken
     stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this."""
@@ -239,7 +239,7 @@ def _latest_statement() -> Any:
 
 
 def _is_down_now(latest: Sequence[Any]) -> bool:
-    return len(latest) == TRIP_AFTER and all(_is_down(o, m) for o, m, _ in latest)
+    return len(latest) == TRIP_AFTER and all(says_down(o, m) for o, m, _ in latest)
 
 
 def _probe_due(latest: Sequence[Any], now: datetime) -> bool:

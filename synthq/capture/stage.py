@@ -19,6 +19,13 @@ A server that fails ``stop_after`` captures in a row the same way (``bad_request
 ``capture_mismatch``: it is misconfigured, and each call costs it a prefill) stops
 the stage (synthq.streaks): one line naming the server and the cause, kept in
 ``jobs.capture_stopped`` until ``synthq capture JOB --retry-failed``.
+
+A server that stops serving (a restart: its cold start takes minutes) is seen as
+generation sees it (synthq.dispatch.says_down): after ``TRIP_AFTER`` calls in a row
+refused, timed out or answered 5xx, it gets one capture at a time, a probe every
+``PROBE_INTERVAL`` seconds, and a capture that fails meanwhile is not charged (its
+server computed nothing), so an outage fails no capture; the first probe that goes
+through gives the server its whole limit back (:class:`Outages`).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.defaults import store_root
-from synthq.dispatch import sweep
+from synthq.dispatch import PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
 from synthq.enums import CaptureState
 from synthq.errors import (
     BadRequest,
@@ -200,6 +207,61 @@ def plan(session: Any, job: Job, *, at: Store | None = None) -> Plan:
     return progress_plan(reader_of(session), job.id, job, free=(at or store()).free_bytes())
 
 
+class Outages:
+    """The servers this process sees down: ``TRIP_AFTER`` failures in a row that say the
+    server is not serving (thread-safe)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self._lock = threading.Lock()
+        self._runs: dict[str, int] = {}
+        #: A down server's next probe (``time.monotonic()``).
+        self._probe_at: dict[str, float] = {}
+
+    def ok(self, server: str) -> None:
+        with self._lock:
+            self._runs.pop(server, None)
+            was_down = self._probe_at.pop(server, None) is not None
+        if was_down:
+            self.say(f"capture: server {server} answers again; its whole limit is back")
+
+    def failed(self, server: str, error_class: str, message: str) -> bool:
+        """Count a failed call; True when its server is down (this call included): the
+        failure is the server's, not the capture's."""
+        if not says_down(error_class, message):
+            self.ok(server)
+            return False
+        with self._lock:
+            n = self._runs[server] = self._runs.get(server, 0) + 1
+            if n < TRIP_AFTER:
+                return False
+            new = server not in self._probe_at
+            self._probe_at[server] = time.monotonic() + PROBE_INTERVAL
+        if new:
+            self.say(f"capture: server {server} is down ({message[:200]}); one capture at a "
+                     f"time every {PROBE_INTERVAL:g} s until it answers, not charged")
+        return True
+
+    def next_probe_s(self) -> float | None:
+        """Seconds until the next probe of a down server; None when none is down."""
+        with self._lock:
+            if not self._probe_at:
+                return None
+            return max(0.0, min(self._probe_at.values()) - time.monotonic())
+
+    def room(self, server: str, room: int, inflight: int) -> int:
+        """How many captures may start on ``server`` now: ``room``, or for a down server
+        one probe when none is in flight and its time has come."""
+        with self._lock:
+            at = self._probe_at.get(server)
+            if at is None:
+                return room
+            if inflight or time.monotonic() < at:
+                return 0
+            self._probe_at[server] = time.monotonic() + PROBE_INTERVAL
+            return min(room, 1)
+
+
 class Stage:
     """Runs a job's capture stage in this process until nothing is left to capture."""
 
@@ -225,6 +287,8 @@ class Stage:
         #: Identical failures in a row per server; the line that stopped the stage.
         self.streaks = Streaks(CAPTURE_CLASSES, settings.stop_after)
         self.stopped: str | None = None
+        #: Servers that stopped serving: probed, their captures not charged meanwhile.
+        self.outages = Outages(self.say)
 
     # -- setup -------------------------------------------------------------
     def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
@@ -287,6 +351,9 @@ class Stage:
                     pause = 0.5
                     if due_later is not None:
                         pause = min(2.0, max(0.05, (due_later - utcnow()).total_seconds()))
+                    probe = self.outages.next_probe_s()
+                    if probe is not None:  # due, but their servers are down: the probe
+                        pause = max(pause, min(2.0, probe))
                     self.stop.wait(pause)
                     continue
                 finished, _ = wait(list(self.inflight), timeout=1.0,
@@ -314,7 +381,7 @@ class Stage:
     def _fill(self, job: Job, engines: dict[str, Engine], lease: float) -> None:
         for url, engine in engines.items():
             mine = sum(1 for _, on in self.inflight.values() if on == url)
-            room = job.capture_limit - mine
+            room = self.outages.room(url, job.capture_limit - mine, mine)
             if room <= 0:
                 continue
             token = secrets.token_hex(8)
@@ -379,6 +446,7 @@ class Stage:
                               dtype=got.dtype, engine=engine.version,
                               engine_model=engine.model)
         self.streaks.ok(engine.url)
+        self.outages.ok(engine.url)
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "
                         "it was recorded", claimed.sample_id)
@@ -390,19 +458,26 @@ class Stage:
         stop = self.streaks.failed(server, exc.error_class, message)
         line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
             if stop is not None else None
+        down = self.outages.failed(server, exc.error_class, message)
         with session_scope() as s:
             if line is not None:  # already stopped by another process: kept as it is
                 job_states.set_capture_stopped(s, job.id, line, now=now)
             delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
                                        base=job.backoff_base, cap=job.backoff_cap)
-            if delay is not None:  # the server's Retry-After a floor
+            if down:  # the server's failure: due at once, paced by the probes, not charged
+                states.retry(s, claimed, now=now, error_class=exc.error_class,
+                             error_message=message, next_attempt_at=now, charge=False)
+            elif delay is not None:  # the server's Retry-After a floor
                 states.retry(s, claimed, now=now, error_class=exc.error_class,
                              error_message=message,
                              next_attempt_at=now + timedelta(seconds=delay))
             else:
                 states.fail(s, claimed, now=now, error_class=exc.error_class,
                             error_message=message)
-        log.warning("capture of sample %d: %s: %s", claimed.sample_id, exc.error_class, message)
+        # While its server is down, Outages said so in one line: each probe's failure is
+        # only debug detail.
+        log.log(logging.DEBUG if down else logging.WARNING, "capture of sample %d: %s: %s",
+                claimed.sample_id, exc.error_class, message)
         if line is not None and self.stopped is None:
             # Claim nothing more; the calls in flight end and are recorded.
             self.stopped = line

@@ -125,11 +125,13 @@ def done(session: Session, claimed: Claimed, *, now: datetime, path: str, sha256
 
 
 def retry(session: Session, claimed: Claimed, *, now: datetime, next_attempt_at: datetime,
-          error_class: str, error_message: str) -> bool:
-    """running → pending, due again at ``next_attempt_at``."""
+          error_class: str, error_message: str, charge: bool = True) -> bool:
+    """running → pending, due again at ``next_attempt_at``; ``charge=False`` gives the
+    call back to the capture's attempt budget (its server was down: nothing was computed)."""
+    extra = {} if charge else {"attempts": Capture.attempts - 1}
     return ledger.move(session, CAPTURES, "retry", claimed.capture_id, claimed.token, now=now,
                        next_attempt_at=next_attempt_at, error_class=error_class,
-                       error_message=error_message[:2000])
+                       error_message=error_message[:2000], **extra)
 
 
 def fail(session: Session, claimed: Claimed, *, now: datetime, error_class: str,

@@ -103,6 +103,7 @@ class VllmServer:
     model: str
     log_path: Path
     argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -141,13 +142,18 @@ class VllmServer:
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            log.write(f"$ {' '.join(argv)}\n".encode())
-            log.flush()
-            # Its own process group: stop() ends vLLM's engine-core child too.
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=str(log_path.parent), start_new_session=True)
-        return cls(proc, port, name, log_path, argv)
+        return cls(_spawn(argv, env, log_path), port, name, log_path, argv, env)
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its engine-core child (kill -9, no shutdown)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def restart(self, timeout: float = 900.0) -> VllmServer:
+        """Start it again as it was started, on the same port; returns once it serves."""
+        self.proc = _spawn(self.argv, self.env, self.log_path)
+        return self.wait_ready(timeout)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -194,6 +200,15 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        # Its own process group: stop() and kill() end vLLM's engine-core child too.
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(log_path.parent), start_new_session=True)
 
 
 def chat(base_url: str, model: str, content: str, **body: Any) -> dict[str, Any]:

@@ -8,12 +8,14 @@ the engine tier is never skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -69,6 +71,9 @@ class CaptureServer:
     engine_dir: Path
     log: Path
     proc: subprocess.Popen[bytes]
+    #: How it was started (:meth:`restart` starts it again the same way, on its port).
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def metrics(self) -> str:
         return httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=10).text
@@ -81,12 +86,46 @@ class CaptureServer:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def kill(self) -> None:
+        """SIGKILL to the server and its engine process (its own process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def restart(self, startup_timeout: float = 900) -> None:
+        """Start it again as it was started, on the same port; returns once it serves."""
+        self.proc = _launch(self.argv, self.env, self.log)
+        _wait_up(self, startup_timeout)
+
     def stop(self) -> None:
-        self.proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
+
+
+def _launch(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=log.parent, start_new_session=True)
+
+
+def _wait_up(server: CaptureServer, startup_timeout: float) -> None:
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{server.url}/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.kill()
+    pytest.fail(f"the vLLM capture server did not come up (exit {server.proc.poll()}); its "
+                "log:\n" + server.log.read_text(errors="replace")[-6000:])
 
 
 def start_capture_server(root: Path, *, startup_timeout: float = 900,
@@ -109,25 +148,12 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900,
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])
     env = dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_LOGGING_LEVEL="WARNING")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny-capture", "--dtype", "float32", "-O0",
-             "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
-             "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
-             "--kv-transfer-config", json.dumps(kv)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return CaptureServer(url, model, engine_dir, log, proc)
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.kill()
-    pytest.fail(f"the vLLM capture server did not come up (exit {proc.poll()}); its log:\n"
-                + log.read_text(errors="replace")[-6000:])
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "tiny-capture", "--dtype", "float32", "-O0",
+            "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
+            "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
+            "--kv-transfer-config", json.dumps(kv)]
+    server = CaptureServer(f"http://127.0.0.1:{port}/v1", model, engine_dir, log,
+                           _launch(argv, env, log), argv, env)
+    _wait_up(server, startup_timeout)
+    return server

@@ -247,6 +247,53 @@ def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
     assert all(not p.endswith(".tmp") for p in counted)
 
 
+def test_vllm_killed_and_restarted_mid_stage_fails_no_capture(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    """Issue 30 item 6, capture: the capture server is killed (-9) mid-stage and started
+    again on its port (a cold start). Before, each capture burned its attempts on refused
+    calls (full-jitter backoff, 5 attempts: about 30 s) and failed for good; now the stage
+    sees the server down, probes it one capture at a time, charges nothing meanwhile,
+    and finishes on its own once it serves: every capture done, and the calls charged
+    beyond one per sample are at most those in flight plus the ones before it tripped."""
+    import time
+
+    from synthq.dispatch import TRIP_AFTER
+
+    data = _copy(generated, tmp_path)
+    layers = ",".join(str(i) for i in CAPTURE_LAYERS)
+    limit = 2
+    cmd = [sys.executable, "-m", "synthq.cli", "capture", "cap", "--server",
+           capture_server.url, "--layers", layers, "--limit", str(limit)]
+    log_path = tmp_path / "capture.log"
+    with open(log_path, "wb") as log:
+        stage = subprocess.Popen(cmd, env=_env(data), cwd=REPO, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: (data / "synthq.db").exists() and _rows(
+                data, "SELECT count(*) FROM sqlite_master WHERE name = 'captures'")[0][0]
+                and _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
+                >= 10, 240, "the capture made no progress", interval=0.1)
+            capture_server.kill()
+            done_at_kill = _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
+            assert done_at_kill < SAMPLES, "the stage finished before the kill"
+            started = time.monotonic()
+            capture_server.restart()
+            print(f"\ncapture server killed at {done_at_kill}/{SAMPLES} captured, serving "
+                  f"again after {time.monotonic() - started:.0f} s")
+            rc = stage.wait(300)
+        finally:
+            if stage.poll() is None:
+                stage.kill()
+    said = log_path.read_text(errors="replace")
+    assert rc == 0, said[-3000:]
+    assert "is down" in said and "answers again" in said, said[-3000:]
+    assert _rows(data, "SELECT state, count(*) FROM captures GROUP BY state") == [
+        ("done", SAMPLES)], said[-3000:]
+    assert _check_files(data, Reference(capture_server.model_dir), atol=1e-4) == SAMPLES
+    calls = _rows(data, "SELECT sum(attempts) FROM captures")[0][0]
+    assert SAMPLES <= calls <= SAMPLES + limit + TRIP_AFTER, calls
+
+
 def test_disk_plan_refuses_before_any_call(capture_server: CaptureServer, generated: Path,
                                            tmp_path: Path) -> None:
     data = _copy(generated, tmp_path)

@@ -160,3 +160,68 @@ def job_status_done(job_id: int) -> bool:
 
     with session_scope() as s:
         return job_status(s, s.get_one(Job, job_id), cost=False).finished
+
+
+def test_vllm_killed_and_restarted_mid_job_loses_nothing(engine: Any, workers: Any,
+                                                         job_factory: Callable[..., Any]) -> None:
+    """Issue 30 item 6, generation: vLLM is killed (-9) mid-job and started again on its
+    port (a cold start). The job resumes by itself: every sample is done, none answered
+    twice, and the only calls the kill cost are the ones in flight at that moment; the
+    calls meanwhile are refused (no engine work) and, the server down, one probe at a time."""
+    import time
+
+    from sqlalchemy import func, select
+
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Attempt, Sample
+
+    if engine.server is None:
+        pytest.skip("SYNTHQ_ENGINE_URL: a server started outside the tests cannot be killed")
+    limit = 4
+    pairs = prompts(60, seed=7)
+    report = job_factory([count_prompt(*p) for p in pairs], servers=[engine.url],
+                         model=engine.name, max_tokens=MAX_TOKENS, keep_truncated=True,
+                         inflight_limit=limit, tokenizer=str(engine.target), max_seq_len=600,
+                         sampling={"temperature": 0})
+
+    def done() -> int:
+        with session_scope() as s:
+            return s.scalar(select(func.count()).select_from(Sample).where(
+                Sample.job_id == report.job_id, Sample.state == "done")) or 0
+
+    with session_scope() as s:  # the same prompt twice is one sample
+        n = s.scalar(select(func.count()).select_from(Sample).where(
+            Sample.job_id == report.job_id)) or 0
+
+    workers.worker(concurrency=limit)
+    workers.beat()
+    wait_for(lambda: done() >= 10, timeout=300, message="progress before the kill",
+             interval=0.2)
+    killed_at = utcnow()
+    engine.server.kill()
+    done_at_kill = done()
+    assert done_at_kill < n, "the job finished before the kill: make it longer"
+    time.sleep(3)  # refused calls meanwhile: the server is down
+    started = time.monotonic()
+    engine.server.restart()
+    print(f"\nvLLM killed at {done_at_kill}/{n} done, serving again after "
+          f"{time.monotonic() - started:.0f} s")
+    try:
+        wait_for(lambda: job_status_done(report.job_id), timeout=300,
+                 message="the job to finish after vLLM's restart", interval=1.0)
+    except AssertionError:
+        raise AssertionError(workers.logs()) from None
+    with session_scope() as s:
+        states = dict(s.execute(select(Sample.state, func.count()).where(
+            Sample.job_id == report.job_id).group_by(Sample.state)).all())
+        attempts = s.execute(select(Attempt.outcome, Attempt.started_at, Attempt.error_message)
+                             .join(Sample, Sample.id == Attempt.sample_id)
+                             .where(Sample.job_id == report.job_id)).all()
+    assert states == {"done": n}, states
+    ok = [a for a in attempts if a.outcome == "ok"]
+    assert len(ok) == n, f"{len(ok)} answers for {n} samples"  # none paid twice
+    cut = [a for a in attempts if a.outcome != "ok" and a.started_at < killed_at]
+    assert len(cut) <= limit, cut
+    failed = [a for a in attempts if a.outcome != "ok"]
+    print(f"calls cut by the kill: {len(cut)} (limit {limit}); failed calls in all: "
+          f"{len(failed)}; answers: {len(ok)}")

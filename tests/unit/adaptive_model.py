@@ -58,7 +58,7 @@ class Event:
         return self.start <= t < self.end
 
 
-#: Outcomes that make a server "down" (synthq.dispatch._is_down; the 5xx are HTTP 5xx).
+#: Outcomes that make a server "down" (synthq.dispatch.says_down; the 5xx are HTTP 5xx).
 DOWN = ("connection", "server_error", "timeout", "stalled")
 PROBE_INTERVAL = 2.0
 HEALTH_EVERY = 5.0
