@@ -255,9 +255,8 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
     columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
-        won = await _write(writer, c, lambda s, now: states.complete(
-            s, c.sample_id, c.token, now=now, attempt=attempt, **columns), since=since,
-            late=late)
+        won = await _write(writer, c, states.completion(
+            c.sample_id, c.token, attempt=attempt, **columns), since=since, late=late)
         return Outcome.DONE if won else Outcome.NOT_WRITTEN
     # A new answer is paid for: store it before anything else can go wrong.
     if attempt is not None and not await _write(writer, c, lambda s, now: states.store_response(
@@ -274,8 +273,7 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
         if not isinstance(exc, errors.PermanentError):
             log.exception("sample %s: tokenization crashed", c.sample_id)
         return await _tokenization_failed(c, exc, writer)
-    won = await _write(writer, c, lambda s, now: states.complete(
-        s, c.sample_id, c.token, now=now, **example))
+    won = await _write(writer, c, states.completion(c.sample_id, c.token, **example))
     return Outcome.DONE if won else Outcome.NOT_WRITTEN
 
 

@@ -31,12 +31,12 @@ this host that no longer exists): every kind's expiry uses them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, select, tuple_, update
+from sqlalchemy import and_, bindparam, select, text, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
@@ -192,6 +192,13 @@ def move(session: Session, kind: Kind, transition: str, row_id: int, token: str 
     the target state and ``updated_at``; leaving ``held``, the claim (and a deadline
     lease) cleared; reaching ``done`` or ``failed``, ``finished_at``. ``values`` add
     the kind's own columns (and may override any of these)."""
+    return cas(session, kind, row_id, allowed(kind, transition),
+               moved(kind, transition, token, now=now, **values), token=token)
+
+
+def moved(kind: Kind, transition: str, token: str | None, *, now: datetime,
+          **values: Any) -> dict[str, Any]:
+    """The columns :func:`move` sets: what the transition implies, then ``values``."""
     t = TRANSITIONS[transition]
     if t.token and token is None:
         raise ValueError(f"{kind.name} {transition} needs the claim token")
@@ -205,8 +212,77 @@ def move(session: Session, kind: Kind, transition: str, row_id: int, token: str 
         if t.target in ("done", "failed"):
             implied["finished_at"] = now
         implied["updated_at"] = now
-    return cas(session, kind, row_id, allowed(kind, transition), {**implied, **values},
-               token=token)
+    return {**implied, **values}
+
+
+class Move:
+    """One :func:`move` as a write the batch writer may merge (synthq.writer): called with
+    ``(session, now)`` it is that move alone; :meth:`run_merged` runs many of one shape
+    (the same kind, transition and columns) as one statement on PostgreSQL. ``then``
+    runs after the compare-and-set with whether it won (an attempt row, say) and gives
+    the write's result (by default, whether it won)."""
+
+    __slots__ = ("kind", "transition", "row_id", "token", "values", "then")
+
+    def __init__(self, kind: Kind, transition: str, row_id: int, token: str, *,
+                 then: Callable[[Session, bool], Any] | None = None, **values: Any) -> None:
+        self.kind, self.transition, self.row_id, self.token = kind, transition, row_id, token
+        self.values, self.then = values, then
+
+    def __call__(self, session: Session, now: datetime) -> Any:
+        won = move(session, self.kind, self.transition, self.row_id, self.token, now=now,
+                   **self.values)
+        return self.then(session, won) if self.then is not None else won
+
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """Moves of one shape share one merged statement."""
+        return (self.kind.name, self.transition, tuple(sorted(self.values)))
+
+    @staticmethod
+    def run_merged(session: Session, moves: Sequence[Move], now: datetime) -> list[Any]:
+        """``moves`` (one shape, distinct rows) as one ``UPDATE ... FROM unnest(...)``
+        compare-and-set on PostgreSQL, each row's own values and token; the results in
+        order. Elsewhere, or for one move, each runs alone."""
+        bind = session.get_bind()
+        ids = [m.row_id for m in moves]
+        if len(moves) < 2 or bind.dialect.name != "postgresql" or len(set(ids)) < len(ids):
+            return [m(session, now) for m in moves]
+        first = moves[0]
+        kind = first.kind
+        rows = [moved(kind, m.transition, m.token, now=now, **m.values) for m in moves]
+        names = tuple(rows[0])
+        stmt = _merged_statement(kind, tuple(allowed(kind, first.transition)), names,
+                                 bind.dialect)
+        columns = kind.model.__table__.c
+        params: dict[str, Any] = {"ids": ids, "tokens": [m.token for m in moves]}
+        for i, name in enumerate(names):
+            process = columns[name].type.dialect_impl(bind.dialect).bind_processor(bind.dialect)
+            values = [r[name] for r in rows]
+            params[f"c{i}"] = [process(v) for v in values] if process is not None else values
+        won = set(session.connection().execute(stmt, params).scalars())
+        return [m.then(session, m.row_id in won) if m.then is not None else m.row_id in won
+                for m in moves]
+
+
+@functools.lru_cache(maxsize=64)
+def _merged_statement(kind: Kind, sources: tuple[str, ...], names: tuple[str, ...],
+                      dialect: Any) -> Any:
+    """:meth:`Move.run_merged`'s statement: the same text for any number of rows (each
+    column one array parameter), so PostgreSQL plans it once per shape."""
+    table = kind.model.__table__
+    columns = table.c
+    cast = [f"CAST(:c{i} AS {columns[n].type.compile(dialect=dialect)}[])"
+            for i, n in enumerate(names)]
+    states = ", ".join(f"'{s}'" for s in sources)
+    sets = ", ".join(f'"{n}" = u."c{i}"' for i, n in enumerate(names))
+    outs = ", ".join(f'"c{i}"' for i in range(len(names)))
+    return text(
+        f'UPDATE "{table.name}" AS t SET {sets} '
+        f"FROM unnest(CAST(:ids AS BIGINT[]), CAST(:tokens AS TEXT[]), {', '.join(cast)}) "
+        f"AS u(id, token, {outs}) "
+        f"WHERE t.id = u.id AND t.claim = u.token AND t.state IN ({states}) "
+        "RETURNING t.id")
 
 
 # -- claim ------------------------------------------------------------------------------

@@ -287,6 +287,18 @@ def complete(session: Session, sample_id: int, token: str, *, now: datetime,
     return won
 
 
+def completion(sample_id: int, token: str, *, attempt: dict[str, Any] | None = None,
+               **result: Any) -> ledger.Move:
+    """:func:`complete` as a write the batch writer merges with the others of its shape
+    (one statement for a batch's answers, synthq.writer)."""
+    def then(session: Session, won: bool) -> bool:
+        _attempt(session, attempt, won=won)
+        return won
+
+    return ledger.Move(SAMPLES, "finish", sample_id, token, then=then, error_class=None,
+                       error_message=None, **result)
+
+
 def store_response(session: Session, sample_id: int, token: str, *, now: datetime,
                    attempt: dict[str, Any] | None = None, **response: Any) -> bool:
     """running → running, saving the raw response before tokenization (invariant 4)."""

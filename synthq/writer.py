@@ -50,6 +50,7 @@ from sqlalchemy.orm import Session
 
 from synthq.db import database_location, disk_full, session_scope, utcnow
 from synthq.errors import DiskFull
+from synthq.ledger import Move
 
 __all__ = ["Writer", "Write"]
 
@@ -68,6 +69,28 @@ def _sqlite() -> bool:
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def _run_writes(session: Session, writes: list[Write], now: datetime) -> list[Any]:
+    """Run a batch's writes in order; the moves among them of one shape (synthq.ledger.Move:
+    the answers' compare-and-sets) as one statement, where the first of them stands."""
+    moves: dict[Any, list[tuple[int, Move]]] = {}
+    for i, w in enumerate(writes):
+        if isinstance(w, Move):
+            moves.setdefault(w.shape, []).append((i, w))
+    if not any(len(group) > 1 for group in moves.values()):
+        return [w(session, now) for w in writes]
+    results: dict[int, Any] = {}
+    for i, w in enumerate(writes):
+        if i in results:
+            continue
+        if isinstance(w, Move):
+            group = moves[w.shape]
+            merged = Move.run_merged(session, [m for _, m in group], now)
+            results.update(zip([j for j, _ in group], merged, strict=True))
+        else:
+            results[i] = w(session, now)
+    return [results[i] for i in range(len(writes))]
 
 
 def _resolve(future: Future[Any], result: Any = None, *,
@@ -303,7 +326,7 @@ class Writer:
     def _transaction(writes: list[Write]) -> list[Any]:
         now = utcnow()
         with session_scope() as s:
-            return [w(s, now) for w in writes]
+            return _run_writes(s, writes, now)
 
     def _one_by_one(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         """Isolate the write that breaks the batch: each in its own transaction."""

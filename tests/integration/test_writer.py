@@ -89,3 +89,61 @@ def test_a_waiter_that_gave_up_does_not_stop_the_writer(pg: str) -> None:
         assert after.result(5) == "still writing"
     finally:
         writer.close()
+
+
+def test_a_batchs_answers_are_one_merged_compare_and_set(
+        pg: str, job_factory: Any) -> None:
+    """Issue 32: the answers committed in one transaction are one ``UPDATE ... FROM
+    unnest(...)`` per shape (synthq.ledger.Move), with each row's own values and token:
+    the winners are done with their own columns (text, bytes, JSON), a stale token loses
+    and its row is untouched, and each call's attempt row says which."""
+    from sqlalchemy import select, update
+
+    from synthq import ledger, states
+    from synthq.db import session_scope, utcnow
+    from synthq.models import Attempt, Sample
+
+    report = job_factory([f"q{i}" for i in range(6)], servers=["http://127.0.0.1:9/v1"])
+    with session_scope() as s:
+        ids = list(s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)
+                             .order_by(Sample.id)))
+        for i in ids:
+            s.execute(update(Sample).where(Sample.id == i).values(
+                state="running", claim=f"tok{i}", server="http://127.0.0.1:9/v1"))
+    before = ledger._merged_statement.cache_info()
+    writer = Writer(threads=1)
+    try:
+        slow = writer.submit(lambda s, now: s.execute(text("SELECT pg_sleep(0.3)")) and 1)
+        time.sleep(0.05)
+        futures = []
+        for n, i in enumerate(ids):
+            token = "stale" if n == 2 else f"tok{i}"
+            attempt = dict(sample_id=i, server="http://127.0.0.1:9/v1", worker="w",
+                           started_at=utcnow(), ended_at=utcnow(), outcome="ok", error_message=None,
+                           latency_s=0.1, ttft_s=None, completion_tokens=3, turn=None)
+            futures.append(writer.submit(states.completion(
+                i, token, attempt=attempt, response_content=f"answer {i}",
+                completion_token_ids=bytes([n, 1, 2, 3]), tool_calls=[{"id": f"c{i}"}],
+                finish_reason="stop")))
+        assert slow.result(5) == 1
+        assert [f.result(5) for f in futures] == [n != 2 for n in range(len(ids))]
+        assert writer.commits == 2, "the answers were not one transaction"
+    finally:
+        writer.close()
+    after = ledger._merged_statement.cache_info()
+    assert after.hits + after.misses == before.hits + before.misses + 1, "not merged"
+    with session_scope() as s:
+        rows = {r.id: r for r in s.scalars(select(Sample).where(Sample.id.in_(ids)))}
+        outcomes = dict(s.execute(select(Attempt.sample_id, Attempt.outcome)
+                                  .where(Attempt.sample_id.in_(ids))).all())
+    for n, i in enumerate(ids):
+        r = rows[i]
+        if n == 2:
+            assert (r.state, r.claim, r.response_content) == ("running", f"tok{i}", None)
+            assert outcomes[i] == "lost"
+            continue
+        assert (r.state, r.claim, r.response_content, r.finish_reason) == (
+            "done", None, f"answer {i}", "stop")
+        assert bytes(r.completion_token_ids) == bytes([n, 1, 2, 3])
+        assert r.tool_calls == [{"id": f"c{i}"}] and r.finished_at is not None
+        assert outcomes[i] == "ok"
