@@ -16,9 +16,9 @@ float32 (issue 30 item 4: the goal is within 0.05), on the tiny target, measured
    EAGLE-3 (``num_speculative_tokens`` = ``--draft-tokens``) and measured by
    ``synthq serve-check`` on the run's held-out prompts (one split for all: the same job).
 
-Rows (JSON, one per dtype): bytes per token stored, synthq's own ``eval`` and vLLM's
-``served`` acceptance length (1 + accepted / drafts), drafts, and ``delta`` (served minus
-float32's). Nothing is asserted. About 10-15 minutes on the 2-core machine.
+Rows (JSON; after the generation's line, one per dtype): bytes per token stored, synthq's
+own ``eval`` and vLLM's ``served`` acceptance length (1 + accepted / drafts), drafts, and
+``delta`` (served minus float32's). Nothing is asserted. About 10-15 minutes on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from synthq.testing.tiny import count_prompt, prompts  # noqa: E402
 from synthq.testing.vllm import VllmServer, start_capture_server  # noqa: E402
 
 NAME = "tiny"
@@ -67,21 +66,12 @@ def _say(line: str) -> None:
 
 
 def _generate(target: Path, work: Path, n: int) -> Path:
+    """The job ``gen``: dflash.py's generation (the same prompts, seed and settings), in its
+    own data directory."""
+    from dflash import _generate as generate_job
+
     data = work / "generated"
-    server = VllmServer.start(target, NAME, log_path=work / "vllm-plain.log")
-    try:
-        server.wait_ready(timeout=1500)
-        dataset = work / "train.jsonl"
-        dataset.write_text("".join(json.dumps({"id": f"t{i}", "messages": [
-            {"role": "user", "content": count_prompt(*p)}]}) + "\n"
-            for i, p in enumerate(prompts(n, 77))))
-        status = _synthq(_env(data), "run", "-d", str(dataset), "-s", server.base_url, "-m",
-                         NAME, "--job", "gen", "--id-field", "id", "--max-tokens", "64",
-                         "--temperature", "0", "--tokenizer", str(target), "--max-seq-len",
-                         "256", "--return-token-ids", "--inflight", "16", "--json")
-        _say(f"generated: {status['counts']}")
-    finally:
-        server.stop()
+    generate_job(target, work, _env(data), n)
     return data
 
 
