@@ -30,6 +30,7 @@ from support import (  # noqa: F401 - the settings, shared with tests that need 
     fresh_pg_database,
     pg_database,
     redis_for_tests,
+    release_redis_for_tests,
 )
 
 
@@ -40,6 +41,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("redis_url" in getattr(item, "fixturenames", ()) for item in session.items):
         redis_for_tests()
     pg_database()  # a bad SYNTHQ_TEST_PG_PREFIX stops it the same way
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave the test Redis as it was found: the tests' keys and their claim deleted."""
+    release_redis_for_tests()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from synthq.testing.procs import Proc, free_port  # noqa: F401 - Proc: re-exported for tests
+from synthq.testing.procs import Proc, dies_with_parent, free_port  # noqa: F401 - Proc: re-exported for tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,10 @@ def pg_database(tag: str = "") -> str:
     return f"{PG_PREFIX}{tag}{os.getpid()}"
 
 
+#: The key a test session writes into the empty database it takes (see RedisForTests).
+CLAIM = b"synthq-tests:claimed-by"
+
+
 class RedisForTests:
     """The tests' Redis database: checked once, then cleared of the tests' keys only.
 
@@ -54,6 +59,13 @@ class RedisForTests:
     someone's: its keys are not the tests' to delete), unless REDIS_SHARED says to
     share it; then the keys found at the start are never deleted, and the tests'
     own keys are. Nothing is flushed: no FLUSHDB, no FLUSHALL.
+
+    A session that takes an empty database writes :data:`CLAIM` into it (its pid,
+    host and start) and deletes it when it ends. A session killed before its end
+    (Ctrl-C twice, kill -9, a CI job cut off) leaves the claim beside its keys; the
+    next session finds the claim, and since that database was empty when it was
+    claimed, its keys are the tests' own: they are deleted, with one line. A claim
+    whose session still runs on this host is refused instead.
     """
 
     def __init__(self, url: str = REDIS_URL) -> None:
@@ -73,6 +85,8 @@ class RedisForTests:
         except redis.RedisError as exc:
             raise pytest.UsageError(f"SYNTHQ_TEST_REDIS={shown}: cannot reach it "
                                     f"({type(exc).__name__}: {exc})") from None
+        if CLAIM in keys and not shared:
+            keys = self._take_over(keys)
         if keys and not shared:
             some = ", ".join(sorted(k.decode(errors="replace") for k in keys)[:3])
             more = ", ..." if len(keys) > 3 else ""
@@ -89,19 +103,62 @@ class RedisForTests:
                 "a synthq deployment uses it, and the tests would take its messages; point it "
                 "at an empty database")
         self.kept = keys
+        if not shared:
+            self.client.set(CLAIM, f"pid {os.getpid()} on {socket.gethostname()} "
+                                   f"since {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+
+    def _take_over(self, keys: frozenset[bytes]) -> frozenset[bytes]:
+        """Delete what a test session that did not end left in its database; what is left."""
+        claim = (self.client.get(CLAIM) or b"").decode(errors="replace")
+        found = re.fullmatch(r"pid (\d+) on (\S+) since \S+", claim)
+        if found and found[2] == socket.gethostname() and _alive(int(found[1])):
+            raise pytest.UsageError(
+                f"SYNTHQ_TEST_REDIS={_mask_password(self.url)} is in use by another test "
+                f"session ({claim}): wait for it, or point this one at another database")
+        left = list(keys)
+        for i in range(0, len(left), 500):
+            self.client.unlink(*left[i:i + 500])
+        print(f"SYNTHQ_TEST_REDIS={_mask_password(self.url)}: deleted {len(left) - 1} keys "
+              f"a test session that did not end left ({claim})", file=sys.stderr)
+        return frozenset(self.client.scan_iter(count=1000))
 
     def clear(self) -> int:
         """Delete every key the tests made (all but those found at the start); the count."""
-        mine = [k for k in self.client.scan_iter(count=1000) if k not in self.kept]
+        mine = [k for k in self.client.scan_iter(count=1000)
+                if k not in self.kept and k != CLAIM]
         for i in range(0, len(mine), 500):
             self.client.unlink(*mine[i:i + 500])
         return len(mine)
+
+    def release(self) -> None:
+        """The session's end: the tests' keys and the claim deleted, the client closed."""
+        self.clear()
+        self.client.delete(CLAIM)
+        self.close()
 
     def close(self) -> None:
         self.client.close()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
 _redis: RedisForTests | None = None
+
+
+def release_redis_for_tests() -> None:
+    """At the session's end: the tests' keys and their claim deleted (when it was used)."""
+    global _redis
+    if _redis is not None:
+        _redis.release()
+        _redis = None
 
 
 def redis_for_tests() -> RedisForTests:
@@ -159,7 +216,7 @@ class Simulator:
         self._log = (open(log_dir / f"sim-{self.port}.log", "w+b")  # noqa: SIM115
                      if log_dir else tempfile.TemporaryFile())  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=dies_with_parent())
         self.http = httpx.Client(base_url=self.base_url, timeout=10)
         self._client: Any = None
         deadline = time.monotonic() + 20

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from synthq.testing.procs import REPO, Proc, free_port
+from synthq.testing.procs import REPO, Proc, dies_with_parent, free_port
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
@@ -156,7 +156,8 @@ class PrivateRedis:
             self.proc = subprocess.Popen(
                 ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                  "--save", "", "--appendonly", "no", "--daemonize", "no"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=dies_with_parent())
 
         def up() -> bool:
             try:

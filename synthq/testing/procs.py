@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["REPO", "free_port", "Proc", "ApiServer"]
+__all__ = ["REPO", "free_port", "dies_with_parent", "Proc", "ApiServer"]
 
 #: The repository root (the working directory of every process started here).
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +26,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def dies_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux SIGKILL the child when the process starting it
+    dies, so a test session killed mid-run (kill -9, a CI job cut off) leaves no
+    workers behind to take the next session's messages; None elsewhere.
+
+    Linux sends the signal when the *thread* that started the child ends, so it is
+    set only for children the main thread starts.
+    """
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    return preexec
+
+
 class Proc:
     """A subprocess in its own process group, its output in a log file."""
 
@@ -34,7 +57,8 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=dies_with_parent())
 
     @property
     def pid(self) -> int:

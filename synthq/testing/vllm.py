@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from synthq.testing.procs import dies_with_parent, free_port
 
 __all__ = ["VllmServer", "VllmStartError", "venv_path", "venv_python", "metrics",
            "start_capture_server",
@@ -54,12 +55,6 @@ def venv_python() -> Path:
     if not (venv / ".ready").is_file():
         raise VllmStartError(f"no vLLM venv at {venv} (run scripts/vllm-venv.sh first)")
     return venv / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 60) -> str:
@@ -208,7 +203,8 @@ def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
         log.flush()
         # Its own process group: stop() and kill() end vLLM's engine-core child too.
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(log_path.parent), start_new_session=True)
+                                cwd=str(log_path.parent), start_new_session=True,
+                                preexec_fn=dies_with_parent())
 
 
 def chat(base_url: str, model: str, content: str, **body: Any) -> dict[str, Any]:

@@ -412,6 +412,51 @@ def test_11_the_tests_touch_only_their_own_redis_keys(tmp_path: Path) -> None:
         server.kill()
 
 
+def test_11_a_test_session_that_did_not_end_leaves_keys_the_next_one_deletes(
+        tmp_path: Path) -> None:
+    """A session killed mid-run leaves its claim beside its keys (kombu's bindings, a
+    queue): the next session deletes them and runs; while the claiming session still
+    runs, the next one is refused; a session's end leaves the database empty."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from support import CLAIM, RedisForTests
+
+    from synthq.testing.chaos import PrivateRedis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server")
+    server = PrivateRedis(tmp_path)
+    try:
+        url = server.url.rsplit("/", 1)[0] + "/4"
+        first = RedisForTests(url)
+        first.check(shared=False)
+        assert first.client.exists(CLAIM)
+        first.client.sadd("_kombu.binding.generate", "generate")
+        first.client.rpush("generate", "a test's message")
+        first.close()  # killed here: no release
+
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            first.client.set(CLAIM, f"pid {alive.pid} on {socket.gethostname()} since now")
+            with pytest.raises(pytest.UsageError, match=f"in use by another test session "
+                               f"\\(pid {alive.pid} on"):
+                RedisForTests(url).check(shared=False)
+        finally:
+            alive.kill()
+            alive.wait()
+        second = RedisForTests(url)
+        second.check(shared=False)  # the dead session's keys are deleted, not refused
+        assert sorted(second.client.keys()) == [CLAIM]
+        second.client.set("made-by-a-test", "1")
+        second.release()
+        assert RedisForTests(url).client.keys() == []
+    finally:
+        server.kill()
+
+
 def test_11_no_test_flushes_redis() -> None:
     """Flushing empties keys the tests did not make (FLUSHALL: every database)."""
     import re
