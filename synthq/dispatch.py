@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import String, bindparam, func, literal, or_, select, union_all
+from sqlalchemy import String, bindparam, func, literal, or_, select, true, union_all
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -150,42 +151,68 @@ class _Load:
     capacity: int | None
     #: Servers whose last health probe failed (what synthq.health.unhealthy lists).
     sick: set[str]
+    #: Each server's latest TRIP_AFTER calls, newest first (:func:`_latest_calls`).
+    latest: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | None) -> _Load:
-    """The in-flight count per server, the servers that failed their probe and (with
-    ``capacity_since``) the live workers' capacity, in one statement: a refill runs
-    this for every few freed slots, and in a busy worker each round trip is a wait
-    for the GIL. Rows are tagged: 0 in flight, 1 unhealthy, 2 capacity."""
+    """The in-flight count per server, the servers that failed their probe, each
+    server's latest calls and (with ``capacity_since``) the live workers' capacity, in
+    one statement on PostgreSQL: a refill runs this for every few freed slots, and in a
+    busy worker each round trip is a wait for the GIL. Rows are tagged: 0 in flight,
+    1 unhealthy, 2 capacity, 3 a latest call (SQLite reads those per server: it has no
+    LATERAL)."""
+    lateral = session.get_bind().dialect.name == "postgresql"
     params: dict[str, Any] = {"urls": list(urls)}
     if capacity_since is not None:
         params["since"] = capacity_since
+    if lateral:
+        params["latest_urls"] = list(urls)
     load = _Load({}, 0, None, set())
-    for tag, url, n in session.execute(_load_statement(capacity_since is not None), params):
+    calls: dict[str, list[tuple[int, Any]]] = {url: [] for url in urls}
+    for tag, url, n, *call in session.execute(
+            _load_statement(capacity_since is not None, lateral), params):
         if tag == 0:
             load.held += n
             if url:
                 load.by_server[url] = n
         elif tag == 1 and url is not None:
             load.sick.add(url)
+        elif tag == 3:
+            calls[url].append((n, tuple(call)))  # n: the attempt's id
         else:
             load.capacity = int(n)
+    for url in urls:
+        load.latest[url] = ([c for _, c in sorted(calls[url], key=lambda r: -r[0])] if lateral
+                            else _latest_calls(session, url))
     return load
 
 
 @functools.cache
-def _load_statement(capacity: bool) -> Any:
+def _load_statement(capacity: bool, lateral: bool) -> Any:
+    no_text, no_time = literal(None, String), literal(None, Attempt.__table__.c["ended_at"].type)
     parts = [
-        select(literal(0), Sample.server, func.count())
+        select(literal(0), Sample.server, func.count(), no_text, no_text, no_time)
         .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
-        select(literal(1), Server.url, literal(0))
+        select(literal(1), Server.url, literal(0), no_text, no_text, no_time)
         .where(Server.url.in_(bindparam("urls", expanding=True)), Server.healthy.is_(False)),
     ]
     if capacity:
         since = bindparam("since", type_=Worker.__table__.c["heartbeat_at"].type)
         parts.append(select(literal(2), literal(None, String),
-                            func.coalesce(func.sum(Worker.capacity), 0))
+                            func.coalesce(func.sum(Worker.capacity), 0), no_text, no_text,
+                            no_time)
                      .where(Worker.heartbeat_at >= since))
+    if lateral:
+        server = Attempt.__table__.c["server"]
+        url = (func.unnest(bindparam("latest_urls", type_=ARRAY(server.type)))
+               .table_valued("url").render_derived(name="u", with_types=False))
+        calls = (select(Attempt.id, Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+                 .where(Attempt.server == url.c.url)
+                 .order_by(Attempt.id.desc()).limit(TRIP_AFTER).lateral("a"))
+        parts.append(select(literal(3), url.c.url, calls.c.id, calls.c.outcome,
+                            calls.c.error_message, calls.c.ended_at)
+                     .select_from(url.join(calls, true())))
     return union_all(*parts)
 
 
@@ -281,7 +308,7 @@ def _take_statement(kind: str | None) -> Any:
     elif kind == "elsewhere":
         url = bindparam("url", type_=Sample.__table__.c["last_server"].type)
         extra = [or_(Sample.last_server.is_(None), Sample.last_server != url)]
-    return (select(Sample.id, Sample.job_id)
+    return (select(Sample.id)
             .where(Sample.job_id.in_(bindparam("job_ids", expanding=True)),
                    Sample.state == SampleState.PENDING,
                    Sample.next_attempt_at <= bindparam(
@@ -294,16 +321,13 @@ def _take_statement(kind: str | None) -> Any:
 def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
           kind: str | None) -> list[Dispatched]:
     """Move up to ``room`` due samples of the server's jobs (of :func:`_preference`'s
-    ``kind``) to queued."""
-    params = {"job_ids": list(server.job_ids), "now": now, "room": room}
+    ``kind``) to queued, in one statement (the rows locked, others' locks skipped)."""
+    params = {"job_ids": list(server.job_ids), "room": room}
     if kind == "elsewhere":
         params["url"] = server.url
-    rows = [(r[0], r[1]) for r in s.execute(_take_statement(kind), params)]
-    if not rows:
-        return []
     token = secrets.token_hex(16)
-    states.queue(s, [r[0] for r in rows], server=server.url, token=token, now=now,
-                 deadline=now + timedelta(seconds=queued_timeout))
+    rows = states.queue_due(s, _take_statement(kind), params, server=server.url, token=token,
+                            now=now, deadline=now + timedelta(seconds=queued_timeout))
     return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
 
 
@@ -344,10 +368,9 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
         free = capacity if capacity is not None else 1 << 62
         if free <= 0:
             return 0
-        latest = {}
+        latest = seen.latest
         for entry in servers:
             entry.unhealthy = entry.url in seen.sick
-            latest[entry.url] = _latest_calls(s, entry.url)
             entry.down = _is_down_now(latest[entry.url])
         # Most room first: when there is less work than room, it goes where room is.
         servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)

@@ -176,26 +176,49 @@ def _logged_by_sweep(session: Session, row: dict[str, Any]) -> bool:
 def queue(session: Session, sample_ids: Sequence[int], *, server: str, token: str,
           deadline: datetime, now: datetime) -> int:
     """pending → queued, for ids the dispatcher locked. Returns how many moved."""
-    result = _exec(session, _queue_statement(), {
+    result = _exec(session, _queue_statement(None), {
         "ids": list(sample_ids), "server": server, "token": token, "deadline": deadline,
         "now": now})
     return int(result.rowcount)
 
 
+def queue_due(session: Session, due: Any, params: dict[str, Any], *, server: str, token: str,
+              deadline: datetime, now: datetime) -> list[tuple[int, int]]:
+    """pending → queued for the ids the select ``due`` picks (with ``params``; it may bind
+    ``now``), in one statement: the dispatcher's take. Returns ``(id, job_id)`` per row
+    moved, by id.
+
+    ``due`` locks what it picks and skips what others hold (``FOR UPDATE SKIP
+    LOCKED``), so the pick and the move are one round trip instead of two.
+    """
+    rows = _exec(session, _queue_statement(due), {
+        **params, "server": server, "token": token, "deadline": deadline, "now": now}).all()
+    return sorted((int(i), int(j)) for i, j in rows)
+
+
 @functools.cache
-def _queue_statement() -> Any:
-    """:func:`queue`'s statement, built once (see :func:`_claim_statement`)."""
+def _queue_statement(due: Any) -> Any:
+    """:func:`queue`'s statement (``due`` None: the ids a parameter) or :func:`queue_due`'s
+    (built once per ``due``, which is itself built once; see :func:`_claim_statement`)."""
     columns = Sample.__table__.c
     now = bindparam("now", type_=columns["updated_at"].type)
-    return (update(Sample)
-            .where(Sample.id.in_(bindparam("ids", expanding=True)),
-                   Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
+    if due is None:
+        which = Sample.id.in_(bindparam("ids", expanding=True))
+    else:
+        # Computed once, as a table: as ``id IN (subquery)`` the planner may rescan the
+        # subquery for each row, and each rescan skips the rows this statement already
+        # moved (locked by itself) and picks the next ones, past LIMIT.
+        picked = due.cte("due").prefix_with("MATERIALIZED")
+        which = Sample.id == picked.c.id
+    stmt = (update(Sample)
+            .where(which, Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
             .values(state=SampleState.QUEUED,
                     server=bindparam("server", type_=columns["server"].type),
                     claim=bindparam("token", type_=columns["claim"].type),
                     expires_at=bindparam("deadline",
                                                type_=columns["expires_at"].type),
                     queued_at=now, updated_at=now))
+    return stmt if due is None else stmt.returning(Sample.id, Sample.job_id)
 
 
 def claim_batch(session: Session, items: Sequence[Item], *, new_token: str,

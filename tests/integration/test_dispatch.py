@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 from support import counts
 
 from synthq import states
@@ -260,3 +260,37 @@ def test_only_the_live_workers_free_slots_are_queued(job_factory: Callable[..., 
         workers.heartbeat(s, "h:3:new", capacity=3, inflight=0, now=utcnow())
     assert dispatch(published.extend) == 3
     assert queued_on(server) == 10
+
+
+def test_a_refills_one_statement_reads_each_servers_latest_calls_as_the_per_server_read(
+        job_factory: Callable[..., Any]) -> None:
+    """The load statement's LATERAL part (PostgreSQL) gives each server's latest
+    TRIP_AFTER calls newest first, exactly as the per-server read does: the down check
+    and the probe's timing read them."""
+    import random
+
+    from synthq.dispatch import _latest_calls, _load
+    from synthq.models import Attempt
+
+    urls = [f"http://10.255.1.{i}:8000/v1" for i in range(4)]
+    report = job_factory(["p0"], servers=urls[:1], inflight_limit=4)
+    with session_scope() as s:
+        sample_id = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
+    rng = random.Random(7)
+    t0 = utcnow() - timedelta(minutes=5)
+    rows = []
+    for i in range(40):  # servers 0-2 get calls in shuffled order; server 3 none
+        url = urls[rng.randrange(3)]
+        rows.append(dict(sample_id=sample_id, server=url, worker="w",
+                         started_at=t0 + timedelta(seconds=i),
+                         ended_at=t0 + timedelta(seconds=i + rng.random()),
+                         outcome=rng.choice(["ok", "connection", "timeout", "server_error"]),
+                         error_message=rng.choice([None, "HTTP 503 (Retry-After 7 s)"])))
+    with session_scope() as s:
+        s.execute(insert(Attempt), rows)
+    with session_scope() as s:
+        merged = _load(s, urls, capacity_since=None).latest
+        assert merged == {url: _latest_calls(s, url) for url in urls}
+        assert [len(merged[u]) for u in urls] == [3, 3, 3, 0]
+        assert all(a[2] > b[2] for u in urls[:3] for a, b in zip(merged[u], merged[u][1:],
+                                                                strict=False))
