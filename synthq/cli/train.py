@@ -230,7 +230,9 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
             console.print(line)
 
     evaluation = _EvalBar(enabled=not as_json)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill`: hand the run back too
+    # Ctrl-C and `kill` hand the run back. SIGINT is set here too, as `synthq run` sets
+    # it: a shell's background job starts with SIGINT ignored, and Python keeps that.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         state = execute_run(run_id, on_step=on_step, say=say, on_eval=evaluation.update)
     except KeyboardInterrupt:
@@ -238,7 +240,8 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
         raise fail(f"interrupted: run {run_id} is handed back; rerun `synthq train "
                    f"{info['job']}` to resume it from its last checkpoint", code=130) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     evaluation.close()
     row = _runs(str(run_id), by_run=True)[0]
     if state == "stale":

@@ -28,13 +28,20 @@ TRAIN = ["--draft-vocab-size", "64", "--batch-size", "2", "--epochs", "50", "--m
          "0.1", "--eval-every", "0", "--eval-draft-tokens", "1", "--eval-max-new", "40"]
 
 
-def start_train(job_id: int, target: Path, out: Path) -> subprocess.Popen[str]:
-    """`synthq train` in embedded mode; stdout to ``out``, stderr to ``out`` + ``.err``."""
+def start_train(job_id: int, target: Path, out: Path, *,
+                sigint_ignored: bool = False) -> subprocess.Popen[str]:
+    """`synthq train` in embedded mode; stdout to ``out``, stderr to ``out`` + ``.err``.
+    ``sigint_ignored``: started as a shell's background job is (SIGINT ignored)."""
     env = child_env(SYNTHQ_BROKER_URL="", PYTHONUNBUFFERED="1", COLUMNS="200")
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     return subprocess.Popen([sys.executable, "-m", "synthq.cli", "train", str(job_id),
                              "--target", str(target), *TRAIN], cwd=REPO, env=env, text=True,
                             stdout=open(out, "w"),  # noqa: SIM115 - the child holds it
-                            stderr=open(f"{out}.err", "w"))  # noqa: SIM115
+                            stderr=open(f"{out}.err", "w"),  # noqa: SIM115
+                            preexec_fn=ignore_sigint if sigint_ignored else None)
 
 
 @pytest.mark.timeout(900)  # three `synthq train` starts: minutes on a loaded 2-core machine
@@ -54,7 +61,9 @@ def test_killed_and_interrupted_synthq_train_resumes_at_once(
     killed = _run(job_id)
     assert killed is not None and killed.state == "running"  # its claim, left behind
     out_path = tmp_path / "second.out"
-    second = start_train(job_id, tiny_target_dir, out_path)
+    # Started the way a shell starts a background job (`synthq train ... &`: SIGINT
+    # ignored, and Python keeps that): Ctrl-C, or `kill -INT`, still hands the run back.
+    second = start_train(job_id, tiny_target_dir, out_path, sigint_ignored=True)
     try:
         def evaluating() -> bool:
             if second.poll() is not None:
