@@ -234,15 +234,22 @@ def main() -> int:
           f"tokens max, concurrency {bench['concurrency']}):")
     print(table(bench))
 
+    # Compared on tokens per target forward: vLLM's acceptance counts only the rounds
+    # where a method drafted, and ngram and suffix propose nothing in most rounds, so
+    # their counter figure is not the speed-up a user gets (bench/engine.py's docstring).
     ways = bench["ways"]
-    synthq3 = (ways.get("synthq k=3") or {}).get("acceptance") or 0.0
-    ngram = next((w.get("acceptance") for k, w in ways.items() if k.startswith("ngram")), None)
-    suffix = next((w.get("acceptance") for k, w in ways.items() if k.startswith("suffix")), None)
+
+    def per_forward(prefix: str) -> float | None:
+        return next((w.get("tokens_per_forward") for k, w in ways.items()
+                     if k.startswith(prefix)), None)
+
+    synthq3 = per_forward("synthq k=3") or 0.0
+    ngram, suffix = per_forward("ngram"), per_forward("suffix")
     checks = {
         "token mismatches reported": gen["token_mismatches"] is not None,
         "masks: the injected system turn never supervised": steps.get("masks")["examples"] > 0,
-        "synthq k=3 >= 1.3x ngram": ngram is not None and synthq3 >= 1.3 * ngram,
-        "synthq k=3 >= suffix": suffix is not None and synthq3 >= suffix,
+        "synthq k=3 >= 1.3x ngram (tokens per forward)": ngram is not None and synthq3 >= 1.3 * ngram,
+        "synthq k=3 >= suffix (tokens per forward)": suffix is not None and synthq3 >= suffix,
         "eval_acceptance_length within 0.3 of vLLM": all(
             abs(r["eval_acceptance_length"] - r["served"]["served_acceptance_length"]) <= 0.3
             for r in curve if "served" in r),
