@@ -108,9 +108,13 @@ def capture(env: dict[str, str], work: Path, target: Path) -> dict[str, Any]:
 
 
 def train(env: dict[str, str], work: Path, target: Path, n: int, features: str,
-          args: argparse.Namespace) -> dict[str, Any]:
+          args: argparse.Namespace, resume: bool) -> dict[str, Any]:
+    """One run of the curve. ``resume``: this step was started by an earlier invocation
+    of the script (killed): ``synthq train`` resumes its run; otherwise ``--restart``
+    cancels any other unfinished run of the job (one left by a hand-run experiment)."""
     t0 = time.monotonic()
-    row = last_json(synthq(env, "train", "docs", "--target", str(target), "--hidden-states",
+    row = last_json(synthq(env, "train", "docs", *(() if resume else ("--restart",)),
+                           "--target", str(target), "--hidden-states",
                            features, "--max-examples", str(n), "--draft-vocab-size",
                            str(args.draft_vocab), "--epochs", str(args.epochs),
                            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
@@ -196,7 +200,9 @@ def main() -> int:
         run = steps.get(key)
         if run is None:
             say(f"training on {n} examples ({features} features)")
-            run = steps.put(key, train(env, work, target, n, features, args))
+            resume = steps.get(f"started {key}") is not None
+            steps.put(f"started {key}", True)
+            run = steps.put(key, train(env, work, target, n, features, args, resume))
         say(f"{key}: {run}")
         curve.append(run)
     best = next(r for r in reversed(curve) if r["features"] == "captured")
@@ -248,7 +254,8 @@ def main() -> int:
     checks = {
         "token mismatches reported": gen["token_mismatches"] is not None,
         "masks: the injected system turn never supervised": steps.get("masks")["examples"] > 0,
-        "synthq k=3 >= 1.3x ngram (tokens per forward)": ngram is not None and synthq3 >= 1.3 * ngram,
+        "synthq k=3 >= 1.3x ngram (tokens per forward)":
+            ngram is not None and synthq3 >= 1.3 * ngram,
         "synthq k=3 >= suffix (tokens per forward)": suffix is not None and synthq3 >= suffix,
         "eval_acceptance_length within 0.3 of vLLM": all(
             abs(r["eval_acceptance_length"] - r["served"]["served_acceptance_length"]) <= 0.3
