@@ -184,8 +184,12 @@ def test_server_without_health_endpoint_is_watched_passively(
     from synthq.health import probe_due
 
     dead = f"http://127.0.0.1:{free_port()}/v1"
+    # The server is down once its third failure is committed. A retry due sooner than
+    # that (a backoff of milliseconds, the writer a few behind) may go out before the
+    # trip, as it would in production: the backoff here outlasts the writer's lag, so
+    # what is measured is the probing once the server is known down.
     report = job_factory([f"q{i}" for i in range(3)], servers=[dead], inflight_limit=8,
-                         max_attempts=2, backoff_base=0.01, backoff_cap=0.02)
+                         max_attempts=2, backoff_base=0.5, backoff_cap=0.5)
     with pytest.MonkeyPatch.context() as patch:  # as if /health answered 404
         patch.setattr("synthq.tick.probe_due", lambda urls: {})
         status = run_job(report.job_id)
