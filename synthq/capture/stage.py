@@ -380,6 +380,8 @@ class Stage:
 
     def _fill(self, job: Job, engines: dict[str, Engine], lease: float) -> None:
         for url, engine in engines.items():
+            if self.streaks.holds(url, time.monotonic()) is not None:
+                continue  # it stopped the stage (its line may not be written yet)
             mine = sum(1 for _, on in self.inflight.values() if on == url)
             room = self.outages.room(url, job.capture_limit - mine, mine)
             if room <= 0:
