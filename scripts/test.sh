@@ -12,4 +12,13 @@ if command -v docker-compose >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check synthq worker api tests bench
 .venv/bin/mypy
+# Two processes by default (pytest-xdist): the engine tier's tests stay on one of them
+# (one vLLM start; they are the largest group, so they go first), the rest are shared
+# out one test at a time. Each process has its own PostgreSQL database (named by its
+# pid) and Redis database (SYNTHQ_TEST_REDIS's for the first, the one below it for the
+# second). SYNTHQ_TEST_PROCESSES=1 runs everything in one process.
+procs="${SYNTHQ_TEST_PROCESSES:-2}"
+if [ "$procs" -gt 1 ]; then
+  exec .venv/bin/python -m pytest -n "$procs" --dist loadgroup "$@"
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -28,7 +28,30 @@ REPO = Path(__file__).resolve().parents[1]
 # PG_ADMIN_URL, and keys in the one Redis database of REDIS_URL (used as given).
 PG_ADMIN_URL = os.environ.get("SYNTHQ_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 PG_PREFIX = os.environ.get("SYNTHQ_TEST_PG_PREFIX", "synthq_test_")
-REDIS_URL = os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15")
+
+
+def _redis_for_worker(url: str, worker: str | None) -> str:
+    """The Redis database of one pytest-xdist worker: ``gw0`` uses the URL's database,
+    ``gwN`` the one N below it (each worker runs its own Celery queues, so two must
+    never share a database)."""
+    if not worker or worker == "gw0":
+        return url
+    index = int(worker.removeprefix("gw"))
+    match = re.fullmatch(r"(.*/)(\d+)", url.split("?")[0])
+    base = int(match.group(2)) if match else 0
+    if base - index < 0:
+        shown = re.sub(r"//([^:/@]*):[^@/]*@", r"//\1:***@", url)
+        raise pytest.UsageError(
+            f"SYNTHQ_TEST_REDIS={shown}: test worker {worker} needs database {base} - "
+            f"{index}; give a database number of at least the workers' count - 1")
+    head = match.group(1) if match else url.split("?")[0].rstrip("/") + "/"
+    query = url[len(url.split("?")[0]):]
+    return f"{head}{base - index}{query}"
+
+
+#: The tests' Redis database (a pytest-xdist worker's: see _redis_for_worker).
+REDIS_URL = _redis_for_worker(os.environ.get("SYNTHQ_TEST_REDIS", "redis://127.0.0.1:6379/15"),
+                              os.environ.get("PYTEST_XDIST_WORKER"))
 #: Set (to 1) to run on a Redis database that holds keys already: those keys are left
 #: alone, and the tests delete only the keys they made.
 REDIS_SHARED = os.environ.get("SYNTHQ_TEST_REDIS_SHARED", "") not in ("", "0")

@@ -25,7 +25,9 @@ from capture_server import CAPTURE_LAYERS, HIDDEN, CaptureServer, start_capture_
 from support import REPO, Simulator, child_env, wait_for
 
 # The module's first test also waits for the server's cold start (minutes here).
-pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
+              # one worker runs the tier (scripts/test.sh): one vLLM start
+              pytest.mark.xdist_group("engine")]
 
 SAMPLES = 60
 

@@ -19,7 +19,9 @@ from synthq.testing.tiny import count_prompt, prompts
 from synthq.testing.vllm import VllmServer, VllmStartError
 
 # It also waits for the session's target and server when it runs first.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400),
+              # one worker runs the tier (scripts/test.sh): one vLLM start
+              pytest.mark.xdist_group("engine")]
 
 
 def _synthq(env: dict[str, str], *args: str) -> Any:

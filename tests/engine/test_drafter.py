@@ -18,7 +18,9 @@ from synthq.testing.vllm import VllmServer, VllmStartError
 
 # The first test also waits for the session's target and server (minutes on a busy
 # machine): the suite's 300 s would cut it.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400),
+              # one worker runs the tier (scripts/test.sh): one vLLM start
+              pytest.mark.xdist_group("engine")]
 
 
 def _synthq(env: dict[str, str], *args: str) -> Any:

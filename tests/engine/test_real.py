@@ -25,7 +25,9 @@ from support import REPO, child_env
 from synthq.testing.vllm import VllmServer, VllmStartError, start_capture_server
 
 # Three vLLM cold starts (two at once) on a busy machine: minutes.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400),
+              # one worker runs the tier (scripts/test.sh): one vLLM start
+              pytest.mark.xdist_group("engine")]
 
 NAME = "smol"
 PROMPTS = 24

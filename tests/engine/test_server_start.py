@@ -8,7 +8,9 @@ import pytest
 
 from synthq.testing.vllm import VllmServer, VllmStartError
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600),
+              # one worker runs the tier (scripts/test.sh): one vLLM start
+              pytest.mark.xdist_group("engine")]
 
 
 def test_a_server_that_does_not_come_up_raises_with_its_log(tmp_path: Path) -> None:
