@@ -359,11 +359,13 @@ class Bench:
 
 def create_job(spec: Any, prompts: Sequence[str]) -> Any:
     """Create ``spec``'s job and insert one user-message sample per prompt (the real path:
-    :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.samplecopy.insert_rows`)."""
+    :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.samplecopy.insert_rows`), then
+    ask for a tick now as `synthq enqueue` and the API do (:func:`synthq.service.start_now`)."""
     from synthq.dataset import Row
     from synthq.db import session_scope
     from synthq.enqueue import EnqueueReport, get_or_create_job
     from synthq.samplecopy import insert_rows
+    from synthq.service import start_now
 
     with session_scope() as s:
         job, created, _ = get_or_create_job(s, spec)
@@ -371,6 +373,7 @@ def create_job(spec: Any, prompts: Sequence[str]) -> Any:
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created)
     rows = [Row(i, [{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
     insert_rows(job_id, settings, rows, report)
+    start_now()
     return report
 
 

@@ -169,6 +169,7 @@ def run_distributed(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
         c = wait_done(report.job_id, n, timeout, procs=[*procs, sim], bench=b)
         times = done_times(report.job_id)
         wall = times[-1] - t0
+        first = times[0] - t0
         cpu1 = cpu_now()
     finally:
         for p in procs:
@@ -185,7 +186,7 @@ def run_distributed(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
     parts = {k: 1000 * (cpu1[k] - cpu0[k]) / max(1, c["done"]) for k in cpu0}
     cpu = sum(cpu1.values()) - sum(cpu0.values())
     steady, _ = window_rate(times)
-    return {"done": c["done"], "failed": c["failed"], "wall_s": wall,
+    return {"done": c["done"], "failed": c["failed"], "wall_s": wall, "first_done_s": first,
             "done_per_s": c["done"] / wall, "steady_done_per_s": steady, "cpu_s": cpu,
             "cpu_ms_per_sample": 1000 * cpu / max(1, c["done"]),
             **{f"{k}_cpu_ms_per_sample": v for k, v in parts.items()},

@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     #: (no broker round trip, no second transaction). Those samples are
     #: then no Celery tasks: False shows every batch in Flower.
     local_refill: bool = True
+    #: Seconds between a worker's refill dispatches while its slots free up: a refill
+    #: then claims the slots freed meanwhile in one transaction (5 statements),
+    #: not one dispatch per finished sample.
+    refill_interval: float = Field(default=0.02, ge=0, le=1)
     #: Seconds a sample may stay queued while a worker has free slots before that
     #: worker claims it from SQL itself (its message stuck in a half-open broker
     #: connection, or lost); 0: twice the heartbeat interval, at least 1 s.

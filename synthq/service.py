@@ -7,6 +7,7 @@ through :mod:`synthq.states` and :func:`synthq.enqueue.enqueue`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,13 @@ from synthq.enqueue import EnqueueReport, JobSpec, enqueue
 from synthq.enums import JobState
 from synthq.errors import ALL_CLASSES, TOKENIZATION_CLASSES, UserError
 from synthq.models import Job
+from synthq.secrets import safe_url
 
 __all__ = ["KNOWN_CLASSES", "check_classes", "check_overrides", "requeue", "requeue_with",
            "set_job_state", "data_path", "enqueue_file", "bad_rows", "requeue_left_servers",
-           "preflight", "set_capture"]
+           "preflight", "set_capture", "start_now"]
+
+log = logging.getLogger(__name__)
 
 #: Failure classes a requeue may name.
 KNOWN_CLASSES = frozenset(ALL_CLASSES | TOKENIZATION_CLASSES)
@@ -158,6 +162,24 @@ def bad_rows(source: str, *, limit: int = 1000, id_field: str | None = None,
     return found
 
 
+def start_now() -> None:
+    """With a broker: one scheduler tick now, so that new samples start without waiting
+    for beat's next one. Best effort: beat's ticks start them anyway (a broker that
+    cannot be reached gets one log line, not an error for the caller)."""
+    from synthq.config import get_settings
+
+    if get_settings().embedded:
+        return
+    from synthq.broker import kick_dispatch
+
+    try:
+        kick_dispatch()
+    except Exception as exc:  # noqa: BLE001 - the samples are stored; beat starts them
+        log.warning("could not ask the workers for a tick (%s: %s): beat's next tick "
+                    "starts the new samples", type(exc).__name__,
+                    safe_url(str(exc).splitlines()[0][:200]) if str(exc) else "")
+
+
 def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
                  limit: int = 1000) -> tuple[EnqueueReport, list[tuple[int, str]]]:
     """Enqueue ``source``; the report and every malformed row (up to ``limit``) with its reason.
@@ -165,6 +187,8 @@ def enqueue_file(spec: JobSpec, source: str, *, id_field: str | None = None,
     Good rows are inserted whatever the bad ones are (docs/design.md, invariant 8).
     """
     report = enqueue(spec, source, id_field=id_field)
+    if report.inserted:
+        start_now()
     if not report.skipped:
         return report, []
     return report, bad_rows(source, limit=limit, id_field=id_field,

@@ -208,13 +208,14 @@ TEST_ENV = {
 
 
 def _reset_process_state() -> None:
-    from synthq import jobview
+    from synthq import broker, jobview
     from synthq.config import get_settings
     from synthq.db import dispose_engines
     from synthq.executor import reset_default_executor
 
     reset_default_executor()
     get_settings.cache_clear()
+    broker._client.cache_clear()  # the broker URL may differ in the next test
     dispose_engines()
     jobview._jobs.clear()  # job ids restart at 1 in every test
 

@@ -37,7 +37,7 @@ class _Refill:
     """Refills the slots that finished samples free, soon and without one dispatch each.
 
     Each finished sample pokes it; one thread per worker process runs the
-    dispatcher at most every ``interval`` seconds while pokes arrive. (One
+    dispatcher at most every ``refill_interval`` seconds while pokes arrive. (One
     dispatch per sample cost a quarter of a worker's CPU at 50 samples/s.)
     The samples for this process's own free slots are claimed in the dispatch's
     transaction and started here (no broker round trip, no second transaction);
@@ -48,7 +48,7 @@ class _Refill:
     Redis connection, a lost message) and claims them itself: SQL is the truth.
     """
 
-    def __init__(self, interval: float = 0.005, idle: float | None = None) -> None:
+    def __init__(self, interval: float | None = None, idle: float | None = None) -> None:
         self.interval = interval
         self.idle = idle
         self._wake = threading.Event()
@@ -141,7 +141,8 @@ class _Refill:
                     log.warning("refill dispatch works again (after %d failed tries)",
                                 failures)
                 failures = 0
-            time.sleep(self.interval)
+            time.sleep(self.interval if self.interval is not None
+                       else get_settings().refill_interval)
 
 
 def _outage(exc: BaseException) -> bool:

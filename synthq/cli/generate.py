@@ -65,19 +65,26 @@ def _hub_only(dataset: str) -> bool:
     return not Path(dataset).expanduser().exists() and not looks_like_path(dataset)
 
 
-def _check_broker() -> None:
-    """Warn when the broker cannot be reached: the samples are stored all the same."""
+def _check_broker(start: bool) -> None:
+    """Warn when the broker cannot be reached: the samples are stored all the same, and
+    beat's ticks start them once workers and beat can reach it. ``start``: new samples
+    were stored; ask for one scheduler tick now, so they start without waiting for
+    beat's next one."""
     import redis
+    from kombu.exceptions import KombuError
 
-    from synthq.broker import ping
+    from synthq.broker import kick_dispatch, ping
     from synthq.config import get_settings
+    from synthq.secrets import safe_url
 
     url = get_settings().broker_url
     try:
         ping(url)
-    except (redis.RedisError, OSError, ValueError) as exc:
-        warn(f"cannot reach the broker {url} ({exc}): the samples are stored and will run "
-             "once workers and beat can reach it")
+        if start:
+            kick_dispatch()
+    except (redis.RedisError, KombuError, OSError, ValueError) as exc:
+        warn(f"cannot reach the broker {safe_url(url)} ({safe_url(str(exc))}): the samples "
+             "are stored and will run once workers and beat can reach it")
 
 
 def _print_report(report) -> None:  # type: ignore[no-untyped-def]
@@ -115,7 +122,7 @@ def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = Fa
     from synthq.config import get_settings
 
     if not get_settings().embedded:
-        _check_broker()
+        _check_broker(start=report.inserted > 0)
 
 
 @app.command()

@@ -286,3 +286,40 @@ def test_create_with_stream_false_stores_the_setting(client: Any, tmp_path: Path
     bad = client.post("/api/jobs", json={**spec("http://127.0.0.1:9/v1", stream="sometimes"),
                                          "path": "s.jsonl"})
     assert bad.status_code == 422
+
+
+def test_a_new_job_asks_the_workers_for_a_tick_at_once(redis_url: str, client: Any,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Its samples start at once, not at beat's next tick; a broker that cannot be reached
+    costs one log line, not the upload (beat's ticks start the samples later)."""
+    import redis
+    from support import free_port
+
+    from synthq import broker
+    from synthq.config import get_settings
+
+    body = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
+
+    def upload(name: str) -> Any:
+        return client.post("/api/jobs/upload", files={"file": (f"{name}.jsonl",
+                                                               io.BytesIO(body))},
+                           data={"spec": json.dumps(spec("http://127.0.0.1:9/v1"))})
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert upload("first").status_code == 201
+        assert [json.loads(m)["headers"]["task"] for m in r.lrange("control", 0, -1)] == \
+            ["synthq.dispatch"]
+        assert upload("first").json()["inserted"] == 0  # nothing new: no tick
+        assert r.llen("control") == 1
+    finally:
+        r.close()
+    monkeypatch.setenv("SYNTHQ_BROKER_URL", f"redis://127.0.0.1:{free_port()}/0")
+    get_settings.cache_clear()
+    broker._client.cache_clear()
+    started = time.monotonic()
+    assert upload("second").status_code == 201
+    assert time.monotonic() - started < 10
+    assert "could not ask the workers for a tick" in caplog.text
+    broker._client.cache_clear()

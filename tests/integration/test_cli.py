@@ -138,3 +138,21 @@ def test_reenqueue_says_which_live_settings_changed(pg: str, dataset: Path) -> N
     again = json.loads(synthq(*enqueue_args(dataset, "--inflight", "8")).stdout)
     assert again["updated_settings"] == ["inflight_limit 4 -> 8"]
     assert any("inflight_limit 4 -> 8" in w for w in again["warnings"])
+
+
+def test_enqueue_asks_the_workers_for_a_tick_at_once(pg: str, redis_url: str,
+                                                     dataset: Path) -> None:
+    """New samples start at once, not at beat's next tick: one expiring ``synthq.dispatch``
+    message on the control queue; an enqueue that adds nothing sends none."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        synthq(*enqueue_args(dataset))
+        messages = [json.loads(m) for m in client.lrange("control", 0, -1)]
+        assert [m["headers"]["task"] for m in messages] == ["synthq.dispatch"]
+        assert messages[0]["headers"]["expires"]  # a late tick is dropped, not run
+        synthq(*enqueue_args(dataset))
+        assert client.llen("control") == 1
+    finally:
+        client.close()
