@@ -24,7 +24,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,9 +172,10 @@ def _describe(exc: BaseException) -> str:
     return text
 
 
-async def _sse_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    """Lines of a server-sent-event body, as bytes (no text decoding layer per chunk:
-    ``json.loads`` takes UTF-8 bytes). More than ``limit`` bytes in all fails the call."""
+async def _sse_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[list[bytes]]:
+    """The complete lines of a server-sent-event body, as bytes, a list per read (no
+    text decoding layer, no generator step per line: this runs for every token).
+    More than ``limit`` bytes in all fails the call."""
     pending = b""
     seen = 0
     async for data in chunks:
@@ -184,21 +185,34 @@ async def _sse_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[
                 f"the streamed response passed max_response_bytes={limit:,}")
         if pending:
             data = pending + data
-        *lines, pending = data.split(b"\n")
-        for line in lines:
-            yield line
+        lines = data.split(b"\n")
+        pending = lines.pop()
+        if lines:
+            yield lines
     if pending:
-        yield pending
+        yield [pending]
+
+
+#: The C scanner behind ``json.loads``, called without its per-call wrappers (encoding
+#: detection, the whitespace regexes): one SSE payload per streamed token.
+_scan = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _parse(data: bytes, repairs: dict[str, int]) -> Any:
-    """One SSE payload; invalid UTF-8 is decoded with U+FFFD and counted."""
+    """One SSE payload (stripped of surrounding whitespace): exactly one JSON value, as
+    ``json.loads`` takes it; invalid UTF-8 is decoded with U+FFFD and counted."""
     try:
-        return json.loads(data)
+        text = data.decode()
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
         repairs["invalid_utf8"] = repairs.get("invalid_utf8", 0) + text.count("\ufffd")
-        return json.loads(text)
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration as exc:
+        raise json.JSONDecodeError("Expecting value", text, exc.value) from None
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
 
 
 #: Characters no database text column takes: NUL (PostgreSQL) and lone surrogates (UTF-8).
@@ -483,10 +497,11 @@ def _body_bytes(response: httpx2.Response) -> AsyncIterator[bytes]:
             not hasattr(inner, "__aiter__") or response.is_closed:
         return response.aiter_raw()
     response.is_stream_consumed = True
-    return _connection_bytes(inner)
+    # A chunked body (every streamed answer) is unframed a read at a time, not a chunk.
+    return _connection_bytes(netio.chunked_body(inner) or inner)
 
 
-async def _connection_bytes(stream: Any) -> AsyncIterator[bytes]:
+async def _connection_bytes(stream: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     try:
         async for data in stream:
             yield data
@@ -635,7 +650,7 @@ class InferenceClient:
         raw = b"".join(parts)
         repairs: dict[str, int] = {}
         try:
-            document = _parse(raw, repairs)
+            document = _parse(raw.strip(b" \t\r\n"), repairs)
         except ValueError as exc:  # JSONDecodeError: an HTML error page, a cut body
             raise errors.ServerError(
                 f"malformed response (not a chat.completion JSON document): {raw[:200]!r}"
@@ -677,28 +692,31 @@ class InferenceClient:
                                              stream_options={"include_usage": True}),
                                   timeout) as response:
                 answering = True
-                async for line in _sse_lines(_body_bytes(response),
-                                             request.max_response_bytes):
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, comments, event names
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        # Read on to the end of the body (nothing, normally): a
-                        # response left unread closes its keep-alive connection.
-                        done = True
-                        continue
-                    chunk = _parse(data, repairs)
-                    if not isinstance(chunk, dict):
-                        raise errors.ServerError(f"malformed stream chunk: {data[:200]!r}")
-                    if "error" in chunk and not chunk.get("choices"):
-                        raise errors.ServerError(f"error in stream: {chunk['error']}"[:2000])
-                    if ttft is None:
-                        ttft = time.monotonic() - start
-                    try:
-                        acc.add(chunk)
-                    except (TypeError, AttributeError, KeyError) as exc:
-                        # A shape the checks in add() did not foresee: still the server's.
-                        raise _Malformed(f"{type(exc).__name__}: {exc}") from exc
+                async for lines in _sse_lines(_body_bytes(response),
+                                              request.max_response_bytes):
+                    for line in lines:
+                        if not line.startswith(b"data:"):
+                            continue  # blank separators, comments, event names
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            # Read on to the end of the body (nothing, normally): a
+                            # response left unread closes its keep-alive connection.
+                            done = True
+                            continue
+                        chunk = _parse(data, repairs)
+                        if type(chunk) is not dict:
+                            raise errors.ServerError(
+                                f"malformed stream chunk: {data[:200]!r}")
+                        if "error" in chunk and not chunk.get("choices"):
+                            raise errors.ServerError(
+                                f"error in stream: {chunk['error']}"[:2000])
+                        if ttft is None:
+                            ttft = time.monotonic() - start
+                        try:
+                            acc.add(chunk)
+                        except (TypeError, AttributeError, KeyError) as exc:
+                            # A shape the checks in add() did not foresee: the server's.
+                            raise _Malformed(f"{type(exc).__name__}: {exc}") from exc
         except (openai.APITimeoutError, httpx2.TimeoutException) as exc:
             raise errors.StalledError(
                 f"no data from the server for {read_timeout:g} s "

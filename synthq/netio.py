@@ -14,11 +14,17 @@ health probe, ``/v1/models``, ``/metrics``) goes through :func:`read_bounded`
 or :func:`get_bounded`: at most so many bytes, within so many seconds in all.
 A server answering a 500 with a 3 GB body, or a ``/metrics`` page that never
 ends, costs a few hundred kilobytes and a few seconds, never the process's memory.
+
+A streamed answer's chunked body is read by :func:`chunked_body`: the data chunks
+are unframed here, a socket read at a time, instead of one h11 event (and one
+trip through httpcore's layers) per chunk; the last chunk and its trailers are
+handed back to h11, so the connection ends its response in h11's own state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
 import time
@@ -26,13 +32,14 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import h11
 import httpcore2
 from httpcore2._backends.base import AsyncNetworkBackend, AsyncNetworkStream
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["AsyncioBackend", "install", "Body", "read_bounded", "get_bounded"]
+__all__ = ["AsyncioBackend", "install", "chunked_body", "Body", "read_bounded", "get_bounded"]
 
 #: Stop reading from the socket while this much is buffered and unread.
 _HIGH_WATER = 1 << 20
@@ -199,6 +206,127 @@ def install(transport: Any) -> bool:
         return False
     pool._network_backend = AsyncioBackend()
     return True
+
+
+# -- a chunked body, unframed a read at a time -----------------------------------------------
+
+#: A chunk's size line, as h11 takes it (``chunk_header`` in ``h11._abnf``): up to 20 hex
+#: digits, extensions ignored, trailing blanks allowed.
+_CHUNK_HEADER = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
+#: A size line longer than this (without its CRLF) is not one.
+_MAX_HEADER_LINE = 4096
+#: Bytes taken from the socket per read.
+_READ = 1 << 20
+
+
+def chunked_body(stream: Any) -> AsyncIterator[bytes] | None:
+    """The body of an HTTP/1.1 response in ``Transfer-Encoding: chunked``, unframed here.
+
+    ``stream`` is httpcore2's ``HTTP11ConnectionByteStream`` of a response whose body
+    nothing has read yet, on a connection of :class:`AsyncioBackend`. Each item is
+    everything the socket had (the data of one or many chunks); the read timeout is
+    the request's. The zero-size last chunk and the trailers go to the connection's
+    h11 state, which parses them and ends the response as it would have, so a
+    keep-alive connection is reused and a malformed end fails as before.
+
+    Returns None when the response is not such a one (another transfer coding, another
+    backend, other versions' internals): the caller reads the body the usual way.
+    Errors are httpcore2's (``ReadTimeout``, ``ReadError``, ``RemoteProtocolError``).
+    """
+    connection = getattr(stream, "_connection", None)
+    state = getattr(connection, "_h11_state", None)
+    network = getattr(connection, "_network_stream", None)
+    request = getattr(stream, "_request", None)
+    if type(network) is not _Stream or type(state) is not h11.Connection or request is None:
+        return None
+    reader = getattr(state, "_reader", None)
+    buffer = getattr(state, "_receive_buffer", None)
+    if state.their_state is not h11.SEND_BODY or type(reader).__name__ != "ChunkedReader" \
+            or getattr(reader, "_bytes_in_chunk", 1) != 0 \
+            or getattr(reader, "_bytes_to_discard", b"x") != b"" \
+            or getattr(reader, "_reading_trailer", True) is not False \
+            or buffer is None or getattr(state, "_receive_buffer_closed", True):
+        return None
+    timeout = (request.extensions.get("timeout") or {}).get("read")
+    # What h11 read past the headers is the body's start: it is taken from h11 here.
+    start = bytes(buffer)
+    state._receive_buffer = type(buffer)()
+    return _unchunk(state, network, start, timeout)
+
+
+async def _unchunk(state: h11.Connection, network: _Stream, data: bytes,
+                   timeout: float | None) -> AsyncIterator[bytes]:
+    buf = data
+    pos = 0
+    left = 0  # bytes of the current chunk's data still to come
+    crlf = False  # the CRLF after a chunk's data is due
+    while True:
+        out: list[bytes] = []
+        end = len(buf)
+        while True:
+            if left:
+                take = min(left, end - pos)
+                if take:
+                    out.append(buf[pos:pos + take])
+                    pos += take
+                    left -= take
+                if left:
+                    break
+                crlf = True
+            if crlf:
+                if end - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise httpcore2.RemoteProtocolError(
+                        f"malformed chunk footer: {buf[pos:pos + 2]!r} (expected b'\\r\\n')")
+                pos += 2
+                crlf = False
+            line_end = buf.find(b"\r\n", pos, pos + _MAX_HEADER_LINE + 2)
+            if line_end < 0:
+                if end - pos > _MAX_HEADER_LINE:
+                    raise httpcore2.RemoteProtocolError(
+                        f"illegal chunk header: {buf[pos:pos + 40]!r}...")
+                break
+            match = _CHUNK_HEADER.fullmatch(buf, pos, line_end + 2)
+            if match is None:
+                raise httpcore2.RemoteProtocolError(
+                    f"illegal chunk header: {buf[pos:line_end + 2][:80]!r}")
+            size = int(match.group(1), 16)
+            if size == 0:
+                # The last chunk: h11 reads the trailers and ends the response.
+                if out:
+                    yield b"".join(out)
+                await _finish(state, network, buf[pos:], timeout)
+                return
+            pos = line_end + 2
+            left = size
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+        more = await network.read(_READ, timeout)
+        if not more:
+            raise httpcore2.RemoteProtocolError(
+                "peer closed connection without sending complete message body "
+                "(incomplete chunked read)")
+        buf = buf[pos:] + more if pos < len(buf) else more
+        pos = 0
+
+
+async def _finish(state: h11.Connection, network: _Stream, rest: bytes,
+                  timeout: float | None) -> None:
+    """Hand the last chunk (and what follows it) to h11, and read on until it ends."""
+    state.receive_data(rest)
+    while True:
+        try:
+            event = state.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise httpcore2.RemoteProtocolError(str(exc)) from exc
+        if event is h11.NEED_DATA:
+            state.receive_data(await network.read(_READ, timeout))
+            continue
+        if type(event) is h11.EndOfMessage or event is h11.PAUSED:
+            return
+        raise httpcore2.RemoteProtocolError(f"unexpected {type(event).__name__} after the "
+                                            "last chunk")
 
 
 # -- bounded reads ----------------------------------------------------------------------------
