@@ -42,6 +42,12 @@ import openai
 from synthq import errors, netio
 from synthq.jobspec import RESERVED_BODY
 
+try:  # httpx's own mapping of httpcore's errors, and its response stream (see _Direct)
+    from httpx2._transports.default import AsyncResponseStream as _AsyncResponseStream
+    from httpx2._transports.default import map_httpcore_exceptions as _map_httpcore_exceptions
+except ImportError:  # another httpx2: every call takes httpx's own path
+    _map_httpcore_exceptions = None  # type: ignore[assignment]
+
 __all__ = ["ChatRequest", "ChatResult", "InferenceClient", "parse_retry_after", "status_error"]
 
 log = logging.getLogger(__name__)
@@ -476,6 +482,53 @@ def _completion_result(document: Any, repairs: dict[str, int], start: float,
     ), usage.problem
 
 
+@dataclass(frozen=True, slots=True)
+class _Direct:
+    """A call sent to a shard's connection pool (httpcore2) without httpx's per-request
+    layers: building and merging the request, auth, redirects, cookies, event hooks,
+    the response's timing wrapper. About a tenth of a streaming worker's CPU.
+
+    Only where none of them does anything: a plain transport on synthq's asyncio
+    backend for the URL (no proxy mounted for it), and (checked per call) no cookie
+    the server has set. The request's headers are the ones httpx would send, merged
+    once; errors are httpcore's mapped to httpx's by httpx's own mapping."""
+
+    pool: httpcore2.AsyncConnectionPool
+    url: httpcore2.URL
+    #: The request headers as httpx merges them, without Content-Length.
+    headers: list[tuple[bytes, bytes]]
+
+    @classmethod
+    def of(cls, http: httpx2.AsyncClient, url: str, headers: Mapping[str, str]
+           ) -> _Direct | None:
+        if _map_httpcore_exceptions is None:
+            return None
+        sample = http.build_request("POST", url, content=b"", headers=headers)
+        transport = http._transport_for_url(sample.url)
+        pool = getattr(transport, "_pool", None)
+        if type(transport) is not httpx2.AsyncHTTPTransport or \
+                type(pool) is not httpcore2.AsyncConnectionPool or \
+                type(getattr(pool, "_network_backend", None)) is not netio.AsyncioBackend:
+            return None
+        target = httpcore2.URL(scheme=sample.url.raw_scheme, host=sample.url.raw_host,
+                               port=sample.url.port, target=sample.url.raw_path)
+        raw = [(k, v) for k, v in sample.headers.raw if k.lower() != b"content-length"]
+        return cls(pool, target, raw)
+
+    async def send(self, body: bytes, timeout: httpx2.Timeout) -> httpx2.Response:
+        request = httpcore2.Request(
+            b"POST", self.url, headers=[*self.headers, (b"Content-Length", b"%d" % len(body))],
+            content=body, extensions={"timeout": timeout.as_dict()})
+        assert _map_httpcore_exceptions is not None
+        with _map_httpcore_exceptions():
+            response = await self.pool.handle_async_request(request)
+        stream = response.stream
+        assert isinstance(stream, AsyncIterable)  # the async pool's, as httpx asserts
+        return httpx2.Response(response.status, headers=response.headers,
+                               stream=_AsyncResponseStream(stream),
+                               extensions=response.extensions)
+
+
 def _body_bytes(response: httpx2.Response) -> AsyncIterator[bytes]:
     """The body as it arrives, through as few async-generator layers as possible.
 
@@ -490,9 +543,12 @@ def _body_bytes(response: httpx2.Response) -> AsyncIterator[bytes]:
     if response.is_stream_consumed or \
             response.headers.get("content-encoding", "identity") != "identity":
         return response.aiter_bytes()
+    # httpx's response stream wraps httpcore's (two layers, or one on the _Direct path).
     inner: Any = response.stream
-    for attribute in ("_stream", "_httpcore_stream", "_stream"):
-        inner = getattr(inner, attribute, None)
+    for _ in range(3):
+        if type(inner).__name__ == "HTTP11ConnectionByteStream":
+            break
+        inner = getattr(inner, "_stream", None) or getattr(inner, "_httpcore_stream", None)
     if type(inner).__name__ != "HTTP11ConnectionByteStream" or \
             not hasattr(inner, "__aiter__") or response.is_closed:
         return response.aiter_raw()
@@ -551,6 +607,8 @@ class InferenceClient:
         # identity: a compressed event stream would arrive in bursts, and cost a decoder.
         self._headers = {"Authorization": f"Bearer {api_key}",
                          "Content-Type": "application/json", "Accept-Encoding": "identity"}
+        #: Each shard's way around httpx's per-request layers, or None (see _direct).
+        self._direct = [_Direct.of(http, self._url, self._headers) for http in self._pools]
 
     async def close(self) -> None:
         await self._client.close()
@@ -593,16 +651,30 @@ class InferenceClient:
         busy = self._busy
         shard = busy.index(min(busy)) if len(busy) > 1 else 0
         http = self._pools[shard]
-        http_request = http.build_request("POST", self._url, content=body,
-                                          headers=self._headers, timeout=timeout)
+        direct = self._direct[shard]
         busy[shard] += 1
         try:
-            response = await http.send(http_request, stream=True)
+            if direct is not None and not http.cookies:
+                response = await direct.send(body, timeout)
+            else:
+                http_request = http.build_request("POST", self._url, content=body,
+                                                  headers=self._headers, timeout=timeout)
+                response = await http.send(http_request, stream=True)
         except BaseException:
             busy[shard] -= 1
             raise
         try:
+            if direct is not None and "set-cookie" in response.headers:
+                # As httpx would: a cookie the server sets goes back with later calls
+                # (a load balancer's sticky session), and those take httpx's own path.
+                response.request = http.build_request("POST", self._url, content=body,
+                                                      headers=self._headers, timeout=timeout)
+                http.cookies.extract_cookies(response)
             if response.status_code >= 400:
+                if direct is not None:  # the openai client's error reads the request
+                    response.request = http.build_request(
+                        "POST", self._url, content=body, headers=self._headers,
+                        timeout=timeout)
                 # A message is all an error body is read for: a 3 GB one costs its
                 # first ERROR_BODY_BYTES, and closing the response drops the rest.
                 data, _ = await netio.read_bounded(_body_bytes(response),

@@ -1,6 +1,8 @@
-"""A streamed answer's chunked body, unframed by synthq (:func:`synthq.netio.chunked_body`)
-instead of one h11 event per chunk: against a raw asyncio server that frames and splits
-the body as a hostile or merely unusual server would.
+"""A call's HTTP as synthq sends and reads it, against a raw asyncio server that frames
+and splits the body as a hostile or merely unusual server would: the request sent to the
+connection pool without httpx's per-request layers (``synthq.inference._Direct``), and
+the chunked body unframed by synthq (:func:`synthq.netio.chunked_body`) instead of one
+h11 event per chunk.
 
 Every good body must read as h11 reads it, whatever the chunk sizes, extensions,
 trailers and socket splits; every malformed one fails the call as a broken response
@@ -241,3 +243,73 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> tuple[Any, float]:
     start = loop.time()
     out = await fn()
     return out, loop.time() - start
+
+
+def test_a_cookie_the_server_sets_goes_back_with_the_next_calls() -> None:
+    """httpx's cookie jar, kept on the direct path: a load balancer's sticky session."""
+    seen: list[bytes] = []
+
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        head = HEAD.replace(b"\r\n\r\n", b"\r\nset-cookie: lb=node7; Path=/\r\n\r\n", 1) \
+            if n == 1 else HEAD
+        writer.write(head + chunked(sse_body(), random.Random(n)))
+        await writer.drain()
+
+    class Recording(RawServer):
+        async def _serve(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+            original = reader.readuntil
+
+            async def readuntil(separator: bytes = b"\n") -> bytes:
+                data = await original(separator)
+                seen.append(data)
+                return data
+
+            reader.readuntil = readuntil  # type: ignore[method-assign]
+            await super()._serve(reader, writer)
+
+    async def main() -> list[Any]:
+        async with Recording(respond) as url:
+            return await chat(url, calls=3)
+
+    results = asyncio.run(main())
+    assert [r.content for r in results] == [TEXT] * 3
+    cookies = [b"cookie: lb=node7" in head.lower() for head in seen]
+    assert cookies == [False, True, True]
+
+
+def test_the_direct_path_is_taken_only_on_synthqs_own_transport() -> None:
+    """A transport given from outside (a test's, a mock) keeps httpx's own path."""
+    import httpx2
+
+    async def main() -> tuple[list[bool], list[bool]]:
+        plain = InferenceClient("http://127.0.0.1:9/v1", max_connections=40)
+        given = InferenceClient("http://127.0.0.1:9/v1", transport=httpx2.AsyncHTTPTransport())
+        try:
+            return [d is not None for d in plain._direct], [d is not None for d in given._direct]
+        finally:
+            await plain.close()
+            await given.close()
+
+    plain, given = asyncio.run(main())
+    assert plain == [True, True, True]  # 40 connections: three shards
+    assert given == [False]
+
+
+def test_an_error_status_on_the_direct_path_reads_as_the_openai_client_reads_it() -> None:
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        body = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+
+    async def main() -> list[Any]:
+        async with RawServer(respond) as url:
+            return await chat(url)
+
+    [result] = asyncio.run(main())
+    assert isinstance(result, errors.RateLimited), result
+    assert result.retry_after == 7 and "slow down" in str(result)
