@@ -46,7 +46,7 @@ _HIGH_WATER = 1 << 20
 
 
 class _Protocol(asyncio.Protocol):
-    __slots__ = ("transport", "buffer", "waiter", "eof", "error", "paused")
+    __slots__ = ("transport", "buffer", "waiter", "eof", "error", "paused", "deadline", "timer")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -55,6 +55,22 @@ class _Protocol(asyncio.Protocol):
         self.eof = False
         self.error: BaseException | None = None
         self.paused = False
+        #: When the waiting read times out (the loop's clock), or None: no timeout.
+        self.deadline: float | None = None
+        #: The one timer that checks ``deadline``; a read that waits moves the deadline,
+        #: not the timer (one timer a timeout period, not one per read).
+        self.timer: asyncio.TimerHandle | None = None
+
+    def check_deadline(self) -> None:
+        self.timer = None
+        waiter, deadline = self.waiter, self.deadline
+        if waiter is None or waiter.done() or deadline is None:
+            return  # no read waits now: the next one that does sets a timer
+        loop = waiter.get_loop()
+        if loop.time() >= deadline:
+            waiter.set_exception(TimeoutError())
+        else:  # a later read moved the deadline
+            self.timer = loop.call_at(deadline, self.check_deadline)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -82,11 +98,6 @@ class _Protocol(asyncio.Protocol):
         self._wake()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class _Stream(AsyncNetworkStream):
     def __init__(self, protocol: _Protocol) -> None:
         self._p = protocol
@@ -94,18 +105,25 @@ class _Stream(AsyncNetworkStream):
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         p = self._p
         if not p.buffer and not p.eof:
-            # A bare future and one timer: asyncio.timeout() per read costs more.
+            # A bare future and a deadline: asyncio.timeout(), or a timer per read, costs
+            # more (a stream reads every few milliseconds; its timeout is seconds).
             loop = asyncio.get_running_loop()
             waiter = p.waiter = loop.create_future()
-            timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+            if timeout is None:
+                p.deadline = None
+            else:
+                p.deadline = deadline = loop.time() + timeout
+                timer = p.timer
+                if timer is None or timer.when() > deadline:
+                    if timer is not None:
+                        timer.cancel()
+                    p.timer = loop.call_at(deadline, p.check_deadline)
             try:
                 await waiter
             except TimeoutError as exc:
                 raise httpcore2.ReadTimeout(f"no data for {timeout} s") from exc
             finally:
                 p.waiter = None
-                if timer is not None:
-                    timer.cancel()
         if p.buffer:
             data = bytes(p.buffer[:max_bytes])
             del p.buffer[:max_bytes]
@@ -125,6 +143,9 @@ class _Stream(AsyncNetworkStream):
         transport.write(buffer)
 
     async def aclose(self) -> None:
+        if self._p.timer is not None:
+            self._p.timer.cancel()
+            self._p.timer = None
         if self._p.transport is not None:
             self._p.transport.close()
 

@@ -238,6 +238,29 @@ def test_a_body_that_stops_mid_chunk_stalls_within_the_stall_timeout() -> None:
     assert took < 5
 
 
+def test_a_body_that_trickles_within_the_stall_timeout_is_read_to_its_end() -> None:
+    """Every gap shorter than the stall timeout, the whole body much longer: the
+    deadline moves with each read (a timer set by the first read must not end it)."""
+
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        body = chunked(sse_body(), random.Random(n))
+        writer.write(HEAD)
+        step = len(body) // 8 + 1
+        for i in range(0, len(body), step):
+            writer.write(body[i:i + step])
+            await writer.drain()
+            await asyncio.sleep(0.15)
+
+    async def main() -> list[Any]:
+        async with RawServer(respond) as url:
+            return await chat(url, calls=2, stall=0.4)
+
+    results, took = asyncio.run(_timed(main))
+    assert [getattr(r, "content", r) for r in results] == [TEXT, TEXT]
+    assert took > 4 * 0.4  # it did trickle, past several stall timeouts
+
+
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> tuple[Any, float]:
     loop = asyncio.get_running_loop()
     start = loop.time()
