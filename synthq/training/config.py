@@ -12,10 +12,13 @@ from typing import Any
 
 from synthq.errors import UserError
 
-__all__ = ["TrainConfig", "When", "parse_when", "DEFAULT_WHEN"]
+__all__ = ["TrainConfig", "When", "parse_when", "DEFAULT_WHEN", "SUPERVISE"]
 
 #: The default readiness threshold.
 DEFAULT_WHEN = "ready"
+
+#: ``TrainConfig.supervise``'s values.
+SUPERVISE = ("assistant", "all")
 
 
 @dataclass
@@ -48,6 +51,12 @@ class TrainConfig:
     #: and the loss weight decay per slot.
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    #: Which positions the loss covers: ``assistant`` (the loss mask: the tokens the
+    #: model generated) or ``all`` (every real position with a next token, prompts and
+    #: template included: the labels are the target's own distribution, valid on any
+    #: text). Either way only where the target's choice is in the draft vocabulary; the
+    #: draft vocabulary and the evaluation do not change.
+    supervise: str = "assistant"
     #: DFlash only: decoder layers, and blocks (anchors) trained per sequence a step.
     dflash_layers: int = 2
     dflash_anchors: int = 256
@@ -103,6 +112,9 @@ class TrainConfig:
             raise UserError(f"a DFlash block drafts ttt-steps={self.ttt_steps} tokens: "
                             f"eval-draft-tokens {self.eval_draft_tokens} is more than it "
                             "was trained for")
+        if self.supervise not in SUPERVISE:
+            raise UserError(f"supervise must be {' or '.join(SUPERVISE)}, got "
+                            f"{self.supervise!r}")
         if self.hidden_states not in ("online", "offline", "captured"):
             raise UserError(f"hidden-states must be online, offline or captured, got "
                             f"{self.hidden_states!r}")

@@ -28,6 +28,7 @@ from synthq.training.model import aux_layer_ids
 __all__ = ["Example", "load_examples", "draft_vocab", "draft_vocab_of", "count_supervised",
            "batches", "collate", "TargetFeatures",
            "target_features", "draft_head", "FeatureCache", "Prefetcher", "step_mask",
+           "supervised",
            "NoSupervisedTokens", "split_eval", "cache_bytes_per_token"]
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,19 @@ def step_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
     if loss_mask.shape[1] > shift:
         out[:, :-shift] = loss_mask[:, shift:]
     return out
+
+
+def supervised(loss_mask: torch.Tensor, valid: torch.Tensor, supervise: str) -> torch.Tensor:
+    """[B, L] the tokens the loss learns to predict (``TrainConfig.supervise``):
+    ``assistant``: the loss mask (the generated tokens); ``all``: every real (non-padding)
+    token, prompt and template included. Either way :func:`step_mask` shifts it, so a
+    position is supervised only where its next token exists, and position 0 (no context
+    before it) never is."""
+    if supervise == "assistant":
+        return loss_mask
+    if supervise == "all":
+        return valid.clone()
+    raise ValueError(f"supervise must be assistant or all, got {supervise!r}")
 
 
 @dataclass

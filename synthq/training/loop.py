@@ -62,6 +62,7 @@ from synthq.training.data import (
     load_examples,
     split_eval,
     step_mask,
+    supervised,
     target_features,
 )
 from synthq.training.dflash_loss import block_loss, sample_anchors
@@ -614,6 +615,7 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 if p.step >= opt.total:
                     break
                 ids, loss_mask, valid = collate(examples, idx)
+                loss_mask = supervised(loss_mask, valid, cfg.supervise)
                 t0 = time.perf_counter()
                 if prefetch is not None:
                     feats = prefetch.get(j, ids.shape[1])
