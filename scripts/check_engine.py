@@ -55,7 +55,16 @@ def synthq(env: dict[str, str], *args: str) -> str:
 
 
 def last_json(text: str) -> Any:
-    return json.loads(text.strip().splitlines()[-1])
+    """The JSON document a command printed last: its last line, or a pretty-printed one
+    (``synthq testing real-target`` prints its summary indented: the last line is ``}``)."""
+    lines = text.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        starts = [i for i, line in enumerate(lines) if line.startswith(("{", "["))]
+        if not starts:
+            raise
+        return json.loads("\n".join(lines[starts[-1]:]))
 
 
 def start(target: Path, log: Path, speculative: dict[str, Any] | None = None) -> VllmServer:
