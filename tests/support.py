@@ -358,20 +358,29 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment for synthq subprocesses: the test's settings plus ``extra``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO)
+    # One OpenMP thread per child: the suite runs two processes on two cores, beside
+    # vLLM's engine, whose OpenMP thread holds a core. Beside two busy torch processes (one
+    # pinned to a core, as vLLM's is), the training-worker test took 46 s with two threads
+    # and 25 s with one; in a CI run it missed its 120 s.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, message: str = "",
-             interval: float = 0.2) -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail the test."""
+def wait_for(predicate: Callable[[], Any], timeout: float,
+             message: str | Callable[[], str] = "", interval: float = 0.2) -> Any:
+    """Poll ``predicate`` until it returns something truthy, or fail the test.
+
+    ``message`` may be a function, called at the failure: a log read when the call is
+    made is the log before the wait (empty, for a process just started)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s: {message}")
+            text = message() if callable(message) else message
+            pytest.fail(f"timed out after {timeout}s: {text}")
         time.sleep(interval)
 
 

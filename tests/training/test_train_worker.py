@@ -27,6 +27,22 @@ def _run_row(run_id: int) -> TrainingRun:
         return run
 
 
+def _describe(run_id: int, proc: Proc) -> str:
+    run = _run_row(run_id)
+    alive = "running" if proc.proc.poll() is None else f"exited with {proc.proc.returncode}"
+    return (f"run {run.state} at step {run.step} ({run.error}); the worker {alive}:\n"
+            f"{proc.log()[-3000:]}")
+
+
+def _wait_ready(proc: Proc, timeout: float) -> None:
+    """Until the Celery worker says it is ready; fails at once if it exits first."""
+    def ready() -> bool:
+        assert proc.proc.poll() is None, f"the worker exited: {proc.log()[-3000:]}"
+        return "ready." in proc.log()
+
+    wait_for(ready, timeout, lambda: f"the worker did not start: {proc.log()[-3000:]}")
+
+
 def synthq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(**env),
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -57,8 +73,11 @@ def test_killed_training_worker_resumes_from_its_last_checkpoint(
     second = None
     try:
         publish_train([run_id])
+        # Start-up first (on a loaded machine, the suite's vLLM beside it, importing torch
+        # took minutes once), then the steps: each wait says which part did not happen.
+        _wait_ready(first, 300)
         wait_for(lambda: _run_row(run_id).step >= 25, 120,
-                 f"training did not start: {first.log()[-3000:]}")
+                 lambda: f"training did not reach step 25: {_describe(run_id, first)}")
         first.kill9()
         killed = _run_row(run_id)
         assert killed.state == "running" and killed.checkpoint is not None
@@ -68,8 +87,9 @@ def test_killed_training_worker_resumes_from_its_last_checkpoint(
         wait_for(lambda: check_readiness(publish_train).to_send == [run_id], 20,
                  "the orphaned run was not sent again")
         second = Proc(cmd, child_env(), tmp_path / "train2.log")
+        _wait_ready(second, 300)
         run = wait_for(lambda: (r := _run_row(run_id)).state in ("done", "failed") and r, 180,
-                       f"the run did not finish: {second.log()[-3000:]}")
+                       lambda: f"the run did not finish: {_describe(run_id, second)}")
         assert run.state == "done", run.error
         assert run.resumed_from >= saved and run.step == 70
         assert Path(run.checkpoint or "").name == "final"
