@@ -28,7 +28,8 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     # them; no stage runs to do it while they do (the room looks full). The tick's sweep
     # stage (synthq.dispatch.sweep) has freed them before this step; a caller outside the
     # tick gets the same expiry here, so that the room it judges is the true one.
-    alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout)]
+    alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout,
+                                  gone=False)]  # as the sweep: its calls may still run
     for job_id, servers, limit in session.execute(
             select(Job.id, Job.capture_servers, Job.capture_limit)
             .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]),

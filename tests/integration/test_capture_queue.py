@@ -167,6 +167,10 @@ def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     n, limit = 40, 3
     monkeypatch.setenv("SYNTHQ_CAPTURE_TASK_SECONDS", "6")
+    # Each call held 1 s: the victim's calls are still on the server for a while after the
+    # kill (a server finishes, or notices and aborts, a dead client's call), so taking its
+    # captures back at once would show here as more than the limit at the server.
+    fake_engine.hold = 1.0
     job_id = _done_samples(job_factory, n, fake_engine.url, limit)
     victim = workers.worker(concurrency=2, name="cap1", queues="capture,control")
     workers.worker(concurrency=2, name="cap2", queues="capture,control")
