@@ -237,13 +237,16 @@ def main() -> int:
             best["served"] = serve_check(env, work, target, best, server)
             steps.put(best_key, best)
 
-    bench = steps.get("bench")
+    # The comparison belongs to the drafter it served: an A/B's other side (--supervise,
+    # another curve) on the same WORK gets its own, not the first side's figures.
+    bench_key = f"bench {best_key}"
+    bench = steps.get(bench_key)
     if bench is None and not args.skip_bench:
         from synthq.testing.docprompts import write_prompt_set
 
         write_prompt_set(work / "bench-prompts", held_out=args.bench_prompts, train=1)
         held = load_prompts(work / "bench-prompts" / "held_out.jsonl", args.bench_prompts)
-        bench = steps.put("bench", run_bench(target, str(Path(best["checkpoint"])), held,
+        bench = steps.put(bench_key, run_bench(target, str(Path(best["checkpoint"])), held,
                                              max_tokens=args.max_tokens, concurrency=8,
                                              work=work / "bench", say=say, also=served_best))
     for run in curve:  # the other runs of the curve, each on a server of its own
