@@ -73,8 +73,8 @@ def test_killed_training_worker_resumes_from_its_last_checkpoint(
     second = None
     try:
         publish_train([run_id])
-        # Start-up first (on a loaded machine, the suite's vLLM beside it, importing torch
-        # took minutes once), then the steps: each wait says which part did not happen.
+        # Start-up first, then the steps: on a loaded machine (the suite's vLLM beside it)
+        # either may be slow, and each wait's message says which part did not happen.
         _wait_ready(first, 300)
         wait_for(lambda: _run_row(run_id).step >= 25, 120,
                  lambda: f"training did not reach step 25: {_describe(run_id, first)}")
