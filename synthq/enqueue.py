@@ -161,7 +161,8 @@ class JobSpec:
             raise UserError("--backoff-cap must be at least --backoff-base")
         if self.tokenizer is not None:
             _check_tokenizer_path(self.tokenizer)
-        reserved = {"model", "messages", "stream", "max_tokens"} & set(self.sampling)
+        reserved = {"model", "messages", "stream", "max_tokens",
+                    "kv_transfer_params"} & set(self.sampling)
         if reserved:
             raise UserError(f"sampling options may not set {sorted(reserved)}")
 

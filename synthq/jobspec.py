@@ -341,12 +341,14 @@ OVERRIDABLE: tuple[str, ...] = tuple(s.key for s in SETTINGS if s.requeue == "sa
 #: Request fields ``extra_body`` may not set: those synthq sets itself (model, messages,
 #: stream, max_tokens, the row's tools) and those that change how many answers come back
 #: (n, best_of), how long they may be (max_completion_tokens, ignore_eos), how they are
-#: counted (stream_options) or what shape they have (logprobs, echo, a continued message).
+#: counted (stream_options) or what shape they have (logprobs, echo, a continued message),
+#: and ``kv_transfer_params``: it drives the engine's KV connector (a capture's file name;
+#: two calls naming one file wedged vLLM for good, issue 41).
 RESERVED_BODY = frozenset({
     "model", "messages", "stream", "max_tokens", "tools", "tool_choice",
     "n", "best_of", "max_completion_tokens", "ignore_eos", "logprobs", "top_logprobs",
     "prompt_logprobs", "stream_options", "echo", "continue_final_message",
-    "add_generation_prompt"})
+    "add_generation_prompt", "kv_transfer_params"})
 
 
 def default(name: str) -> Any:
@@ -463,7 +465,7 @@ def check_body(body: Mapping[str, Any], flag: str = "--extra-body") -> None:
     if reserved:
         raise UserError(f"{flag} may not set {sorted(reserved)}: synthq sets these itself, or "
                         "they change how many answers come back, how long or in what shape, "
-                        "or how their tokens are counted")
+                        "how their tokens are counted, or what the engine's KV connector does")
 
 
 def check_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:

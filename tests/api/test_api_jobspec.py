@@ -44,6 +44,7 @@ def test_requeue_refuses_a_value_out_of_bounds(
     ("think_open", "x" * 65, "--think-open"),
     ("extra_body", {"n": 100}, "--extra-body"),
     ("extra_body", {"stream_options": {"include_usage": False}}, "--extra-body"),
+    ("extra_body", {"kv_transfer_params": {"synthq_name": "dup"}}, "--extra-body"),
     ("reasoning", "maybe", "--reasoning"),
 ])
 def test_create_refuses_what_requeue_refuses(

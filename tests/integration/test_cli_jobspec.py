@@ -51,6 +51,32 @@ def test_bad_values_are_one_line_and_exit_2_on_create_and_requeue(tmp_path: Path
     assert "--extra-body may not set ['n']" in line
 
 
+def test_kv_transfer_params_is_refused_in_one_line_by_run_enqueue_and_requeue(
+        tmp_path: Path) -> None:
+    """Issue 41: ``--extra-body '{"kv_transfer_params": {"synthq_name": "x"}}'`` with
+    ``--inflight 2`` sent two calls naming one capture file, which wedged vLLM for good."""
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    base = ["-d", "d.jsonl", "-s", "http://127.0.0.1:9/v1", "-m", "m", "--inflight", "2"]
+    body = '{"kv_transfer_params": {"synthq_name": "x"}}'
+    for command in ("run", "enqueue"):
+        line = one_error_line(synthq(tmp_path, command, *base, "--extra-body", body))
+        assert line.startswith("error: --extra-body may not set ['kv_transfer_params']"), line
+    assert synthq(tmp_path, "jobs", "--json").stdout.strip() == "[]"  # nothing stored
+    assert synthq(tmp_path, "enqueue", *base, "--job", "ok").returncode == 0
+    line = one_error_line(synthq(tmp_path, "requeue", "ok", "--extra-body", body))
+    assert "--extra-body may not set ['kv_transfer_params']" in line
+
+
+def test_sampling_may_not_carry_kv_transfer_params() -> None:
+    from synthq.enqueue import JobSpec
+    from synthq.errors import UserError
+
+    spec = JobSpec(name="j", model="m", servers=["http://127.0.0.1:9/v1"],
+                   sampling={"kv_transfer_params": {"synthq_name": "x"}})
+    with pytest.raises(UserError, match=r"sampling options may not set \['kv_transfer_params'\]"):
+        spec.check()
+
+
 def _rows(help_text: str) -> dict[str, str]:
     """Each option's row of --help, by its long flag (continuation lines joined)."""
     rows: dict[str, str] = {}
