@@ -17,7 +17,8 @@ from functools import lru_cache
 from typing import Any
 
 __all__ = ["GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE", "CAPTURE_ROUTE",
-           "send", "kick_dispatch", "transport_options", "redis_options", "ping"]
+           "send", "kick_dispatch", "transport_options", "redis_options", "ping",
+           "TICK_TASK", "tick_ttl", "mark_tick", "take_tick"]
 
 GENERATE_ROUTE = {"queue": "generate", "exchange": "", "routing_key": "generate"}
 CONTROL_ROUTE = {"queue": "control", "exchange": "", "routing_key": "control"}
@@ -88,17 +89,73 @@ def send(task: str, args: Iterable[Sequence[Any]], route: dict[str, str]) -> int
     return n
 
 
+#: The scheduler tick's task name (beat sends it every ``dispatch_interval``).
+TICK_TASK = "synthq.dispatch"
+
+#: The Redis key that keeps one tick message worth running: ``TICK_KEY + its task id``.
+TICK_KEY = "synthq:tick:"
+
+
+def tick_ttl() -> float:
+    """Seconds a tick message is worth running after it is sent: five ticks, at least 5 s.
+    A tick nobody ran in time is useless (the next one does the same work), and a backlog
+    (beat sending while no worker consumes) must not be run tick after tick."""
+    from synthq.config import get_settings
+
+    return max(5.0, get_settings().dispatch_interval * 5)
+
+
+@lru_cache(maxsize=4)
+def _redis(url: str) -> Any:
+    import redis
+
+    t = transport_options()
+    return redis.Redis.from_url(url, socket_timeout=t["socket_timeout"],
+                                socket_connect_timeout=t["socket_connect_timeout"],
+                                socket_keepalive=True,
+                                health_check_interval=t["health_check_interval"])
+
+
+def mark_tick(task_id: str) -> None:
+    """Before tick ``task_id`` is sent: a key that Redis itself deletes after
+    :func:`tick_ttl` seconds (issue 41). Raises what redis-py raises.
+
+    This is the tick's expiry, timed by one clock, Redis'. Celery's own ``expires`` is
+    a time of the sender's clock that the receiving worker checks against its own: a
+    worker whose clock ran 120 s ahead discarded every tick ("Discarding revoked
+    task"), and nothing was dispatched or swept."""
+    from synthq.config import get_settings
+
+    _redis(get_settings().broker_url).set(TICK_KEY + task_id, b"1",
+                                          px=int(tick_ttl() * 1000))
+
+
+def take_tick(task_id: str | None) -> bool:
+    """Whether a received tick is still worth running: its key was there (deleted now,
+    so a redelivered copy is not run again). True for a call outside Celery (no id) and
+    when Redis cannot say: a tick too many is harmless (it takes the dispatcher's lock)."""
+    if not task_id:
+        return True
+    from synthq.config import get_settings
+
+    try:
+        return bool(_redis(get_settings().broker_url).delete(TICK_KEY + task_id))
+    except Exception:  # noqa: BLE001 - redis' errors, or a broker URL it cannot read
+        return True
+
+
 def kick_dispatch() -> None:
     """Ask the workers for one scheduler tick now (``synthq.dispatch``, as beat sends it
     every ``dispatch_interval``): samples just enqueued start at once instead of at
     beat's next tick (up to a second later, a tenth of a 2,000-sample job's run here).
 
     The tick takes the dispatcher's lock, so one beside beat's does no harm, and it
-    expires as beat's do: a tick nobody ran in time is useless. Raises as ``send``
-    does (the caller decides whether an unreachable broker matters).
+    expires as beat's do (:func:`mark_tick`): a tick nobody ran in time is useless.
+    Raises as ``send`` does (the caller decides whether an unreachable broker matters).
     """
-    from synthq.config import get_settings
+    from uuid import uuid4
 
     app = _client()
-    app.send_task("synthq.dispatch", retry=False,
-                  expires=max(5.0, get_settings().dispatch_interval * 5), **CONTROL_ROUTE)
+    task_id = str(uuid4())
+    mark_tick(task_id)
+    app.send_task(TICK_TASK, task_id=task_id, retry=False, **CONTROL_ROUTE)

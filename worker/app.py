@@ -22,8 +22,10 @@ from synthq.broker import (
     CAPTURE_ROUTE,
     CONTROL_ROUTE,
     GENERATE_ROUTE,
+    TICK_TASK,
     TOKENIZE_ROUTE,
     TRAIN_ROUTE,
+    mark_tick,
     redis_options,
     transport_options,
 )
@@ -199,8 +201,10 @@ app.conf.update(
         "dispatch": {
             "task": "synthq.dispatch",
             "schedule": settings.dispatch_interval,
-            # A tick nobody ran in time is useless: the next one does the same work.
-            "options": {**CONTROL_ROUTE, "expires": max(5.0, settings.dispatch_interval * 5)},
+            # A tick nobody ran in time is useless: the next one does the same work. Its
+            # expiry is a Redis key (_mark_tick), not Celery's `expires`, which the worker
+            # checks against its own clock.
+            "options": {**CONTROL_ROUTE},
         },
     },
     worker_hijack_root_logger=False,
@@ -213,6 +217,22 @@ def _setup_logs(logger: Any = None, **_: Any) -> None:
     from worker.logs import setup
 
     setup(logger)
+
+
+@signals.before_task_publish.connect
+def _mark_tick(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """A tick sent from this process (beat's) is worth running for ``tick_ttl`` seconds,
+    timed by Redis (synthq.broker.mark_tick); the worker runs it only while its key is
+    there. No clock of a worker or of beat's machine decides it (issue 41)."""
+    if sender != TICK_TASK or not headers or not headers.get("id"):
+        return
+    try:
+        mark_tick(str(headers["id"]))
+    except Exception as exc:  # noqa: BLE001 - the send fails too, or the next tick runs
+        logging.getLogger("worker").warning(
+            "could not mark the scheduler tick %s (%s); a worker skips it, the next one "
+            "runs", headers["id"], str(exc).splitlines()[0][:200] if str(exc) else
+            type(exc).__name__)
 
 
 @signals.beat_init.connect

@@ -12,6 +12,7 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
+from synthq.broker import take_tick
 from synthq.config import get_settings
 from synthq.db import disk_full, safe_url
 from synthq.dispatch import Dispatched, adopt_stale, database_trouble, dispatch
@@ -228,7 +229,10 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
 @app.task(name="synthq.dispatch", send_events=False)
 def dispatch_tick() -> int:
     """Beat: the scheduler tick (synthq.tick: probe, sweep, adapt, dispatch, finish,
-    training readiness). Logs only what it did."""
+    training readiness). Logs only what it did; a tick sent too long ago (its Redis key
+    gone: synthq.broker.take_tick) does nothing, the next one does its work."""
+    if not take_tick(dispatch_tick.request.id):
+        return 0
     try:
         return _tick()
     except DBAPIError as exc:
