@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from synthq import workers
 from synthq.config import Settings, get_settings
-from synthq.db import heartbeat_engine, session_scope, utcnow
+from synthq.db import heartbeat_engine, session_scope
 
 __all__ = ["Heartbeat", "heartbeat_timeout", "stale_after"]
 
@@ -94,8 +94,10 @@ class Heartbeat:
     def write(self) -> None:
         """Write the row once (raises what the database raised)."""
         with session_scope(heartbeat_engine(self.timeout)) as s:
+            # The database's time once connected: the first beat may be the first
+            # connection, which is what sets synthq's clock (workers.heartbeat).
             workers.heartbeat(s, self.name, capacity=self._capacity(),
-                              inflight=self._inflight(), now=utcnow())
+                              inflight=self._inflight())
         self.written_at = time.monotonic()
 
     def beat(self) -> bool:

@@ -46,16 +46,26 @@ class WorkerInfo:
     clock_skew: float | None = None
 
 
-def heartbeat(session: Session, name: str, *, capacity: int, inflight: int, now: datetime) -> None:
+def heartbeat(session: Session, name: str, *, capacity: int, inflight: int,
+              now: datetime | None = None) -> None:
     """Insert or refresh this process's row. ``now`` is the database's time
-    (synthq.clock); the row also carries how far this machine's wall clock is off it."""
+    (synthq.clock); the row also carries how far this machine's wall clock is off it.
+
+    ``now`` None: the database's time read once the session is connected. A time read
+    before that is the machine's wall clock when this is the process's first connection
+    (:func:`synthq.db._calibrate` runs on connect): the first heartbeat of a worker 600 s
+    ahead was stamped 10 minutes in the future, and had it died before its second beat
+    it would have looked alive that long (issue 41)."""
     from sqlalchemy.dialects.postgresql import insert as pg_insert
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-    from synthq.clock import skew
+    from synthq.clock import skew, utcnow
     from synthq.models import Worker
 
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    if now is None:
+        session.connection()  # connects (and calibrates the clock) if not yet
+        now = utcnow()
     host, _, rest = name.partition(":")
     pid = int(rest.split(":", 1)[0]) if rest.split(":", 1)[0].isdigit() else os.getpid()
     off = skew()
