@@ -1,11 +1,15 @@
-"""Alembic environment: the URL comes from synthq's settings (or the caller)."""
+"""Alembic environment: the URL comes from synthq's settings (or the caller).
+
+Every upgrade runs in one transaction, SQLite's included (synthq.migrate): a kill
+leaves the database at its old revision, never half-way through a migration.
+"""
 
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
 
 from synthq.config import get_settings
+from synthq.migrate import migration_engine
 from synthq.models import Base
 
 config = context.config
@@ -24,20 +28,25 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
+    # synthq.migrate.upgrade passes its connection, already in its transaction
+    # (Alembic then leaves the commit to it).
     connection = config.attributes.get("connection")
     if connection is not None:
         _run(connection)
         return
-    engine = create_engine(_url())
+    engine = migration_engine(_url())
     with engine.connect() as conn:
         _run(conn)
     engine.dispose()
 
 
 def _run(connection) -> None:  # type: ignore[no-untyped-def]
+    sqlite = connection.dialect.name == "sqlite"
     # render_as_batch: SQLite cannot ALTER most things; batch mode copies the table.
+    # transactional_ddl: the migration engine's SQLite transactions hold DDL, so the
+    # whole run is one transaction there too (Alembic assumes SQLite's are not).
     context.configure(connection=connection, target_metadata=target_metadata,
-                      render_as_batch=connection.dialect.name == "sqlite", compare_type=True)
+                      render_as_batch=sqlite, compare_type=True, transactional_ddl=True)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -137,15 +137,18 @@ class Job(Base):
     #: Chat template text overriding the tokenizer's own (from --chat-template FILE).
     chat_template: Mapped[str | None] = mapped_column(Text)
     #: Extra variables for the template, e.g. {"enable_thinking": true}.
-    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
-    max_seq_len: Mapped[int] = mapped_column(Integer, default=4096)
+    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict,
+                                                                server_default="{}")
+    max_seq_len: Mapped[int] = mapped_column(Integer, default=4096, server_default="4096")
     #: ``keep``: reasoning is rendered into the assistant turn and supervised; ``drop``.
-    reasoning: Mapped[str] = mapped_column(String(8), default="keep")
+    reasoning: Mapped[str] = mapped_column(String(8), default="keep", server_default="keep")
     #: Markers wrapped around reasoning when the template has no reasoning_content.
-    think_open: Mapped[str] = mapped_column(String(64), default="<think>\n")
-    think_close: Mapped[str] = mapped_column(String(64), default="\n</think>\n\n")
+    think_open: Mapped[str] = mapped_column(String(64), default="<think>\n",
+                                            server_default="<think>\n")
+    think_close: Mapped[str] = mapped_column(String(64), default="\n</think>\n\n",
+                                             server_default="\n</think>\n\n")
     #: ``last_turn`` (the generated answer) or ``all_assistant_turns``.
-    mask: Mapped[str] = mapped_column(String(24), default="last_turn")
+    mask: Mapped[str] = mapped_column(String(24), default="last_turn", server_default="last_turn")
     #: ``last``: regenerate the last assistant turn; ``all``: every assistant turn,
     #: each on the regenerated history (synthq.turns).
     regenerate: Mapped[str] = mapped_column(String(8), default="last", server_default="last")
@@ -158,7 +161,7 @@ class Job(Base):
     history_reasoning: Mapped[str] = mapped_column(String(8), default="drop",
                                                    server_default="drop")
     #: Bumped by ``synthq retokenize``; samples tokenized at an older version are stale.
-    tokenize_version: Mapped[int] = mapped_column(Integer, default=1)
+    tokenize_version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     #: The prompt rule and content-key form the job's samples were made under
     #: (synthq.dataset.KEY_VERSION): 1 for jobs made before the prompt kept a
     #: trailing user turn, 2 since. A job keeps its rule for life.
@@ -166,11 +169,12 @@ class Job(Base):
     # Training (synthq.training): when the readiness check starts a run, and on what.
     #: ``ready`` (98 % of non-skipped samples done, none in flight), ``done:F``,
     #: ``count:N`` or ``never``. Nothing starts by itself without ``train_target``.
-    train_when: Mapped[str] = mapped_column(String(32), default="ready")
+    train_when: Mapped[str] = mapped_column(String(32), default="ready", server_default="ready")
     #: The target model (local path or Hugging Face id) a drafter is trained for.
     train_target: Mapped[str | None] = mapped_column(String(1000))
     #: Hyperparameters for runs the readiness check starts (TrainConfig fields).
-    train_settings: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    train_settings: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict,
+                                                          server_default="{}")
     #: The generation settings the samples' content keys were made under, once
     #: ``synthq requeue --model`` moved the job to another model (None before):
     #: the same dataset enqueued again still matches its samples.
@@ -201,7 +205,8 @@ class Job(Base):
                                                           server_default="{}")
     #: Every move of the job's remaining work (``synthq requeue --model/--server``):
     #: ``{"at", "model": [from, to], "servers": [from, to], "requeued"}``.
-    moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
+    moves: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list,
+                                                        server_default="[]")
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 
