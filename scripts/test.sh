@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# The test command: set up .venv (once) and run the whole suite against the
-# local PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379).
+# The test command: set up .venv (once) and run the suite against the local
+# PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379).
+#
+#   bash scripts/test.sh            the whole suite (CI runs this): lint, types, every tier
+#   bash scripts/test.sh --fast     the fast tier, within 3 minutes: unit tests, SQLite
+#                                   integration and one end-to-end path (a killed
+#                                   `synthq run` resumed); no PostgreSQL, Redis, vLLM
+#   bash scripts/test.sh -m engine  any pytest arguments are passed on
+#
+# A test outside the fast tier carries a marker that says why (tests/conftest.py reads
+# most of them from the fixtures it uses): postgres, redis, processes, engine, chaos,
+# browser, training, slow. The order is random (pytest-randomly prints its seed first:
+# `--randomly-seed=N` repeats an order, `-p no:randomly` keeps the files' order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
 bash scripts/setup.sh
+.venv/bin/ruff check synthq worker api tests bench
+if [ "$fast" = 1 ]; then
+  exec .venv/bin/python -m pytest -n "${SYNTHQ_TEST_PROCESSES:-2}" \
+    -m "smoke or not (postgres or redis or processes or engine or chaos or browser or training or slow)" \
+    "$@"
+fi
 if command -v docker-compose >/dev/null 2>&1; then
   # Validate docker-compose.yml with the example environment.
   docker-compose --env-file .env.example config -q
   docker-compose --env-file .env.example --profile vllm --profile sim config -q
   echo "docker-compose.yml: valid"
 fi
-.venv/bin/ruff check synthq worker api tests bench
 .venv/bin/mypy
 # Two processes by default (pytest-xdist): the engine tier's tests stay on one of them
-# (one vLLM start; they are the largest group, so they go first), the rest are shared
-# out one test at a time. Each process has its own PostgreSQL database (named by its
-# pid) and Redis database (SYNTHQ_TEST_REDIS's for the first, the one below it for the
-# second). SYNTHQ_TEST_PROCESSES=1 runs everything in one process.
+# (one vLLM start per configuration; they are the largest group, so they go first), the
+# rest are shared out one test at a time. Each process has its own PostgreSQL database
+# (named by its pid) and Redis database (SYNTHQ_TEST_REDIS's for the first, the one below
+# it for the second). SYNTHQ_TEST_PROCESSES=1 runs everything in one process.
 procs="${SYNTHQ_TEST_PROCESSES:-2}"
 if [ "$procs" -gt 1 ]; then
   exec .venv/bin/python -m pytest -n "$procs" --dist loadgroup "$@"

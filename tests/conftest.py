@@ -33,6 +33,35 @@ from support import (  # noqa: F401 - the settings, shared with tests that need 
     release_redis_for_tests,
 )
 
+#: Why a test is outside the fast tier (``scripts/test.sh --fast``), read from what it
+#: uses, so a new test carries its marker without anyone adding it: a fixture it asks
+#: for, its folder, or a marker it already has. A test that starts processes some other
+#: way says so itself (``@pytest.mark.processes``).
+_FIXTURE_MARKS = {
+    "pg": "postgres", "pg_session_url": "postgres", "redis_url": "redis",
+    "simulator": "processes", "workers": "processes", "api_server": "processes",
+    "cluster": "chaos", "private_pg": "chaos", "private_redis": "chaos",
+    "engine": "engine",
+}
+_FOLDER_MARKS = {"engine": "engine", "chaos": "chaos", "training": "training"}
+_FILE_MARKS = {"test_api_browser.py": "browser"}
+_MARKER_MARKS = {"e2e": "processes", "gpu": "gpu"}
+#: The markers that keep a test out of the fast tier; ``smoke`` brings one back in.
+SLOW_TIERS = ("postgres", "redis", "processes", "engine", "chaos", "browser", "training", "slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        why = {_FIXTURE_MARKS[f] for f in getattr(item, "fixturenames", ()) if f in _FIXTURE_MARKS}
+        folder = item.path.parent.name
+        if folder in _FOLDER_MARKS:
+            why.add(_FOLDER_MARKS[folder])
+        if item.path.name in _FILE_MARKS:
+            why.add(_FILE_MARKS[item.path.name])
+        why.update(_MARKER_MARKS[m.name] for m in item.iter_markers() if m.name in _MARKER_MARKS)
+        for name in sorted(why - {m.name for m in item.iter_markers()}):
+            item.add_marker(name)
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Check the test Redis before the first test runs when any selected test uses it:
@@ -41,6 +70,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("redis_url" in getattr(item, "fixturenames", ()) for item in session.items):
         redis_for_tests()
     pg_database()  # a bad SYNTHQ_TEST_PG_PREFIX stops it the same way
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """``SYNTHQ_TEST_TIMES=FILE``: each phase's time, a JSON line each, for
+    ``scripts/test_times.py`` (where the suite's time goes, by tier). Written by the
+    process that reports (xdist's controller), once per phase."""
+    import os
+
+    out = os.environ.get("SYNTHQ_TEST_TIMES")
+    if not out or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import json
+
+    with open(out, "a") as fh:
+        fh.write(json.dumps({"test": report.nodeid, "when": report.when,
+                             "seconds": round(report.duration, 3),
+                             "outcome": report.outcome}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

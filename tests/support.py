@@ -466,3 +466,36 @@ def capture_rows(job_id: int, server: str) -> None:
             s.execute(update(Sample).where(Sample.id == sid).values(
                 state="done", input_ids=np.arange(4, dtype="<i4").tobytes(), num_tokens=4,
                 tokenize_version=1, finished_at=now))
+
+
+def built_once(name: str, inputs: list[Path | str], build: Callable[[Path], None]) -> Path:
+    """A folder that ``build(folder)`` fills, made once per machine and reused while its
+    ``inputs`` (files whose bytes, or strings such as versions) are unchanged.
+
+    Kept under ``$XDG_CACHE_HOME/synthq/tests`` (a fresh clone on the same machine reuses
+    it); built in a temporary folder and renamed into place, so two test processes that
+    build it at once, or a run killed mid-build, never leave a half folder behind."""
+    import hashlib
+    import shutil
+
+    digest = hashlib.sha256()
+    for part in inputs:
+        digest.update(part.read_bytes() if isinstance(part, Path) else part.encode())
+        digest.update(b"\0")
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "synthq" / "tests"
+    done = root / f"{name}-{digest.hexdigest()[:16]}"
+    if (done / ".built").is_file():
+        return done
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        build(work)
+        (work / ".built").touch()
+        try:
+            work.rename(done)
+        except OSError:  # another process renamed its copy first: use that one
+            if not (done / ".built").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return done

@@ -31,6 +31,7 @@ def run_cmd(dataset: Path, server: str, *extra: str) -> list[str]:
             "--server", server, "--model", "sim-model", "--max-tokens", "64", *extra]
 
 
+@pytest.mark.smoke  # the fast tier's end-to-end path
 def test_run_killed_and_rerun_resumes_without_regenerating(
         simulator: Callable[..., Any], tmp_path: Path) -> None:
     sim = simulator("--latency", "0.2", "--capacity", "64")

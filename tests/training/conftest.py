@@ -20,12 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from training_support import VOCAB, counting_batch, greedy_examples  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An 8-layer Llama trained (about 10 s) on a counting language: BOS, a marker
-    (3: count by 1, 4: count by 2), then numbers 5..95 counting modulo 91. Its
-    greedy output is learnable, so a drafter that trains right drafts it well and
-    one that trains wrong (a shifted target, wrong layers) does not."""
+def _train_tiny_target(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -33,7 +28,6 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    path = tmp_path_factory.mktemp("tiny-llama")
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +38,24 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         loss.backward()
         opt.step()
     model.save_pretrained(path)
-    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    """An 8-layer Llama trained (about 10 s) on a counting language: BOS, a marker
+    (3: count by 1, 4: count by 2), then numbers 5..95 counting modulo 91. Its
+    greedy output is learnable, so a drafter that trains right drafts it well and
+    one that trains wrong (a shifted target, wrong layers) does not.
+
+    Trained once per machine and kept while this file, the language's code and the
+    torch and transformers versions are unchanged (``support.built_once``)."""
+    import transformers
+    from support import built_once
+
+    here = Path(__file__).parent
+    return built_once("tiny-llama", [here / "conftest.py", here / "training_support.py",
+                                     torch.__version__, transformers.__version__],
+                      _train_tiny_target)
 
 
 @pytest.fixture(scope="session")
