@@ -26,8 +26,12 @@ The order, and why (docs/design.md, "The tick", points here):
 4. **dispatch**: queue what is due, within each server's limit.
 5. **finish**: jobs whose samples are all terminal are marked finished.
 6. **train**: the readiness check starts a training run for each job whose
-   data is ready. Nothing above depends on it, and after the dispatch a slow
-   or failing check cannot hold back the queueing of due samples.
+   data is ready, and sends again the runs whose holder died. Nothing above
+   depends on it, and after the dispatch a slow or failing check cannot hold
+   back the queueing of due samples. Only a consumer of ``control`` runs this
+   tick, so each training worker also runs the same check itself
+   (synthq.training.readiness.Watch): with only training workers and beat, an
+   orphaned run was never sent again (issue 41).
 7. **capture**: jobs with capture servers get a pending capture for each newly
    done sample, and those with captures due are handed to the capture stage
    (synthq.capture): after generation's stages, whose done samples it follows.

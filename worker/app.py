@@ -257,3 +257,32 @@ def _service_worker(options: dict[str, Any] | None = None, **_: Any) -> None:
         queues = queues.split(",")
     if set(queues) != {"train"}:
         service_process()
+
+
+#: The training worker's own readiness check (synthq.training.readiness.Watch), or None.
+_readiness: dict[str, Any] = {"watch": None}
+
+
+@signals.worker_ready.connect
+def _watch_training_runs(sender: Any = None, **_: Any) -> None:
+    """A training worker runs the readiness check itself (issue 41): beat's tick runs only
+    in a consumer of ``control``, and with only training workers and beat running, an
+    orphaned run stayed ``running`` under its dead holder for good."""
+    queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
+    if "train" not in queues or _readiness["watch"] is not None:
+        return
+    from synthq.training.readiness import Watch
+    from worker.tasks import publish_train
+
+    watch = _readiness["watch"] = Watch(publish_train)
+    watch.start()
+    logging.getLogger("worker").info(
+        "training worker: checks for orphaned and ready training runs every %.0f s",
+        watch.interval)
+
+
+@signals.worker_shutdown.connect
+def _stop_watching_training_runs(**_: Any) -> None:
+    watch, _readiness["watch"] = _readiness["watch"], None
+    if watch is not None:
+        watch.stop()

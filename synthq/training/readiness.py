@@ -1,23 +1,37 @@
-"""The readiness check: give each job whose data is ready exactly one training run.
+"""The readiness check: give each job whose data is ready exactly one training run, and
+send again the runs whose worker or message died.
 
-Called by the beat tick (``worker.tasks.dispatch_tick``). A job takes part when
-it has a ``train_target`` and its ``train_when`` is not ``never``; it gets a run
-when its threshold is met (see :meth:`synthq.training.config.When.met`) and it
-has no training run yet, whatever that run's state: a failed run is retried
-by hand (``synthq train``), not by the beat, which would loop on a broken job.
+Called by the beat tick (``worker.tasks.dispatch_tick``, run by the consumers of the
+``control`` queue: the generation workers) and, every :func:`watch_interval` seconds,
+by each training worker itself (:class:`Watch`). A deployment that runs only training
+workers and beat (the README's training section) has no consumer of ``control``: an
+orphaned run stayed ``running`` under its dead holder for good (issue 41, 88 s until a
+generation worker was started, with no line in any log). Concurrent checks are
+serialized by an advisory lock; one that finds it taken leaves the work to the holder.
+
+A job takes part when it has a ``train_target`` and its ``train_when`` is not
+``never``; it gets a run when its threshold is met (see
+:meth:`synthq.training.config.When.met`) and it has no training run yet, whatever
+that run's state: a failed run is retried by hand (``synthq train``), not by the
+beat, which would loop on a broken job.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, select, text
+from sqlalchemy.orm import Session
 
+from synthq import locks
 from synthq.config import get_settings
 from synthq.counts import state_counts
 from synthq.db import session_scope, utcnow
+from synthq.enums import RunState
 from synthq.errors import UserError
 from synthq.models import Job, TrainingRun
 from synthq.states import INFLIGHT, JobState, SampleState
@@ -25,9 +39,12 @@ from synthq.training import states
 from synthq.training.config import TrainConfig, parse_when
 from synthq.training.runs import new_run
 
-__all__ = ["Readiness", "check_readiness"]
+__all__ = ["Readiness", "check_readiness", "Watch", "watch_interval", "LOCK"]
 
 log = logging.getLogger(__name__)
+
+#: The advisory lock of the readiness check (beat's ticks and the training workers').
+LOCK = locks.key("synthq:readiness")
 
 
 @dataclass
@@ -47,6 +64,8 @@ def check_readiness(publish: Callable[[list[int]], None] | None = None) -> Readi
     now = utcnow()
     result = Readiness()
     with session_scope() as s:
+        if not _lock(s):
+            return result  # another process checks right now: the same work
         has_run = exists().where(TrainingRun.job_id == Job.id)
         candidates = list(s.scalars(
             select(Job).where(Job.train_target.is_not(None), Job.train_when != "never",
@@ -70,8 +89,90 @@ def check_readiness(publish: Callable[[list[int]], None] | None = None) -> Readi
             run = new_run(s, job, target=job.train_target, config=config, trigger="auto")
             log.info("job %s reached train_when=%s: training run %d", job.name, when, run.id)
             result.started.append(run.id)
-        result.to_send = sorted(set(result.started) | set(states.sweep_stale(
-            s, now=now, lease=settings.train_lease, resend_after=settings.train_resend_after)))
+        orphans = _orphans(s, now=now, lease=settings.train_lease)
+        swept = states.sweep_stale(s, now=now, lease=settings.train_lease,
+                                   resend_after=settings.train_resend_after)
+        result.to_send = sorted(set(result.started) | set(swept))
+    for run_id in swept:
+        if run_id in orphans:
+            log.warning("training run %d: its worker %s stopped heart-beating (%.0f s ago); "
+                        "the run is pending again and sent to a training worker, which "
+                        "resumes it from its last checkpoint", run_id, *orphans[run_id])
+        else:
+            log.warning("training run %d: pending for %.0f s with no worker; its message is "
+                        "sent again", run_id, settings.train_resend_after)
     if publish is not None and result.to_send:
         publish(result.to_send)
     return result
+
+
+def _lock(session: Session) -> bool:
+    """Take the readiness check's lock for the transaction (PostgreSQL); False when
+    another process holds it. SQLite serializes its write transactions already."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    return bool(session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": LOCK}))
+
+
+def _orphans(session: Session, *, now: datetime, lease: float) -> dict[int, tuple[str, float]]:
+    """Running runs whose holder's heartbeat is older than ``lease`` seconds: run id ->
+    (the holder, seconds since its last heartbeat), for the log line of their re-send."""
+    rows = session.execute(select(TrainingRun.id, TrainingRun.worker, TrainingRun.heartbeat_at)
+                           .where(TrainingRun.state == RunState.RUNNING,
+                                  TrainingRun.heartbeat_at < now - timedelta(seconds=lease)))
+    return {int(run_id): (str(worker), (now - beat).total_seconds())
+            for run_id, worker, beat in rows}
+
+
+def watch_interval() -> float:
+    """Seconds between a training worker's own readiness checks: a quarter of the run
+    lease (its heartbeat's period too; 30 s by default), at least 1 s."""
+    return max(1.0, get_settings().train_lease / 4)
+
+
+class Watch:
+    """The readiness check on a thread of a training worker's own, every
+    :func:`watch_interval` seconds, so that no other process need run for an orphaned
+    run to be sent again (a solo worker training a run for hours still checks: the run
+    it holds heart-beats, and another worker's orphan waits in the queue for a free one).
+    """
+
+    def __init__(self, publish: Callable[[list[int]], None],
+                 interval: float | None = None) -> None:
+        self.publish = publish
+        self.interval = interval if interval is not None else watch_interval()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Checks that failed in a row (the first is logged).
+        self.failures = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="synthq-readiness",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check(self) -> Readiness | None:
+        """One readiness check; None when it failed (logged once per failing streak)."""
+        try:
+            result = check_readiness(self.publish)
+        except Exception as exc:  # noqa: BLE001 - the next check, an interval later
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("training worker: the readiness check failed (%s); trying "
+                            "again every %.0f s", str(exc).splitlines()[0][:200]
+                            if str(exc) else type(exc).__name__, self.interval)
+            return None
+        if self.failures:
+            log.warning("training worker: the readiness check works again")
+        self.failures = 0
+        return result
+
+    def _run(self) -> None:
+        self.check()
+        while not self._stop.wait(self.interval):
+            self.check()
