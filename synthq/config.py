@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     #: orphaned (its worker died) and is handed to another worker, which resumes
     #: it from its last checkpoint; and seconds a pending run waits before its
     #: ``train`` message is sent again (it may have died with the broker).
-    train_lease: float = 120.0
+    train_lease: float = defaults.TRAIN_LEASE
     train_resend_after: float = 900.0
     #: Processes per training run (DDP under torchrun, rank 0 writes): 0 = one per
     #: CUDA GPU of the machine, so one without CUDA; 2 or more on the CPU use gloo.
@@ -220,4 +220,5 @@ def status_settings() -> defaults.StatusSettings:
     settings = get_settings()
     return defaults.StatusSettings(
         worker_timeout=settings.worker_timeout, gpu_hour_price=settings.gpu_hour_price,
-        capture_store=str(defaults.store_root(settings.capture_store, settings.data_dir)))
+        capture_store=str(defaults.store_root(settings.capture_store, settings.data_dir)),
+        train_lease=settings.train_lease)

@@ -12,12 +12,15 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["DATA_DIR", "WORKER_TIMEOUT", "GPU_HOUR_PRICE", "StatusSettings", "store_root"]
+__all__ = ["DATA_DIR", "WORKER_TIMEOUT", "TRAIN_LEASE", "GPU_HOUR_PRICE", "StatusSettings",
+           "store_root"]
 
 #: Where the embedded SQLite file (``synthq.db``) and other local state live.
 DATA_DIR = "synthq-data"
 #: Seconds without a heartbeat after which a worker counts as dead.
 WORKER_TIMEOUT = 15.0
+#: Seconds without a heartbeat after which a training run's holder counts as dead.
+TRAIN_LEASE = 120.0
 #: Dollars per GPU-hour for jobs enqueued without --gpu-hour-price (None: no dollar figures).
 GPU_HOUR_PRICE: float | None = None
 
@@ -31,6 +34,8 @@ class StatusSettings(NamedTuple):
     gpu_hour_price: float | None = GPU_HOUR_PRICE
     #: Where captured hidden states live (None: ``<SYNTHQ_DATA_DIR>/hidden-states``).
     capture_store: str | None = None
+    #: Seconds after which a running training run's silent holder counts as dead.
+    train_lease: float = TRAIN_LEASE
 
 
 def store_root(capture_store: str | Path | None, data_dir: str | Path | None = None) -> Path:

@@ -29,8 +29,8 @@ from synthq.errors import retokenizable
 from synthq.health import unhealthy
 from synthq.limits import current_limits, start_limit
 from synthq.secrets import safe_keys, safe_url
-from synthq.sqlread import Reader, read_json, read_optional_time, reader_of
-from synthq.workers import live
+from synthq.sqlread import Reader, read_json, read_optional_time, read_time, reader_of
+from synthq.workers import gone_here, live
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -276,6 +276,7 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         "the database's time; fix the machine's clock: its logs are off)"
         for w in status.workers
         if w["clock_skew_s"] is not None and abs(w["clock_skew_s"]) >= SKEW_WARNING_S]
+    status.warnings += orphaned_runs(reader, job.id, now=now, lease=settings.train_lease)
     status.limits = server_limits(reader, job, history=cost)
     if cost:
         status.cost = job_cost(reader, job, remaining=status.open, now=now,
@@ -293,6 +294,32 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.capture = capture_progress(  # its URLs masked there
         reader, job.id, store=store_root(settings.capture_store))
     return _masked(status)
+
+
+def orphaned_runs(db: Session | Reader, job_id: int, *, now: datetime,
+                  lease: float) -> list[str]:
+    """A line for each of the job's running training runs whose holder looks dead: its
+    heartbeat older than ``lease`` seconds, or a process of this host that is gone.
+
+    Such a run is sent again by the next readiness check (a training worker's own, or
+    beat's tick); until then ``running`` alone would say it is being trained (issue 41:
+    a run waited 88 s under a dead holder, and nothing said so)."""
+    rows = reader_of(db).rows(
+        "SELECT id, worker, heartbeat_at FROM training_runs "
+        "WHERE job_id = :job_id AND state = 'running' ORDER BY id", {"job_id": job_id})
+    lines = []
+    for run_id, worker, beat in rows:
+        age = (now - read_time(beat)).total_seconds() if beat is not None else float("inf")
+        host, _, pid = str(worker or "").rpartition(":")
+        gone = pid.isdigit() and gone_here(host, int(pid))
+        if age < lease and not gone:
+            continue
+        why = ("its process is gone" if gone else "no heartbeat yet" if beat is None
+               else f"no heartbeat for {age:.0f} s")
+        lines.append(f"training run {run_id}: its training worker {worker} looks dead ({why}); "
+                     "the run is sent again to a training worker (`synthq worker --queues "
+                     "train`), which resumes it from its last checkpoint")
+    return lines
 
 
 def _masked(status: JobStatus) -> JobStatus:
