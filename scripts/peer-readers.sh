@@ -6,13 +6,15 @@
 # They go into a folder outside the clone, without their dependencies: speculators pins
 # datasets/transformers below synthq's and pulls torchvision/torchaudio, SpecForge pins
 # torch 2.11, transformers 5.8.1 and sglang; their readers import only what synthq's
-# venv has (torch, datasets, safetensors, openai). Prints the folder on its last line.
+# venv has (torch, datasets, safetensors, openai), and speculators' training CLI, whose
+# vocabulary loader (parse_vocab_mappings) the export test calls, loguru too (pinned
+# here). Prints the folder on its last line.
 # The machine's python3 installs them (pure Python, --target), so this runs before
 # .venv exists in a fresh clone (.ci/run calls it before the tests make .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PINS="speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0"
-DIR="${SYNTHQ_PEER_READERS:-${XDG_CACHE_HOME:-$HOME/.cache}/synthq/peer-readers-speculators-0.9.0-specforge-0.2.0}"
+PINS="speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 loguru==0.7.3"
+DIR="${SYNTHQ_PEER_READERS:-${XDG_CACHE_HOME:-$HOME/.cache}/synthq/peer-readers-speculators-0.9.0-specforge-0.2.0-loguru-0.7.3}"
 # A folder this script did not make is never deleted (SYNTHQ_PEER_READERS may name any
 # folder): only one that carries this script's .installing mark (an install cut short).
 if [ -f "$DIR/.ready" ]; then

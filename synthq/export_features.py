@@ -15,10 +15,12 @@ reads::
             link where the export is on another filesystem; an example shorter than
             its file (a per-turn example read from a longer capture) gets a file cut
             to its own length, written here
-      d2t.npy, t2d.npy
-            the draft vocabulary (synthq.training.data.draft_vocab: the most frequent
-            supervised ids, as ``synthq train`` picks them) when it is smaller than the
-            target's vocabulary; speculators reads them from DIR by default
+      d2t-{N}.npy, t2d-{N}.npy
+            the draft vocabulary of N ids (synthq.training.data.draft_vocab: the most
+            frequent supervised ids, as ``synthq train`` picks them) when it is smaller
+            than the target's vocabulary: the names speculators' ``parse_vocab_mappings``
+            looks for in DIR when its training is given ``--draft-vocab-size N`` (without
+            it, speculators trains on the whole vocabulary)
       manifest.json
 
 The store's files are already speculators' own layout (``hidden_states`` [T, L, H]
@@ -58,7 +60,7 @@ from synthq.db import get_engine, utcnow
 from synthq.errors import UserError
 from synthq.export import FEATURE_FORMATS
 
-__all__ = ["FEATURE_FORMATS", "FeaturesManifest", "export_features"]
+__all__ = ["FEATURE_FORMATS", "FeaturesManifest", "export_features", "vocab_file"]
 
 #: SpecForge's files per folder (its own ``prepare_hidden_states.py`` groups by 2,000).
 GROUP = 2000
@@ -89,7 +91,8 @@ class FeaturesManifest:
     target: str | None = None
     #: SpecForge: the final norm applied (synthq.training.norm's style).
     norm_style: str | None = None
-    #: speculators: the draft vocabulary written as d2t.npy/t2d.npy (None: none).
+    #: speculators: the draft vocabulary's size N, written as d2t-N.npy/t2d-N.npy (None:
+    #: none); speculators' training reads them with ``--draft-vocab-size N``.
     draft_vocab_size: int | None = None
     synthq_version: str = synthq.__version__
     created_at: str = field(default_factory=lambda: utcnow().isoformat())
@@ -272,9 +275,17 @@ def _speculators(rows: Iterator[list[_Row]], tmp: Path, manifest: FeaturesManife
         shutil.rmtree(scratch, ignore_errors=True)
     if counts is not None and draft_vocab_size < len(counts):
         _, d2t, t2d = draft_vocab_of(counts, draft_vocab_size)
-        np.save(tmp / "d2t.npy", d2t.numpy())
-        np.save(tmp / "t2d.npy", t2d.numpy())
-        manifest.draft_vocab_size = int(d2t.numel())
+        n = int(d2t.numel())
+        np.save(tmp / vocab_file("d2t", n), d2t.numpy())
+        np.save(tmp / vocab_file("t2d", n), t2d.numpy())
+        manifest.draft_vocab_size = n
+
+
+def vocab_file(kind: str, size: int) -> str:
+    """The name speculators 0.9 reads a vocabulary mapping by (``d2t-{N}.npy``,
+    ``t2d-{N}.npy``: ``speculators.train.cli.parse_vocab_mappings``); a plain ``d2t.npy``
+    is never looked for."""
+    return f"{kind}-{size}.npy"
 
 
 def _specforge(rows: Iterator[list[_Row]], tmp: Path, manifest: FeaturesManifest,

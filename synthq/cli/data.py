@@ -50,8 +50,9 @@ def export(
                       "lm_head) [default: the job's --train-target, else its tokenizer "
                       "folder].")] = None,
     draft_vocab_size: Annotated[int, typer.Option(min=1, help="speculators: the draft "
-                                "vocabulary written as d2t.npy/t2d.npy (as `synthq train` "
-                                "picks it; none when it is the target's whole vocabulary)."
+                                "vocabulary written as d2t-N.npy/t2d-N.npy (as `synthq train` "
+                                "picks it; none when it is the target's whole vocabulary); "
+                                "speculators reads them given --draft-vocab-size N."
                                 )] = 32_000,
     as_json: JsonOpt = False,
 ) -> None:

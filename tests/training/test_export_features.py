@@ -6,7 +6,8 @@ installs them pinned, without their dependencies, outside the clone):
 
 * speculators 0.9.0 ``speculators.train.data.ArrowDataset`` (vllm-project/speculators,
   ``src/speculators/train/data.py``; ``load_from_disk`` of the folder, then
-  ``hs_connectors.FileTransfer`` reads ``hidden_states/hs_{i}.safetensors``);
+  ``hs_connectors.FileTransfer`` reads ``hidden_states/hs_{i}.safetensors``), and its
+  training's ``speculators.train.cli.parse_vocab_mappings`` for the draft vocabulary;
 * SpecForge 0.2.0 ``specforge.data.preprocessing.list_local_files`` and
   ``OfflineEagle3Dataset`` (sgl-project/SpecForge, ``specforge/data/preprocessing.py``).
 
@@ -19,6 +20,7 @@ a Gemma) have final norm weights far from ones, so a wrong norm changes the argm
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +121,7 @@ def test_speculators_reader_takes_every_example(
         peer_readers: Path, norm_targets: dict[str, tuple[Path, Any]], style: str,
         job_factory: Callable[..., Any], sample_factory: Callable[..., int],
         tmp_path: Path) -> None:
+    from speculators.train.cli import parse_vocab_mappings
     from speculators.train.data import ArrowDataset
 
     from synthq.capture.stage import store
@@ -155,9 +158,14 @@ def test_speculators_reader_takes_every_example(
     linked = [p for p in links if p.stat().st_ino in stored]
     assert len(linked) == SAMPLES - 1  # hard links into the store: no copies
     assert (out / "hidden_states" / "hs_0.safetensors").stat().st_ino not in stored  # cut
-    d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
-    assert d2t.shape == (40,) and t2d.shape == (VOCAB,) and t2d.sum() == 40
-    assert t2d[np.arange(40) + d2t].all()
+    # The draft vocabulary, read by speculators' own loader as its training reads it
+    # (--data-path DIR --draft-vocab-size 40): it finds d2t-40.npy/t2d-40.npy in DIR.
+    d2t, t2d, size = parse_vocab_mappings(argparse.Namespace(
+        d2t_path=None, t2d_path=None, data_path=str(out), draft_vocab_size=40,
+        token_freq_path=None, verifier_name_or_path=str(target_dir), trust_remote_code=False))
+    assert size == 40 and d2t is not None and t2d is not None, "speculators did not find them"
+    assert d2t.shape == (40,) and t2d.shape == (VOCAB,) and int(t2d.sum()) == 40
+    assert t2d[torch.arange(40) + d2t].all()
 
 
 @pytest.mark.parametrize("style", ["weight", "one_plus_weight"])

@@ -67,7 +67,7 @@ def test_a_working_vllm_venv_is_used_as_it_is(tmp_path: Path) -> None:
 
 def test_readers_already_there_are_used_as_they_are(tmp_path: Path) -> None:
     folder = tmp_path / "readers"
-    for info in ("speculators-0.9.0", "hs_connectors-0.9.0", "specforge-0.2.0"):
+    for info in ("speculators-0.9.0", "hs_connectors-0.9.0", "specforge-0.2.0", "loguru-0.7.3"):
         (folder / f"{info}.dist-info").mkdir(parents=True)
     result, calls = run("peer-readers.sh", folder, tmp_path)
     assert result.returncode == 0, result
