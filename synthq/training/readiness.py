@@ -120,7 +120,7 @@ def _orphans(session: Session, *, now: datetime, lease: float) -> dict[int, tupl
     rows = session.execute(select(TrainingRun.id, TrainingRun.worker, TrainingRun.heartbeat_at)
                            .where(TrainingRun.state == RunState.RUNNING,
                                   TrainingRun.heartbeat_at < now - timedelta(seconds=lease)))
-    return {int(run_id): (str(worker), (now - beat).total_seconds())
+    return {int(run_id): (str(worker), (now - beat).total_seconds() if beat else lease)
             for run_id, worker, beat in rows}
 
 
