@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from support import (  # noqa: F401 - the settings, shared with tests that need 
 _FIXTURE_MARKS = {
     "pg": "postgres", "pg_session_url": "postgres", "redis_url": "redis",
     "simulator": "processes", "workers": "processes", "api_server": "processes",
+    "start_sim": "processes",
     "cluster": "chaos", "private_pg": "chaos", "private_redis": "chaos",
     "engine": "engine",
 }
@@ -61,6 +63,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         why.update(_MARKER_MARKS[m.name] for m in item.iter_markers() if m.name in _MARKER_MARKS)
         for name in sorted(why - {m.name for m in item.iter_markers()}):
             item.add_marker(name)
+
+
+#: The markers of a test that may start a process. The fast tier (``scripts/test.sh
+#: --fast`` sets ``SYNTHQ_FAST_TIER``) fails any other test the moment it starts one, so
+#: a test that starts processes cannot stay in the fast tier unmarked.
+_MAY_START_PROCESSES = {"processes", "smoke", "engine", "chaos", "browser"}
+_running: list[pytest.Item] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+    item = _running[-1] if _running else None
+    if item is not None and not any(m.name in _MAY_START_PROCESSES for m in item.iter_markers()):
+        command = args[0] if args else kwargs.get("args")
+        raise RuntimeError(f"{item.nodeid} starts a process ({command!r:.80}) but is in the "
+                           "fast tier: mark it @pytest.mark.processes")
+    _popen_init(self, *args, **kwargs)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import os
+
+    if os.environ.get("SYNTHQ_FAST_TIER"):
+        subprocess.Popen.__init__ = _guarded_popen_init  # type: ignore[method-assign]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

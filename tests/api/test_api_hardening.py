@@ -380,6 +380,7 @@ def test_expired_logins_are_pruned_by_session_checks(client: Any) -> None:
     assert left() == 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("hours", ["abc", "0"])
 def test_a_bad_session_hours_is_one_line(hours: str) -> None:
     import subprocess

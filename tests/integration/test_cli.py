@@ -78,6 +78,7 @@ def test_status_requeue_pause(pg: str, dataset: Path) -> None:
     assert [j["name"] for j in jobs] == ["cli-job"]
 
 
+@pytest.mark.processes
 def test_every_command_has_an_example_in_help() -> None:
     from typer.main import get_command
 

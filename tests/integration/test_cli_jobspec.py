@@ -35,6 +35,7 @@ BAD = [("--max-attempts", "1000000000000"), ("--temperature", "1e308"),
        ("--backoff-cap", "1e308"), ("--timeout", "inf"), ("--max-seq-len", "2147483648")]
 
 
+@pytest.mark.processes
 def test_bad_values_are_one_line_and_exit_2_on_create_and_requeue(tmp_path: Path) -> None:
     (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
     base = ["-d", "d.jsonl", "-s", "http://127.0.0.1:9/v1", "-m", "m"]
@@ -51,6 +52,7 @@ def test_bad_values_are_one_line_and_exit_2_on_create_and_requeue(tmp_path: Path
     assert "--extra-body may not set ['n']" in line
 
 
+@pytest.mark.processes
 def test_kv_transfer_params_is_refused_in_one_line_by_run_enqueue_and_requeue(
         tmp_path: Path) -> None:
     """Issue 41: ``--extra-body '{"kv_transfer_params": {"synthq_name": "x"}}'`` with
@@ -92,6 +94,7 @@ def _rows(help_text: str) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.processes
 def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
         tmp_path: Path) -> None:
     helps = {c: _rows(synthq(tmp_path, *c.split(), "--help").stdout)

@@ -69,6 +69,7 @@ QUICK = ["--max-tokens", "64", "--backoff-base", "0.05", "--backoff-cap", "0.1"]
 # 1 -------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_1_every_command_works_in_a_fresh_directory(tmp_path: Path) -> None:
     result = synthq(tmp_path, "jobs")
     assert result.returncode == 0 and "no jobs yet" in result.stdout
@@ -101,6 +102,7 @@ def test_2_a_model_the_server_does_not_serve_is_refused(tmp_path: Path, sim: Sim
         == "The model `kimi` does not exist."
 
 
+@pytest.mark.processes
 def test_2_a_dead_server_is_a_warning_then_a_live_line(tmp_path: Path) -> None:
     data = write_rows(tmp_path / "d.jsonl", ["hi"])
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -234,6 +236,7 @@ def test_5_finished_jobs_no_longer_count_toward_a_server(pg: str) -> None:
 # 6 -------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_6_passwords_never_appear(tmp_path: Path) -> None:
     port = free_port()
     db = f"postgresql://synthq:{SECRET}@127.0.0.1:{port}/synthq"
@@ -263,6 +266,7 @@ def test_6_passwords_never_appear(tmp_path: Path) -> None:
 # 7 -------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_7_a_failed_enqueue_leaves_no_job(tmp_path: Path) -> None:
     server = ["-s", f"http://127.0.0.1:{free_port()}/v1", "-m", "m"]
     empty = tmp_path / "empty.jsonl"
@@ -315,6 +319,7 @@ def test_8_errors_are_one_line_not_tracebacks(tmp_path: Path, sim: Simulator) ->
 # 9 -------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_9_the_demo_gives_up_with_the_simulators_log(tmp_path: Path) -> None:
     with socket.socket() as held:  # a port held by something that is not our simulator
         held.bind(("127.0.0.1", 0))
@@ -381,6 +386,7 @@ def test_11_the_readme_says_how_tests_run_and_what_finished_means() -> None:
     assert "`bash scripts/test.sh`" in section
 
 
+@pytest.mark.processes
 def test_11_the_tests_touch_only_their_own_redis_keys(tmp_path: Path) -> None:
     """On a Redis of this test's own (a second database on it, used as given): a
     database holding someone's keys is refused in one line, a shared one keeps them,
@@ -418,6 +424,7 @@ def test_11_the_tests_touch_only_their_own_redis_keys(tmp_path: Path) -> None:
         server.kill()
 
 
+@pytest.mark.processes
 def test_11_a_test_session_that_did_not_end_leaves_keys_the_next_one_deletes(
         tmp_path: Path) -> None:
     """A session killed mid-run leaves its claim beside its keys (kombu's bindings, a

@@ -29,6 +29,7 @@ def test_a_server_url_without_v1_is_refused_with_the_fix(tmp_path: Path, sim: Si
     assert jobs(tmp_path) == []
 
 
+@pytest.mark.processes
 def test_a_url_without_v1_on_a_server_without_models_pauses_at_the_first_404(
         tmp_path: Path) -> None:
     """No /models route: the enqueue check cannot tell; the first 404 pauses the job, one
@@ -72,6 +73,7 @@ def test_run_exits_non_zero_when_every_sample_failed(tmp_path: Path, sim: Simula
                   *QUICK).returncode == 0
 
 
+@pytest.mark.processes
 def test_bad_settings_are_refused_without_a_tokenizer(tmp_path: Path) -> None:
     data = write_rows(tmp_path / "d.jsonl", ["hi"])
     server = f"http://127.0.0.1:{free_port()}/v1"
@@ -85,6 +87,7 @@ def test_bad_settings_are_refused_without_a_tokenizer(tmp_path: Path) -> None:
     assert jobs(tmp_path) == []
 
 
+@pytest.mark.processes
 def test_path_typos_say_what_is_wrong(tmp_path: Path) -> None:
     missing = tmp_path / "nonexistent" / "dir" / "x.db"
     result = synthq(tmp_path, "jobs", env={"SYNTHQ_DATABASE_URL": f"sqlite:///{missing}"})
@@ -101,12 +104,14 @@ def test_path_typos_say_what_is_wrong(tmp_path: Path) -> None:
     assert "skipped 2 files in" in result.stderr and "b.csv, notes.md" in result.stderr
 
 
+@pytest.mark.processes
 def test_a_short_api_token_is_one_line(tmp_path: Path) -> None:
     result = synthq(tmp_path, "api", "--port", str(free_port()),
                     env={"SYNTHQ_API_TOKEN": "short-token"})
     assert result.returncode == 2 and "at least 16 characters" in error_line(result)
 
 
+@pytest.mark.processes
 def test_piped_output_is_not_wrapped(tmp_path: Path) -> None:
     name = "a-job-name-" + "x" * 90
     data = write_rows(tmp_path / "d.jsonl", ["hi"])
@@ -138,6 +143,7 @@ def test_a_rerun_with_the_right_server_redoes_its_404s(pg: str, job_factory: Any
         assert state_counts(s, report.job_id)["pending"] == 1
 
 
+@pytest.mark.processes
 def test_train_without_torch_is_one_line_and_leaves_no_run(tmp_path: Path) -> None:
     data = write_rows(tmp_path / "d.jsonl", ["hi"])
     assert synthq(tmp_path, "enqueue", "-d", str(data), "-s",
@@ -164,6 +170,7 @@ def test_a_finished_run_reads_right(tmp_path: Path, sim: Simulator) -> None:
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # like its files, not 0700
 
 
+@pytest.mark.processes
 def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) -> None:
     data = write_rows(tmp_path / "d.jsonl", ["hi", "there"])
     assert synthq(tmp_path, "enqueue", "-d", str(data), "-s",
@@ -182,6 +189,7 @@ def test_jobs_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) 
     assert result.stdout.splitlines()[-1] == "False False False", result.stdout + result.stderr
 
 
+@pytest.mark.processes
 def test_status_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path) -> None:
     """`synthq status` on the embedded default takes the sqlite3 path (synthq.cli.fast):
     the same output as the ordinary path, and the ordinary path's errors."""

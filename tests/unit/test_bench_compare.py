@@ -40,6 +40,7 @@ def test_bad_arguments_exit_2(compare: ModuleType, argv: list[str],
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_an_unknown_revision_is_one_line(compare: ModuleType) -> None:
     with pytest.raises(SystemExit) as exc:
         compare.resolve("no-such-branch-or-commit-xyz")

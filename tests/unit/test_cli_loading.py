@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from support import run_default_python
 
 
@@ -19,6 +20,7 @@ def test_the_command_table_says_where_each_command_is_defined() -> None:
     assert found == {module: list(names) for module, names in COMMANDS.items()}
 
 
+@pytest.mark.processes
 def test_one_command_loads_its_module_alone_and_help_lists_every_command(
         tmp_path: Path) -> None:
     code = ("import sys; from synthq.cli import app\n"

@@ -114,6 +114,7 @@ RACE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.processes
 def test_import_httpx_in_another_thread_during_calls() -> None:
     """D: a first `import httpx` in another thread while calls run showed openai a
     half-imported module (AttributeError; 8 to 25 of 300 calls lost here before).

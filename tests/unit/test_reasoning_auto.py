@@ -65,6 +65,7 @@ def test_the_template_alone_decides_before_the_tokenizer_loads(root: Path) -> No
                                                reasoning="keep")) == "keep"
 
 
+@pytest.mark.processes
 def test_the_precheck_loads_no_tokenizer_and_no_transformers() -> None:
     """What makes it fast: jinja2 on the template file, nothing else."""
     code = ("import sys, time; t = time.perf_counter()\n"

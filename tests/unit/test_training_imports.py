@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from support import REPO, child_env
 
 
+@pytest.mark.processes
 def test_cli_worker_and_readiness_do_not_import_torch() -> None:
     code = ("import sys, synthq.cli, synthq.models, worker.tasks, synthq.training.readiness, "
             "synthq.training.runs, synthq.cli.train; "
