@@ -7,7 +7,12 @@ vLLM from this repository) writes the file under that name. Both read the key he
 
 from __future__ import annotations
 
-__all__ = ["NAME_KEY"]
+__all__ = ["NAME_KEY", "REFUSED_KEY"]
 
 #: The ``kv_transfer_params`` key with which synthq names a request's file.
 NAME_KEY = "synthq_name"
+
+#: The answer's ``kv_transfer_params`` key with which the connector says why a request got
+#: no file (its name was another request's in flight); the answer then has no
+#: ``hidden_states_path``.
+REFUSED_KEY = "synthq_refused"

@@ -28,6 +28,8 @@ LAYERS = 8
 HIDDEN = 128
 VOCAB = 129_280
 CAPTURE_LAYERS = [2, LAYERS // 2, LAYERS - 3, LAYERS]
+#: synthq_connector's ``unnamed_file_ttl_s`` here (the stock connector ignores it).
+UNNAMED_TTL_S = 1.0
 
 
 def vllm_python() -> Path:
@@ -144,7 +146,9 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900,
     name, module = {"synthq": ("SynthqHiddenStatesConnector", "synthq_connector"),
                     "stock": ("StockCpuHiddenStatesConnector", "stock_cpu_connector")}[connector]
     kv = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(engine_dir)}}
+          "kv_connector_extra_config": {"shared_storage_path": str(engine_dir),
+                                        # synthq's: files no request named go after 1 s
+                                        "unnamed_file_ttl_s": UNNAMED_TTL_S}}
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])
     env = dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_LOGGING_LEVEL="WARNING")

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from capture_server import CAPTURE_LAYERS, HIDDEN, CaptureServer, start_capture_server
+from capture_server import (
+    CAPTURE_LAYERS,
+    HIDDEN,
+    UNNAMED_TTL_S,
+    CaptureServer,
+    start_capture_server,
+)
 from support import REPO, Simulator, child_env, wait_for
 
 # The module's first test also waits for the server's cold start (minutes here).
@@ -328,6 +334,125 @@ def test_bfloat16_store_halves_the_disk(capture_server: CaptureServer, generated
                                    atol=1e-2)
     (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
     assert nbytes < tokens * (len(CAPTURE_LAYERS) * HIDDEN * 2 + 8) + SAMPLES * 1024
+
+
+#: Bound on one answer of the tiny target (a loaded machine takes seconds): a wedged
+#: engine never answers.
+ANSWER_S = 120.0
+
+
+def _complete(server: CaptureServer, name: str | None = None, *,
+              headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One plain capture call (max_tokens 1); its answer, within ANSWER_S."""
+    import httpx
+
+    body: dict[str, Any] = {"model": "tiny-capture", "prompt": list(range(100, 140)),
+                            "max_tokens": 1, "temperature": 0.0}
+    if name is not None:
+        body["kv_transfer_params"] = {"synthq_name": name}
+    try:
+        r = httpx.post(f"{server.url}/completions", json=body, headers=headers or {},
+                       timeout=ANSWER_S)
+    except httpx.TimeoutException:
+        pytest.fail(f"no answer within {ANSWER_S:g} s: the engine is wedged; its log:\n"
+                    + server.log.read_text(errors="replace")[-3000:])
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_a_request_id_never_names_a_file_outside_the_engine_folder(
+        capture_server: CaptureServer) -> None:
+    """Issue 41 (low): without a synthq_name the stock connector names the file after the
+    request id, which ``X-Request-Id`` sets: ``/../../x`` wrote above the storage folder
+    (and made a ``cmpl-`` folder in it), and no one ever deleted such files. Every name
+    is now confined to the folder, and unnamed files go after ``unnamed_file_ttl_s``."""
+    import time
+    import uuid
+
+    server = capture_server
+    tag = uuid.uuid4().hex[:8]
+    answer = _complete(server, headers={"X-Request-Id": f"/../../x-{tag}"})
+    path = Path(answer["kv_transfer_params"]["hidden_states_path"])
+    assert path.parent == server.engine_dir and path.name.startswith("request-"), path
+    wait_for(path.is_file, ANSWER_S, f"{path} was never written")
+    root = server.engine_dir.parent
+    outside = [p for p in root.rglob(f"*x-{tag}*") if server.engine_dir not in p.parents]
+    assert outside == [], outside
+    assert [p for p in server.engine_dir.iterdir() if p.is_dir()] == []
+    # A synthq_name that is not a safe one stays inside too.
+    odd = _complete(server, "../escape")
+    assert Path(odd["kv_transfer_params"]["hidden_states_path"]).parent == server.engine_dir
+    # Once older than the server's unnamed_file_ttl_s, a later write deletes it (the
+    # writer looks at most once per TTL: another unnamed request until it is gone).
+    wait_for(lambda: not path.exists() or time.time() - path.stat().st_mtime > UNNAMED_TTL_S,
+             ANSWER_S)
+    wait_for(lambda: _complete(server) and not path.exists()
+             and not Path(f"{path}.lock").exists(), ANSWER_S,
+             f"{path} was not deleted after {UNNAMED_TTL_S:g} s")
+    for p in server.engine_dir.glob("request-*"):
+        p.unlink(missing_ok=True)
+
+
+def test_a_name_in_flight_twice_never_wedges_the_engine(capture_server: CaptureServer) -> None:
+    """Issue 41 item 1: a second request naming a file still in flight made vLLM's
+    ``wait_for_save`` wait on the first's ``flock`` on the worker's main thread, which
+    the first's write needs: no request was ever answered again (``/health`` still 200).
+    Now the second is served without a file and says why; the first's file is written,
+    every later request is answered, and the name is free again once written."""
+    import threading
+    import time
+    import uuid
+
+    import httpx
+
+    server = capture_server
+    name = f"dup-{uuid.uuid4().hex[:8]}"
+    started = threading.Event()
+    chunks: list[str] = []
+
+    def first() -> None:
+        # Long enough (ignore_eos) that the second is scheduled while this one runs.
+        body = {"model": "tiny-capture", "prompt": list(range(200, 240)), "max_tokens": 200,
+                "ignore_eos": True, "temperature": 0.0, "stream": True,
+                "kv_transfer_params": {"synthq_name": name}}
+        with httpx.stream("POST", f"{server.url}/completions", json=body,
+                          timeout=ANSWER_S) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line)
+                    started.set()
+
+    t0 = time.monotonic()
+    errors: list[BaseException] = []
+    runner = threading.Thread(target=lambda: _keep(errors, first), daemon=True)
+    runner.start()
+    assert started.wait(ANSWER_S), f"the first request never started: {errors}"
+    second = _complete(server, name)  # the same name, while the first runs
+    third = _complete(server, f"other-{uuid.uuid4().hex[:8]}")
+    runner.join(ANSWER_S)
+    assert not runner.is_alive() and not errors, f"the first request: {errors}"
+    took = time.monotonic() - t0
+    assert chunks[-1] == "data: [DONE]"
+    params = second.get("kv_transfer_params") or {}
+    assert "hidden_states_path" not in params and name in params["synthq_refused"], second
+    # The first's file, whole (renamed into place), written once the request is done.
+    written = server.engine_dir / f"{name}.safetensors"
+    wait_for(written.is_file, ANSWER_S, f"{written} was never written")
+    assert Path(third["kv_transfer_params"]["hidden_states_path"]).parent == server.engine_dir
+    # Written, the name is free again (released once the engine reports the write).
+    again = wait_for(lambda: _complete(server, name).get("kv_transfer_params", {}).get(
+        "hidden_states_path"), ANSWER_S, "the name stayed refused after its file was written")
+    assert again == str(written)
+    print(f"\nduplicate synthq_name in flight: all three answered within {took:.1f} s")
+    for p in [*server.engine_dir.glob(f"{name}*"), *server.engine_dir.glob("other-*")]:
+        p.unlink()
+
+
+def _keep(errors: list[BaseException], fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+        errors.append(exc)
 
 
 @pytest.fixture(scope="module")
