@@ -21,6 +21,7 @@ Needs PostgreSQL's server binaries (``initdb``, ``pg_ctl``; run as the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -93,22 +94,55 @@ def unavailable() -> str | None:
 # -- services --------------------------------------------------------------------------
 
 
-class PrivatePostgres:
-    """A PostgreSQL cluster of its own (temporary directory, free port), stoppable."""
+#: A stopped cluster with a migrated ``synthq`` database, made once per process and
+#: copied for each :class:`PrivatePostgres` (a copy takes a tenth of initdb's seconds).
+_template: Path | None = None
 
-    def __init__(self) -> None:
-        bindir = _pg_bindir()
+
+def _template_cluster(bindir: Path, as_root: bool) -> Path:
+    global _template
+    if _template is None:
+        pg = PrivatePostgres(bindir=bindir, template=False)
+        try:
+            from synthq.migrate import upgrade
+
+            upgrade(pg.url)
+            pg.stop()
+        except BaseException:
+            pg.close()
+            raise
+        _template = pg.data
+        atexit.register(shutil.rmtree, pg.data, True)
+    return _template
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own (temporary directory, free port), stoppable, its
+    ``synthq`` database migrated to the head (copied from the process's template)."""
+
+    def __init__(self, *, bindir: Path | None = None, template: bool = True) -> None:
+        bindir = bindir or _pg_bindir()
         if bindir is None:
             raise RuntimeError("PostgreSQL's initdb is not installed")
         self.bindir = bindir
-        self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
         self._as_root = os.geteuid() == 0
-        if self._as_root:
-            shutil.chown(self.data, "postgres", "postgres")
         self.port = free_port()
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-N")
         self.admin_url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/synthq"
+        if template:
+            source = _template_cluster(bindir, self._as_root)
+            self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
+            # cp -a keeps the owner (postgres) and the data folder's 0700.
+            subprocess.run(["cp", "-a", f"{source}/.", str(self.data)], check=True,
+                           capture_output=True, timeout=120)
+            if self._as_root:
+                shutil.chown(self.data, "postgres", "postgres")
+            self.start()
+            return
+        self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
+        if self._as_root:
+            shutil.chown(self.data, "postgres", "postgres")
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-N")
         self.start()
         from sqlalchemy import create_engine, text
 
