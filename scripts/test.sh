@@ -2,7 +2,8 @@
 # The test command: set up .venv (once) and run the suite against the local
 # PostgreSQL (127.0.0.1:5432) and Redis (127.0.0.1:6379).
 #
-#   bash scripts/test.sh            the whole suite (CI runs this): lint, types, every tier
+#   bash scripts/test.sh            the whole suite (CI runs this): lint, types, the docs
+#                                   site (mkdocs build --strict), every tier
 #   bash scripts/test.sh --fast     the fast tier, within 3 minutes: unit tests, SQLite
 #                                   integration and one end-to-end path (a killed
 #                                   `synthq run` resumed); no PostgreSQL, Redis, vLLM
@@ -35,6 +36,11 @@ if command -v docker-compose >/dev/null 2>&1; then
   echo "docker-compose.yml: valid"
 fi
 .venv/bin/mypy
+# The docs site (mkdocs.yml): a broken link, a missing page or anchor fails it (strict).
+# Not -q: mkdocs then drops the warnings before --strict counts them, and passes.
+docs_out="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$docs_out" 2>&1 | { grep -v '^INFO ' || true; }
+rm -rf "$docs_out"
 # Two processes by default (pytest-xdist): the engine tier's tests stay on one of them
 # (one vLLM start per configuration; they are the largest group, so they go first), the
 # rest are shared out one test at a time. Each process has its own PostgreSQL database
