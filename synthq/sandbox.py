@@ -199,6 +199,8 @@ def _size(value: Any) -> int:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item) + 2
+        elif isinstance(item, bytes):  # its repr: "\\xff" for a byte
+            total += 4 * len(item) + 3
         elif isinstance(item, dict):
             total += 2 + 4 * len(item)
             stack.extend(item.keys())
