@@ -274,7 +274,7 @@ class ChatTokenizer:
             f"transformers {transformers.__version__}: {_round_trip_loss(text, back)}; every "
             "sample would fail with mask_mismatch. A known cause is transformers 5.8.1 loading "
             "DeepSeek-V3's tokenizer with a pre-tokenizer that drops spaces (transformers "
-            "#45488): use a transformers version under which it round-trips (the README says "
+            "#45488): use a transformers version under which it round-trips (docs/data.md says "
             "which versions synthq's tests run)")
 
     def conversation(self, prompt: Sequence[Mapping[str, Any]], content: str,

@@ -15,5 +15,5 @@ writes one file per request. This package makes that a stage of the ledger:
 * ``store``: content-addressed files, written whole (tmp, fsync, rename);
 * ``plan``: the disk the stage will need, before it starts.
 
-See docs in README ("Hidden states from the serving engine").
+See docs/capture.md (the docs site's "Hidden states from the engine").
 """

@@ -106,7 +106,7 @@ def flower(
                               *flower_args(port, address, ctx.args)])
 
 
-#: Tasks Flower keeps in memory unless --max-tasks is given (README, "Sizing").
+#: Tasks Flower keeps in memory unless --max-tasks is given (docs/operations.md, "Sizing").
 FLOWER_MAX_TASKS = 1_000_000
 
 

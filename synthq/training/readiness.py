@@ -4,7 +4,7 @@ send again the runs whose worker or message died.
 Called by the beat tick (``worker.tasks.dispatch_tick``, run by the consumers of the
 ``control`` queue: the generation workers) and, every :func:`watch_interval` seconds,
 by each training worker itself (:class:`Watch`). A deployment that runs only training
-workers and beat (the README's training section) has no consumer of ``control``: an
+workers and beat (docs/operations.md, "Distributed mode") has no consumer of ``control``: an
 orphaned run stayed ``running`` under its dead holder for good (issue 41, 88 s until a
 generation worker was started, with no line in any log). Concurrent checks are
 serialized by an advisory lock; one that finds it taken leaves the work to the holder.

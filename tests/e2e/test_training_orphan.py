@@ -1,6 +1,6 @@
 """An orphaned training run with only a training worker and beat running (issue 41, item 10).
 
-The README's training deployment is ``synthq worker --queues train`` and beat. The
+The docs' training deployment (docs/operations.md) is ``synthq worker --queues train`` and beat. The
 re-send of a run whose holder died was a stage of the scheduler tick, which only a
 consumer of the ``control`` queue (a generation worker) runs: the run stayed
 ``running`` under its dead holder for good, and nothing said so. Now the training

@@ -372,16 +372,22 @@ def test_10_the_idle_dispatch_tick_is_quiet() -> None:
 # 11 ------------------------------------------------------------------------------------
 
 
-def test_11_the_readme_says_how_tests_run_and_what_finished_means() -> None:
+def test_11_the_docs_say_how_tests_run_and_what_finished_means() -> None:
+    """The README sends a newcomer to the tests' page; that page says what the tests touch,
+    the reliability page what `finished` means (both built by `mkdocs build --strict`)."""
     readme = (REPO / "README.md").read_text()
-    assert "### Running the tests" in readme
-    for fact in ("SYNTHQ_TEST_PG", "SYNTHQ_TEST_REDIS", "synthq_test_<pid>", "database 15",
-                 "SYNTHQ_TEST_PG_PREFIX", "SYNTHQ_TEST_REDIS_SHARED", "never flushed",
-                 "finished ──samples added", "SYNTHQ_DEMO_PORT", "torch"):
+    for fact in ("bash scripts/test.sh", "--fast", "docs/testing.md", "SYNTHQ_DEMO_PORT",
+                 "torch"):
         assert fact in readme, fact
+    testing = (REPO / "docs" / "testing.md").read_text()
+    assert testing.startswith("# Running the tests")
+    for fact in ("SYNTHQ_TEST_PG", "SYNTHQ_TEST_REDIS", "synthq_test_<pid>", "database 15",
+                 "SYNTHQ_TEST_PG_PREFIX", "SYNTHQ_TEST_REDIS_SHARED", "never flushed"):
+        assert fact in testing, fact
+    assert "finished ──samples added" in (REPO / "docs" / "reliability.md").read_text()
     # The suite's measured time, with the command that measured it (the figure itself
     # changes with every measurement; that it is stated does not).
-    section = readme.split("### Running the tests", 1)[1].split("\n## ", 1)[0]
+    section = testing.split("## The whole suite", 1)[1].split("\n## ", 1)[0]
     assert re.search(r"took\s+[\d,]+ s\b", section), "the suite's measured time"
     assert "`bash scripts/test.sh`" in section
 
