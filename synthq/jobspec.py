@@ -74,6 +74,7 @@ class Setting:
     #: The value's type in the API: int, float, bool, str, dict (a JSON object), list.
     type: type
     default: Any = None
+    #: The whole explanation: the API schema's description and the docs' reference.
     help: str = ""
     #: Bounds of a number, inclusive unless ``low_open``.
     low: float | None = None
@@ -123,6 +124,9 @@ class Setting:
     #: With ``operational``: enqueueing the job again without the setting (an empty
     #: value) keeps the job's, rather than clearing what ``synthq capture`` set.
     kept_when_omitted: bool = False
+    #: The CLI's --help line (``help`` when empty): short enough to read at 80 columns,
+    #: with its default where that is no value of its own (``[default: the server's]``).
+    brief: str = ""
 
     @property
     def operational(self) -> bool:
@@ -183,38 +187,49 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("servers", list, required=True, flags=("--server", "-s"), cli="list", urls=True,
             role=OPERATIONAL_ROLE,
             help="Base URL of an OpenAI-compatible server, e.g. http://vllm:8000/v1. Repeat "
-                 "for several."),
+                 "for several.",
+            brief="Server base URL, e.g. http://vllm:8000/v1 (repeat for several)."),
     Setting("model", str, required=True, flags=("--model", "-m"), max_len=200,
-            help="Model name the server serves.", role=GENERATION_ROLE, exported=True),
+            help="Model name the server serves.", role=GENERATION_ROLE, exported=True,
+            brief="Model name the server serves."),
     Setting("name", str, field="name", flags=("--job", "-j"), max_len=200,
             help="Job name [default: the dataset's file name]. Same name and settings again "
-                 "= resume/add."),
+                 "= resume/add.",
+            brief="Job name [default: the dataset's file name]."),
     Setting("max_tokens", int, 4096, "max_tokens per answer.", low=1, high=MAX_TOKENS,
             requeue="sample", requeue_help="max_tokens for the requeued samples only (stored "
-            "per sample).", role=GENERATION_ROLE, exported=True),
+            "per sample).", role=GENERATION_ROLE, exported=True,
+            brief="max_tokens per answer."),
     Setting("temperature", float, None, "Sampling temperature.", low=0, high=100,
             field="sampling.temperature", omitted="not sent: the server's own",
             requeue="sample", requeue_help="Sampling temperature for the requeued samples "
-            "only.", role=GENERATION_ROLE, exported=True),
+            "only.", role=GENERATION_ROLE, exported=True,
+            brief="Temperature [default: the server's]."),
     Setting("top_p", float, None, "Nucleus sampling top_p.", low=0, high=1, low_open=True,
             field="sampling.top_p", omitted="not sent: the server's own", requeue="sample",
             requeue_help="top_p for the requeued samples only.",
-            role=GENERATION_ROLE, exported=True),
+            role=GENERATION_ROLE, exported=True,
+            brief="top_p [default: the server's]."),
     Setting("timeout", float, 1800.0, "Total seconds one call may take.",
             field="total_timeout", also=_below_visibility, requeue="sample", role=OPERATIONAL_ROLE,
             requeue_help="Total seconds one call of the requeued samples may take.",
-            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+            **_POSITIVE_SECONDS,
+            brief="Total seconds per call."),  # type: ignore[arg-type]
     Setting("stall_timeout", float, 300.0, "Seconds without a streamed chunk before a call "
             "counts as stalled.", requeue="sample", requeue_help="Stall timeout of the "
             "requeued samples' calls.",
-            role=OPERATIONAL_ROLE, **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+            role=OPERATIONAL_ROLE, **_POSITIVE_SECONDS,
+            brief="Seconds with no chunk: stalled."),  # type: ignore[arg-type]
     Setting("max_attempts", int, 5, "Calls per sample before it is failed.", low=1,
             high=1000, requeue="sample", role=OPERATIONAL_ROLE,
-            requeue_help="Calls per requeued sample before it is failed."),
+            requeue_help="Calls per requeued sample before it is failed.",
+            brief="Calls per sample before it fails."),
     Setting("backoff_base", float, 2.0, "Backoff base seconds (doubles per attempt, full "
-            "jitter).", low=0, high=MAX_SECONDS, role=OPERATIONAL_ROLE),
+            "jitter).", low=0, high=MAX_SECONDS, role=OPERATIONAL_ROLE,
+            brief="First retry's wait in seconds."),
     Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.", role=OPERATIONAL_ROLE,
-            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
+            **_POSITIVE_SECONDS,
+            brief="Longest retry wait, seconds."),  # type: ignore[arg-type]
     # inflight is "N" or "auto"; its three settings are read together by
     # synthq.enqueue.inflight_settings, which words their errors.
     Setting("inflight", str, "64", "Most requests in flight per server (set it to what the "
@@ -222,83 +237,110 @@ SETTINGS: tuple[Setting, ...] = (
             "its latency and errors (see `synthq status`).", field="", requeue="job",
             metavar="<N|auto>", role=OPERATIONAL_ROLE,
             requeue_help="The servers' in-flight limit from now on: a number, or `auto` "
-            "(adaptive per server)."),
+            "(adaptive per server).",
+            brief="Calls in flight per server (what it batches, e.g. vLLM's "
+            "max_num_seqs), or `auto`."),
     Setting("max_inflight", int, None, "With --inflight auto: the hard cap per server.",
-            low=1, high=MAX_INFLIGHT, field="", omitted="256", requeue="job"),
+            low=1, high=MAX_INFLIGHT, field="", omitted="256", requeue="job",
+            brief="Cap of --inflight auto [default: 256]."),
     Setting("min_inflight", int, None, "With --inflight auto: the floor per server.",
-            low=1, high=MAX_INFLIGHT, field="", omitted="4", requeue="job"),
+            low=1, high=MAX_INFLIGHT, field="", omitted="4", requeue="job",
+            brief="Floor of --inflight auto [default: 4]."),
     Setting("gpus", int, 1, "GPUs behind each server (cost report).", low=1, high=100_000,
-            role=OPERATIONAL_ROLE),
+            role=OPERATIONAL_ROLE,
+            brief="GPUs behind each server (cost)."),
     Setting("gpu_hour_price", float, None, "Dollars per GPU-hour: status shows dollars "
             "spent, $/1M generated tokens and the projected cost.", low=0, high=999_999,
             must="a price in dollars per GPU-hour", omitted="SYNTHQ_GPU_HOUR_PRICE",
-            role=OPERATIONAL_ROLE),
+            role=OPERATIONAL_ROLE,
+            brief="Dollars per GPU-hour, for the cost report [default: SYNTHQ_GPU_HOUR_PRICE]."),
     Setting("max_response_bytes", int, 4 << 20, "Bytes of answer after which a call fails "
-            "as response_too_large.", low=1, high=1 << 30, role=OPERATIONAL_ROLE),
+            "as response_too_large.", low=1, high=1 << 30, role=OPERATIONAL_ROLE,
+            brief="Longest answer in bytes."),
     Setting("keep_truncated", bool, False, "Keep answers cut by max_tokens "
             "(finish_reason=length) as done.", flags=("--keep-truncated/--drop-truncated",),
-            role=OPERATIONAL_ROLE, exported=True),
+            role=OPERATIONAL_ROLE, exported=True,
+            brief="Keep answers cut by max_tokens, or drop them."),
     Setting("stream", bool, True, "Stream answers (a stall clock: a silent server is caught "
             "mid-answer). --no-stream: one plain call per sample, less CPU per sample, the "
-            "total --timeout only.", flags=("--stream/--no-stream",), role=OPERATIONAL_ROLE),
+            "total --timeout only.", flags=("--stream/--no-stream",), role=OPERATIONAL_ROLE,
+            brief="Stream answers, or plain calls."),
     Setting("chat_template_kwargs", dict, None, "JSON object sent as chat_template_kwargs "
             "(and used by the tokenizer), e.g. '{\"enable_thinking\": true}'.", cli="json",
             requeue="sample", requeue_help="JSON object sent as chat_template_kwargs for the "
-            "requeued samples.", role=TOKENIZATION_ROLE, exported=True),
+            "requeued samples.", role=TOKENIZATION_ROLE, exported=True,
+            brief="JSON object: chat_template_kwargs."),
     Setting("extra_body", dict, None, "JSON object of extra request fields (not those synthq "
             "sets or that change the answers' count, length or shape: n, max_tokens, "
             "stream_options, ...).", cli="json", requeue="sample", requeue_help="JSON object "
             "of extra request fields for the requeued samples (merged over the job's).",
-            role=GENERATION_ROLE, exported=True),
+            role=GENERATION_ROLE, exported=True,
+            brief="JSON object of extra request fields."),
     Setting("return_token_ids", bool, False, "Ask vLLM for token ids (return_token_ids).",
-            field="", flags=("--return-token-ids/--no-return-token-ids",)),
+            field="", flags=("--return-token-ids/--no-return-token-ids",),
+            brief="Ask vLLM for its token ids."),
     Setting("id_field", str, None, "The row field holding each row's own id, kept as the "
             "sample's source_id and exported.", field="", max_len=1000,
-            omitted="the first of id, uuid, conversation_id, sample_id"),
+            omitted="the first of id, uuid, conversation_id, sample_id",
+            brief="The rows' own id field [default: id, uuid, conversation_id or "
+            "sample_id]."),
     Setting("tokenizer", str, None, "The target model's tokenizer (a local path or Hugging "
             "Face id). With it, each answer is tokenized with an assistant-only loss mask; "
             "without it, a sample is done once its answer is stored.", max_len=500,
-            omitted="none", role=TOKENIZATION_ROLE, exported=True),
+            omitted="none", role=TOKENIZATION_ROLE, exported=True,
+            brief="The target's tokenizer (path or HF id): without one, no "
+            "training data [default: none]."),
     Setting("chat_template", str, None, "A Jinja chat template that overrides the "
             "tokenizer's own (the CLI reads it from a file).", cli="file",
-            omitted="the tokenizer's", role=TOKENIZATION_ROLE),
+            omitted="the tokenizer's", role=TOKENIZATION_ROLE,
+            brief="Jinja file to use as chat template [default: the tokenizer's]."),
     Setting("max_seq_len", int, 4096, "Truncate training examples to this many tokens.",
-            low=1, high=MAX_TOKENS, role=TOKENIZATION_ROLE, exported=True),
+            low=1, high=MAX_TOKENS, role=TOKENIZATION_ROLE, exported=True,
+            brief="Tokens an example is cut to."),
     Setting("reasoning", str, "auto", "auto: keep where the chat template renders "
             "reasoning, drop where it cannot (said in one line at enqueue; the job stores "
             "the result); keep: reasoning_content is rendered into the assistant turn and "
             "supervised; drop: left out.", choices=("auto", "keep", "drop"),
-            role=TOKENIZATION_ROLE, exported=True),
+            role=TOKENIZATION_ROLE, exported=True,
+            brief="reasoning_content in the examples."),
     Setting("mask", str, None, "last_turn: supervise the generated answer; "
             "all_assistant_turns: also the dataset's earlier assistant turns.",
             choices=("last_turn", "all_assistant_turns"),
             omitted="all_assistant_turns with --regenerate all, else last_turn",
-            role=TOKENIZATION_ROLE, exported=True),
+            role=TOKENIZATION_ROLE, exported=True,
+            brief="Turns supervised [default: per --regenerate]."),
     Setting("think_open", str, "<think>\n", "Opens kept reasoning where the template has no "
             "reasoning_content (escapes like \\n are read).", cli="escapes", max_len=64,
-            role=TOKENIZATION_ROLE, exported=True),
+            role=TOKENIZATION_ROLE, exported=True,
+            brief="Text before kept reasoning."),
     Setting("think_close", str, "\n</think>\n\n", "Closes kept reasoning where the template "
             "has no reasoning_content.", cli="escapes", max_len=64,
-            role=TOKENIZATION_ROLE, exported=True),
+            role=TOKENIZATION_ROLE, exported=True,
+            brief="Text after kept reasoning."),
     Setting("regenerate", str, "last", "last: regenerate the last assistant turn; all: every "
             "assistant turn, each on the regenerated history.", choices=("last", "all"),
-            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all")),
+            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all"),
+            brief="Assistant turns to regenerate."),
     Setting("history_reasoning", str, "drop", "With --regenerate all: drop: earlier turns are "
             "sent with their content only; keep: with their reasoning_content too.",
             choices=("drop", "keep"),
-            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all")),
+            role=GENERATION_ROLE, exported=True, key_when=("regenerate", "all"),
+            brief="Earlier turns' reasoning (regenerate all)."),
     Setting("examples", str, None, "With --regenerate all: conversation: one training "
             "example per conversation, masked per --mask; per-turn: one per regenerated turn, "
             "its history as sent and its answer supervised.",
             choices=("conversation", "per-turn"),
             omitted="per-turn where the template cannot mask several turns at once (tried at "
-            "enqueue), else conversation", exported=True),
+            "enqueue), else conversation", exported=True,
+            brief="Regenerate all: one example per conversation or per turn "
+            "[default: what the template can mask]."),
     Setting("capture_servers", list, [], "Base URL of a capture server (…/v1): a vLLM started "
             "with extract_hidden_states and synthq's connector; each done sample's hidden "
             "states are captured there (the stage `synthq capture` runs alone). Repeat for "
             "several. Each must answer before the job stores it.",
             flags=("--capture-server",), cli="list", urls=True, role=OPERATIONAL_ROLE,
-            kept_when_omitted=True),
+            kept_when_omitted=True,
+            brief="Capture server URL, e.g. http://cap:8000/v1."),
 )
 
 #: The most output_hidden_states index a capture may name.
@@ -319,18 +361,22 @@ CAPTURE: tuple[Setting, ...] = (
             "comma-separated; must be the server's eagle_aux_hidden_state_layer_ids.",
             item=int, cli="ints", flags=("--layers",), metavar="<i,j,...>",
             omitted="the drafter's three and the last layer's, [2, N//2, N-3, N], from the "
-            "target's config.json", also=_layer_ids, role=OPERATIONAL_ROLE),
+            "target's config.json", also=_layer_ids, role=OPERATIONAL_ROLE,
+            brief="Hidden-state layers [default: the drafter's and the last]."),
     Setting("capture_dtype", str, "auto", "Stored dtype: auto (the engine's own), float32, "
             "bfloat16 (half a float32's disk), float16, or float8_e4m3 (a quarter, with a "
             "per-tensor scale).",
             choices=("auto", "float32", "bfloat16", "float16", "float8_e4m3"),
-            flags=("--dtype",), role=OPERATIONAL_ROLE),
+            flags=("--dtype",), role=OPERATIONAL_ROLE,
+            brief="Stored dtype."),
     Setting("capture_limit", int, 8, "Capture requests in flight per server.", low=1,
-            high=4096, flags=("--limit",), role=OPERATIONAL_ROLE),
+            high=4096, flags=("--limit",), role=OPERATIONAL_ROLE,
+            brief="Captures in flight per server."),
     Setting("train_target", str, None, "The target model's folder (its config.json gives the "
             "layer count and width for the default layers and the disk plan). Stored on the "
             "job as its training target.", max_len=1000, flags=("--target", "-t"),
-            role=OPERATIONAL_ROLE),
+            role=OPERATIONAL_ROLE,
+            brief="The target model's folder (stored on the job)."),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in (*SETTINGS, *CAPTURE)}

@@ -112,6 +112,16 @@ def _no_type_for_flags() -> None:
 
 _no_type_for_flags()
 
+
+def _compact_help() -> None:
+    """Options as two columns, names and help, so --help reads at 80 columns."""
+    from synthq.cli.helpfmt import install
+
+    install()
+
+
+_compact_help()
+
 app = _Synthq(
     name="synthq",
     help="Durable generation of EAGLE-3 drafter training data: enqueue prompts, run them "

@@ -109,6 +109,8 @@ def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = Fa
     """Add a dataset's prompts to a job (created if new). Prints the job id.
 
     Example: `synthq enqueue -d p.jsonl -s http://vllm:8000/v1 -m kimi --tokenizer /models/kimi`
+
+    Each option in full: the docs' CLI reference (docs/cli.md).
     """
     try:
         spec = job_spec(settings, dataset)
@@ -129,19 +131,18 @@ def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = Fa
 @with_settings(mode="optional")
 def run(
     dataset: Annotated[str | None, typer.Option("--dataset", "-d", help="JSONL/Parquet file "
-                       "or directory, or a Hugging Face dataset id (`name[:split]`). Without "
-                       "-d/-s/-m, `--job NAME` resumes a stored job with its stored "
-                       "settings.")] = None,
+                       "or folder, or a Hugging Face dataset id (`name[:split]`).")] = None,
     *, settings: dict[str, Any], as_json: JsonOpt = False,
 ) -> None:
     """Enqueue (or resume) a job and process it to the end in this process.
 
-    The embedded default: a SQLite file under ./synthq-data, no Redis. Kill it
-    (Ctrl-C, or kill -9) and run the same command again: it resumes, and done
-    samples are not generated again. `synthq run --job NAME` alone resumes a
-    stored job with its stored settings (what `synthq requeue` put back, too).
+    A SQLite file under ./synthq-data, no Redis. Kill it and run the same command
+    again: it resumes, and no done sample is generated again. `synthq run --job NAME`
+    alone resumes a stored job with its stored settings.
 
     Example: `synthq run -d examples/prompts.jsonl -s http://127.0.0.1:8000/v1 -m sim-model`
+
+    Each option in full: the docs' CLI reference (docs/cli.md).
     """
     from synthq.config import get_settings
     from synthq.embedded import exclusive, run_job

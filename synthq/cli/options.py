@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +23,7 @@ from synthq.cli import json_option
 from synthq.jobspec import Setting
 
 DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="JSONL/Parquet file or "
-                       "directory, or a Hugging Face dataset id (`name[:split]`).")]
+                       "folder, or a Hugging Face dataset id (`name[:split]`).")]
 
 _TYPES: dict[type, Any] = {int: int, float: float, bool: bool, str: str, list: list[str],
                            dict: str}
@@ -38,6 +39,34 @@ def _unescape(text: str) -> str:
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
+#: The panel of `--help` that lists the options which make and find a job (Typer's first).
+OPTIONS = "Options"
+#: The other panels of `--help`, by setting; a setting not named here is in OPTIONS.
+PANELS: dict[str, str] = {
+    **dict.fromkeys(("max_tokens", "temperature", "top_p", "chat_template_kwargs",
+                     "extra_body", "regenerate", "history_reasoning"), "Generation"),
+    **dict.fromkeys(("timeout", "stall_timeout", "max_attempts", "backoff_base", "backoff_cap",
+                     "stream", "max_response_bytes", "keep_truncated", "return_token_ids"),
+                    "Calls and retries"),
+    **dict.fromkeys(("inflight", "max_inflight", "min_inflight", "gpus", "gpu_hour_price"),
+                    "Load and cost"),
+    **dict.fromkeys(("tokenizer", "chat_template", "max_seq_len", "reasoning", "mask",
+                     "think_open", "think_close", "examples", "capture_servers"),
+                    "Training data"),
+}
+
+def _help(s: Setting, mode: str) -> str:
+    """The option's --help line: the requeue's own words on a requeue, else the brief
+    (the whole explanation is the docs' and the API schema's: ``s.help``)."""
+    if mode == "requeue" and s.requeue_help:
+        return s.requeue_help
+    if s.brief and mode in ("requeue", "retokenize"):  # its default here is the job's
+        return re.sub(r" \[default: [^]]*\]", "", s.brief)
+    if s.brief:
+        return s.brief
+    return s.help + (f" [default: {s.omitted}]" if s.omitted else "")
+
+
 def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     """The command parameter of setting ``s``. ``mode``: ``create`` (its declared default),
     ``optional`` (required ones may be left out), ``requeue`` or ``retokenize`` (None: the
@@ -50,17 +79,19 @@ def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     changes = mode in ("requeue", "retokenize")  # None: the job's stays
     if changes or (s.required and mode != "create"):
         default = None
-    help_text = (s.requeue_help if mode == "requeue" and s.requeue_help else s.help)
-    # What holds when the option is not given, where that is no value of its own.
-    omitted = ("the job's" if mode == "retokenize" or mode == "requeue" and
-               s.requeue == "sample" else s.omitted)
-    if default is None and omitted:
-        help_text += f" [default: {omitted}]"
+    help_text = _help(s, mode)
+    if default is None and mode in ("requeue", "retokenize") and s.requeue != "job":
+        help_text += " [default: the job's]"  # what holds when the option is not given
     if s.type is not bool and (default is None or s.required):
         kind = kind | None
-    info: dict[str, Any] = {"help": help_text, "show_default": default is not None}
+    info: dict[str, Any] = {"help": help_text, "show_default": default is not None,
+                            "rich_help_panel": PANELS.get(s.name, OPTIONS)}
     if s.choices or s.metavar:
         info["metavar"] = s.metavar or "<" + "|".join(s.choices) + ">"
+    elif s.urls:
+        info["metavar"] = "<url>"
+    elif s.cli == "json":
+        info["metavar"] = "<json>"
     if s.cli == "file":
         info.update(exists=True, dir_okay=False)
     flags = s.flags or ("--" + s.name.replace("_", "-"),)

@@ -112,7 +112,7 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
     assert "<online|offline|captured>" in helps["train"]["--hidden-states"]
     assert "<now|ready|done:F|count:N|never>" in helps["train"]["--when"]
     for flag in ("--temperature", "--top-p"):
-        assert "[default: not sent: the server's own]" in run[flag], run[flag]
+        assert "[default: the server's]" in run[flag], run[flag]
     assert "[default: 4096]" in run["--max-tokens"]
     for flag in ("--tokenizer", "--chat-template", "--chat-template-kwargs", "--max-seq-len",
                  "--reasoning", "--mask"):
