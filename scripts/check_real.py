@@ -34,7 +34,7 @@ Each finished step is recorded in WORK/steps.json and skipped when the script ru
 again (a rerun after a kill resumes; delete the file to redo everything). With the
 defaults it took 70 minutes on a 2-core machine of its own: generation 16, capture 6,
 the curve's trainings 39, the served comparison and its cold starts the rest
-(bench/README.md, "A real model").
+(bench/HISTORY.md, "A real model"; the current figures in bench/README.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ The order, and why (docs/design.md, "The tick", points here):
    freed by ended calls are refilled as they end (a worker's refill, the
    embedded loop's wake), and it allows 30 % of slack. (The beat ran it after
    the dispatch and the embedded loop before; the embedded order is the one
-   whose figures are in bench/README.)
+   whose figures are in bench/HISTORY.md, "Adaptive concurrency".)
 4. **dispatch**: queue what is due, within each server's limit.
 5. **finish**: jobs whose samples are all terminal are marked finished.
 6. **train**: the readiness check starts a training run for each job whose
