@@ -13,9 +13,7 @@ if TYPE_CHECKING:
     from synthq.report import JobStatus
 
 
-@contextmanager
-def job_progress(description: str) -> Iterator[Any]:
-    """A live bar; call the yielded function with each new JobStatus."""
+def _progress() -> Any:
     from rich.progress import (
         BarColumn,
         Progress,
@@ -24,32 +22,67 @@ def job_progress(description: str) -> Iterator[Any]:
         TimeElapsedColumn,
     )
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-                  console=console.get()) as progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+                    console=console.get())
+
+
+@contextmanager
+def job_progress(description: str) -> Iterator[Any]:
+    """A live bar; call the yielded function with each new JobStatus."""
+    with _progress() as progress:
         bar = progress.add_task(escape(description), total=None, detail="")
         failing: dict[str, str | None] = {}
+        yield lambda status: _show(progress, bar, status, failing)
 
-        def update(status: JobStatus) -> None:
-            # A server failing its probe gets a line above the bar, and one when it is back.
-            for url, error in status.unhealthy.items():
-                if url not in failing:
-                    progress.console.print(f"[red]server {escape(url)}:[/] health probe "
-                                           f"{escape(error or 'failing')}", highlight=False)
-            for url in set(failing) - set(status.unhealthy):
-                progress.console.print(f"[green]server {escape(url)}:[/] answers again")
-            failing.clear()
-            failing.update(status.unhealthy)
-            c = status.counts
-            eta = f" ETA {status.eta_s:,.0f}s" if status.eta_s else ""
-            auto = [str(v["limit"]) for v in status.limits.values() if v.get("auto")]
-            limit = f" limit {'/'.join(auto)}" if auto else ""
-            progress.update(bar, total=status.total,
-                            completed=sum(c[s] for s in FINISHED),
-                            detail=f"done {c['done']:,} failed {c['failed']:,} running "
-                            f"{c['running']:,} {status.done_per_s:.1f}/s{eta}{limit}")
+
+@contextmanager
+def jobs_progress() -> Iterator[Any]:
+    """A live bar per job; call the yielded function with the JobStatus of each job to
+    show (a job seen first gets a new bar; a bar stays once its job is finished)."""
+    with _progress() as progress:
+        bars: dict[int, Any] = {}
+        failing: dict[str, str | None] = {}
+
+        def update(statuses: list[JobStatus]) -> None:
+            unhealthy: dict[str, str | None] = {}
+            for status in statuses:
+                if status.id not in bars:
+                    bars[status.id] = progress.add_task(escape(status.name), total=None,
+                                                        detail="")
+                unhealthy.update(status.unhealthy)
+                _show(progress, bars[status.id], status, failing, servers=False)
+            _servers(progress, unhealthy, failing)
 
         yield update
+
+
+def _servers(progress: Any, unhealthy: dict[str, str | None],
+             failing: dict[str, str | None]) -> None:
+    """A server failing its probe gets a line above the bars, and one when it is back."""
+    for url, error in unhealthy.items():
+        if url not in failing:
+            progress.console.print(f"[red]server {escape(url)}:[/] health probe "
+                                   f"{escape(error or 'failing')}", highlight=False)
+    for url in set(failing) - set(unhealthy):
+        progress.console.print(f"[green]server {escape(url)}:[/] answers again")
+    failing.clear()
+    failing.update(unhealthy)
+
+
+def _show(progress: Any, bar: Any, status: JobStatus, failing: dict[str, str | None],
+          servers: bool = True) -> None:
+    """Bar ``bar`` at ``status``: samples finished of all, and the detail line."""
+    if servers:
+        _servers(progress, status.unhealthy, failing)
+    c = status.counts
+    eta = f" ETA {status.eta_s:,.0f}s" if status.eta_s else ""
+    auto = [str(v["limit"]) for v in status.limits.values() if v.get("auto")]
+    limit = f" limit {'/'.join(auto)}" if auto else ""
+    progress.update(bar, total=status.total,
+                    completed=sum(c[s] for s in FINISHED),
+                    detail=f"done {c['done']:,} failed {c['failed']:,} running "
+                    f"{c['running']:,} {status.done_per_s:.1f}/s{eta}{limit}")
 
 
 def print_status(status: JobStatus, *, stopped: bool = False) -> None:
@@ -58,7 +91,10 @@ def print_status(status: JobStatus, *, stopped: bool = False) -> None:
     from rich.table import Table
 
     c = status.counts
-    table = Table(title=f"job {escape(status.name)} (id {status.id}) — {status.state}, model "
+    # Every sample is terminal: the job is finished, though the tick that marks its row
+    # may not have run yet (the footer below says "finished" from the same counts).
+    state = "finished" if status.finished and status.state == "active" else status.state
+    table = Table(title=f"job {escape(status.name)} (id {status.id}) — {state}, model "
                   f"{escape(status.model)}", show_header=True)
     for state in SampleState:
         table.add_column(state.value, justify="right")

@@ -63,8 +63,9 @@ def _job_rows() -> list[dict[str, Any]]:
 @app.command()
 def status(
     job: Annotated[str | None, typer.Argument(help="Job name or id [default: the newest].")] = None,
-    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw a live progress bar "
-                     "until the job finishes (Ctrl-C to leave).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Live progress bars until "
+                     "the job finishes; without JOB, one per active job, waiting for the "
+                     "first (Ctrl-C to leave).")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between redraws with --watch.")] = 2.0,
     as_json: JsonOpt = False,
 ) -> None:
@@ -86,20 +87,64 @@ def status(
         else:
             print_status(result)
         return
-    ref = _job_ref(job)
     if interval <= 0:
         raise fail("--interval must be positive")
+    if job is None:
+        _watch_every_job(interval)
+        return
     try:
-        with job_progress(ref) as update:
+        with job_progress(job) as update:
             while True:
-                st = with_job(ref, job_status)
+                st = with_job(job, job_status)
                 update(st)
                 if st.finished:
                     break
-                time.sleep(interval)
+                _wait(interval)
     except KeyboardInterrupt:
         pass
-    print_status(with_job(ref, job_status))
+    print_status(with_job(job, job_status))
+
+
+def _wait(seconds: float) -> None:
+    """The pause between two redraws of --watch (a test's hook)."""
+    time.sleep(seconds)
+
+
+def _watch_every_job(interval: float) -> None:
+    """`synthq status --watch` without JOB: wait for a job if there is none yet, then a bar
+    per job with samples open (new jobs get theirs as they come) until none has; then
+    each watched job's summary (or the newest job's, when none was open)."""
+    from synthq.cli.render import jobs_progress, print_status
+    from synthq.report import job_status
+
+    watched: dict[int, str] = {}
+    newest: str | None = None
+    try:
+        ensure_db()
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    try:
+        with jobs_progress() as update:
+            said_waiting = False
+            while True:
+                rows = _job_rows()
+                if not rows and not said_waiting:
+                    console.print("no job yet: waiting for one (`synthq enqueue` or `synthq "
+                                  "run`; Ctrl-C to leave)")
+                    said_waiting = True
+                open_ = [r for r in rows if r["pending"] + r["queued"] + r["running"]
+                         and r["state"] not in ("cancelled", "paused")]
+                watched.update((r["id"], r["name"]) for r in open_)
+                newest = str(rows[-1]["id"]) if rows else None
+                if watched:
+                    update([with_job(str(i), job_status) for i in watched])
+                if rows and not open_:
+                    break
+                _wait(interval)
+    except KeyboardInterrupt:
+        pass
+    for ref in [str(i) for i in watched] or ([newest] if newest else []):
+        print_status(with_job(ref, job_status))
 
 
 def _job_ref(job: str | None) -> str:
