@@ -27,7 +27,7 @@ def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
     if s.low is not None:
         extra["exclusiveMinimum" if s.low_open else "minimum"] = s.low
     if s.high is not None:
-        extra["maximum"] = s.high
+        extra["exclusiveMaximum" if s.high_open else "maximum"] = s.high
     if s.max_len is not None:
         extra["maxLength"] = s.max_len
     description = (s.requeue_help if requeue and s.requeue_help else s.help).replace("`", "")

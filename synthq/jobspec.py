@@ -76,10 +76,11 @@ class Setting:
     default: Any = None
     #: The whole explanation: the API schema's description and the docs' reference.
     help: str = ""
-    #: Bounds of a number, inclusive unless ``low_open``.
+    #: Bounds of a number, inclusive unless ``low_open`` / ``high_open``.
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    high_open: bool = False
     #: What an error says the value must be (default: from the bounds).
     must: str | None = None
     #: The values a string may take (listed in --help and the API schema).
@@ -164,6 +165,9 @@ class Setting:
             if self.low == 1:
                 return f"a positive integer up to {self.high:,.0f}"
             return f"an integer from {self.low:,.0f} to {self.high:,.0f}"
+        if self.high_open:
+            return f"{'above' if self.low_open else 'at least'} {self.low:g} and below " \
+                   f"{self.high:,g}"
         if self.low_open:
             return f"above {self.low:g} and at most {self.high:,g}"
         return f"{self.low:g} to {self.high:,g}"
@@ -476,7 +480,8 @@ def _number(s: Setting, value: Any) -> Any:
     elif isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise UserError(f"{s.flag} must be a number, got {value!r}")
     low_ok = s.low is None or (value > s.low if s.low_open else value >= s.low)
-    if not low_ok or (s.high is not None and value > s.high):
+    high_ok = s.high is None or (value < s.high if s.high_open else value <= s.high)
+    if not low_ok or not high_ok:
         shown = f"{value:,}" if isinstance(value, int) else f"{value:g}"
         raise UserError(f"{s.flag} is out of range: {s.flag} must be {s.must_be()}, "
                         f"got {shown}")

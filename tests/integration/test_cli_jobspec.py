@@ -120,3 +120,92 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
     assert "<auto|keep|drop>" in helps["retokenize"]["--reasoning"]
     for flag in ("--max-tokens", "--temperature", "--max-attempts", "--extra-body"):
         assert "[default: the job's]" in helps["requeue"][flag], helps["requeue"][flag]
+
+
+#: Training and DFlash settings out of their declared range (synthq.training.config): issue
+#: 41 found them stored on the job and trained (``--epochs 1000000000000``).
+BAD_TRAIN = [("--epochs", "1000000000000"), ("--lr", "1e308"), ("--batch-size", "0"),
+             ("--draft-vocab-size", "-1"), ("--lr", "nan"), ("--lr", "inf"),
+             ("--warmup-ratio", "inf"), ("--eval-fraction", "nan"), ("--max-len", "2"),
+             ("--max-steps", "1000000000000"), ("--max-examples", "-1"),
+             ("--ttt-steps", "1000000000"), ("--dflash-layers", "1000000"),
+             ("--dflash-anchors", "0"), ("--save-every", "0"), ("--log-every", "1000000000000"),
+             ("--seed", "100000000"), ("--eval-every", "-1"),
+             ("--eval-draft-tokens", "1000"), ("--eval-max-new", "1000000000000"),
+             ("--keep-checkpoints", "1000000")]
+
+
+def test_bad_training_settings_are_one_line_and_exit_2_in_process() -> None:
+    """The CLI's command, built once and run in this process (a few ms a value): each bad
+    value is refused before the command looks the job up (there is none: the line names
+    the option, not the job)."""
+    from click.testing import CliRunner
+    from typer.main import get_command
+
+    from synthq.cli import app
+
+    runner, cli = CliRunner(), get_command(app)
+    for flag, value in BAD_TRAIN:
+        result = runner.invoke(cli, ["train", "no-such-job", "--when", "never", flag, value])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, (flag, value, result.output)
+        assert lines[0].startswith(f"error: {flag} "), lines[0]
+
+
+#: Run in one child process: a job, then every bad value through the CLI's command, with
+#: ``--when never`` (stores the settings on the job) and ``--when now`` (makes a run and
+#: trains); then what was stored, whether torch was imported, and last the real entry point.
+_TRAIN_SCRIPT = """
+import json, sys
+from click.testing import CliRunner
+from typer.main import get_command
+from synthq.cli import app, main
+runner, cli = CliRunner(), get_command(app)
+made = runner.invoke(cli, ["enqueue", "-d", "d.jsonl", "-s", "http://127.0.0.1:9/v1",
+                           "-m", "m", "--job", "j"])
+assert made.exit_code == 0, made.output
+refused = []
+for flag, value in json.loads(sys.argv[1]):
+    for when in ("never", "now"):
+        r = runner.invoke(cli, ["train", "j", "--target", "tgt", "--when", when, flag, value])
+        refused.append([flag, r.exit_code, r.stderr.strip().splitlines()])
+from sqlalchemy import func, select
+from synthq.db import session_scope
+from synthq.models import Job, TrainingRun
+with session_scope() as s:
+    job = s.scalars(select(Job)).one()
+    stored = [job.train_when, job.train_target, job.train_settings,
+              s.scalar(select(func.count()).select_from(TrainingRun))]
+print(json.dumps({"refused": refused, "stored": stored, "torch": "torch" in sys.modules}))
+sys.stdout.flush()
+sys.argv = ["synthq", "train", "j", "--target", "tgt", "--epochs", "1000000000000"]
+main()
+"""
+
+
+@pytest.mark.processes
+def test_bad_training_settings_store_nothing_import_no_torch_and_exit_2(
+        tmp_path: Path) -> None:
+    """One child for every value (a CLI start costs seconds): nothing stored on the job, no
+    run row, torch never imported; the real `synthq train` exits 2 with the one line."""
+    import json
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "tgt").mkdir()
+    (tmp_path / "tgt" / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
+    env.update(PYTHONPATH=str(REPO), COLUMNS="200", TERM="dumb", NO_COLOR="1")
+    child = subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, json.dumps(BAD_TRAIN)],
+                           cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
+    found = [line for line in child.stdout.splitlines() if line.startswith('{"refused"')]
+    assert found, child.stderr[-3000:]
+    out = json.loads(found[0])
+    assert len(out["refused"]) == 2 * len(BAD_TRAIN)
+    for flag, code, lines in out["refused"]:
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag} "), (
+            flag, code, lines)
+    assert out["stored"] == ["ready", None, {}, 0]  # the job as enqueued, no run
+    assert out["torch"] is False
+    line = one_error_line(child)
+    assert line == ("error: --epochs is out of range: --epochs must be a positive integer up "
+                    "to 10,000, got 1,000,000,000,000")

@@ -216,7 +216,7 @@ def test_dflash_settings_are_checked_and_checkpoints_name_their_vllm_method(
         TrainConfig(drafter="dflash", ttt_steps=2, eval_draft_tokens=4).check()
     with pytest.raises(UserError, match="drafter must be eagle3 or dflash"):
         TrainConfig(drafter="medusa").check()
-    with pytest.raises(UserError, match="dflash-layers must be at least 1"):
+    with pytest.raises(UserError, match="--dflash-layers is out of range"):
         TrainConfig(drafter="dflash", dflash_layers=0).check()
     for arch, method in (("DFlashDraftModel", "dflash"), ("LlamaForCausalLMEagle3", "eagle3")):
         (tmp_path / method).mkdir()
