@@ -49,6 +49,9 @@ def worker(
     queues: Annotated[str, typer.Option("--queues", "-Q", help="`generate,control,tokenize` "
                       "(generation), or `train`: the drafter training worker (GPU, one run "
                       "at a time).")] = "generate,control,tokenize",
+    name: Annotated[str | None, typer.Option("--name", "-n", help="Celery node name, as "
+                    "Flower lists it (`%h`: the host) [default: gen-PID@%h, "
+                    "train-PID@%h].")] = None,
 ) -> None:
     """Start a generation worker (celery worker, threads pool). Extra args go to celery.
 
@@ -64,11 +67,26 @@ def worker(
     if "train" in names:
         if names != ["train"]:
             raise fail("--queues train runs alone: a training worker takes one run at a time")
-        _celery(["worker", "-Q", "train", "-P", "solo", "-E", "--without-mingle",
-                 "--without-gossip", "-l", "INFO", *ctx.args])
+        _celery(["worker", "-Q", "train", "-P", "solo", *_node_name(name, "train", ctx.args),
+                 "-E",
+                 "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
         return
     _celery(["worker", "-Q", ",".join(names), "-P", "threads", "-c", str(concurrency),
-             "-E", "--without-mingle", "--without-gossip", "-l", "INFO", *ctx.args])
+             *_node_name(name, "gen", ctx.args), "-E", "--without-mingle", "--without-gossip", "-l",
+             "INFO", *ctx.args])
+
+
+def _node_name(name: str | None, kind: str, extra: list[str]) -> list[str]:
+    """``-n gen-PID@%h``: Celery names every worker of a host ``celery@HOST``, so Flower
+    showed two workers on one host as one. The PID is the worker's own (`_celery` execs
+    celery in this process); ``--name`` without ``@`` gets ``@%h``; celery's own
+    ``--hostname`` among the extra arguments is left to celery."""
+    if name is not None and not name.strip():
+        raise fail("--name is empty")
+    if name is None and any(a == "--hostname" or a.startswith("--hostname=") for a in extra):
+        return []
+    node = name or f"{kind}-{os.getpid()}"
+    return ["-n", node if "@" in node else f"{node}@%h"]
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
