@@ -111,8 +111,12 @@ class EnqueueResult(BaseModel):
     skipped: int
     updated_settings: list[str]
     warnings: list[str]
-    #: Every malformed row (up to 1,000) with its reason.
+    #: Every malformed row (up to 1,000) with its reason: kept in the job as a skipped
+    #: sample, while the other rows run (a malformed row never stops a job).
     bad_rows: list[RowError] = Field(default_factory=list)
+    #: What happened, in one line: the job created (or found), the samples to run, and the
+    #: rows skipped.
+    message: str = ""
 
 
 # The job list's items are synthq.query.JobSummary itself.

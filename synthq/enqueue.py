@@ -352,9 +352,12 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     with session_scope() as s:
         job, created, changed = get_or_create_job(s, spec)
         job_id, settings, key_version = job.id, job.key_generation_settings(), job.key_version
+        tokenized = bool(job.tokenizer)
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created,
                            updated_settings=changed, key_version=key_version,
                            notes=notes if created else [])
+    if not tokenized:
+        report.warnings.append(no_tokenizer_warning(spec.name))
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
     if note is not None and created:
@@ -373,6 +376,15 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
                         f" (its {report.skipped:,} rows are in job {spec.name!r} as skipped)")
     _check_source_ids(report, id_field)
     return report
+
+
+def no_tokenizer_warning(name: str) -> str:
+    """What a job without a tokenizer is told when its prompts are enqueued (CLI and API):
+    it was told nothing, and learnt it at `synthq train` or a Parquet export."""
+    return (f"job {name} has no tokenizer: its answers are stored, but they make no training "
+            "data (no input_ids or loss mask for `synthq train` or a Parquet export); add "
+            f"one later, with no new calls: `synthq retokenize {name} --tokenizer TARGET` "
+            "(the target model's folder or Hugging Face id)")
 
 
 def _resolve_tokenization(spec: JobSpec) -> tuple[list[str], Any]:

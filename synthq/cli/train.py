@@ -115,7 +115,7 @@ def train(
     from synthq.config import get_settings
     from synthq.db import utcnow
     from synthq.training.config import parse_when
-    from synthq.training.runs import check_target, new_run
+    from synthq.training.runs import check_target, check_trainable, check_vocabulary, new_run
 
     try:
         cfg = _config(dict(draft_vocab_size=draft_vocab_size, max_len=max_len,
@@ -169,6 +169,8 @@ def train(
                     "cancel it and start a new run")
             return {"run": unfinished.id, "resumed": True, "job": j.name,
                     "output_dir": unfinished.output_dir}
+        check_trainable(j)  # what train takes, before a run row is made
+        check_vocabulary(s, j, chosen)
         run = new_run(s, j, target=chosen, config=cfg, trigger="manual", output_dir=out)
         return {"run": run.id, "resumed": False, "job": j.name, "output_dir": run.output_dir}
 

@@ -369,6 +369,10 @@ def _load_run(ctx: _Ctx) -> tuple[_Run, TrainConfig]:
         row = s.get(TrainingRun, ctx.run_id)
         assert row is not None
         job = s.get(Job, row.job_id)
+        if job is not None:  # a run beat started for a job without a tokenizer: say so
+            from synthq.training.runs import check_trainable
+
+            check_trainable(job)
         run = _Run(ctx.run_id, row.job_id, job.name if job else str(row.job_id),
                    Path(row.output_dir), row.target, list(row.metrics or []))
         settings = row.settings

@@ -17,7 +17,7 @@ from synthq.training import states
 from synthq.training.config import TrainConfig
 
 __all__ = ["RunRecord", "new_run", "default_output_dir", "run_record", "run_dict", "list_runs",
-           "check_target"]
+           "check_target", "check_trainable", "check_vocabulary"]
 
 
 def default_output_dir(job_name: str) -> str:
@@ -34,6 +34,56 @@ def check_target(target: str) -> None:
     if looks_local and not (path / "config.json").is_file():
         raise UserError(f"--target {target}: no config.json there; give the target model's "
                         "directory (or a Hugging Face id)")
+
+
+def check_trainable(job: Job) -> None:
+    """A job without a tokenizer has no training examples. ``synthq train`` said so only
+    through the export it runs, with the export's advice (``use --format jsonl``), which
+    train does not take: say what train needs instead."""
+    if not job.tokenizer:
+        raise UserError(
+            f"job {job.name} has no tokenizer, so no training examples: tokenize its stored "
+            f"answers first, with no new calls, `synthq retokenize {job.name} --tokenizer "
+            f"TARGET` (the target model's folder or Hugging Face id), then `synthq train "
+            f"{job.name}` again")
+
+
+#: Done samples whose token ids :func:`check_vocabulary` reads.
+VOCAB_SAMPLE = 200
+
+
+def check_vocabulary(session: Session, job: Job, target: str) -> None:
+    """Refuse, before a run is made, a local target whose vocabulary is smaller than the
+    ids of the job's examples: training read them as far as the draft vocabulary and
+    failed there with ``token id 45585, beyond the target's vocabulary of 400`` (the
+    README's tiny target against the demo's DeepSeek-V3 ids). A few hundred examples are
+    read; a Hugging Face id is left to the training worker."""
+    import json
+
+    from synthq.models import Sample
+    from synthq.packing import unpack_ids
+
+    config = Path(target).expanduser() / "config.json"
+    if not config.is_file():
+        return
+    try:
+        vocab = int(json.loads(config.read_text()).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError):
+        return  # the loader says what is wrong with it
+    top = -1
+    for data in session.scalars(select(Sample.input_ids).where(
+            Sample.job_id == job.id, Sample.state == "done", Sample.input_ids.is_not(None))
+            .limit(VOCAB_SAMPLE)):
+        ids = unpack_ids(data)
+        if ids is not None and ids.size:
+            top = max(top, int(ids.max()))
+    if vocab and top >= vocab:
+        raise UserError(
+            f"job {job.name} holds token id {top:,}, beyond the vocabulary of --target "
+            f"{target} ({vocab:,} tokens): its examples were tokenized with {job.tokenizer}, "
+            f"not this target's tokenizer. Train with the target of that tokenizer, or "
+            f"tokenize the stored answers for this one first, with no new calls: `synthq "
+            f"retokenize {job.name} --tokenizer {target}`")
 
 
 def new_run(session: Session, job: Job, *, target: str, config: TrainConfig, trigger: str,

@@ -21,7 +21,9 @@ def spec(sim_url: str, **extra: Any) -> dict[str, Any]:
             "backoff_cap": 0.5, **extra}
 
 
-def test_malformed_upload_is_422_with_each_bad_row_and_keeps_the_good_ones(client: Any) -> None:
+def test_malformed_upload_is_201_with_each_bad_row_and_keeps_the_good_ones(client: Any) -> None:
+    """Bad rows never stop a job: it is created and its good rows run, so the answer is 201
+    (it was 422, for a job that existed and ran), its body naming each skipped row."""
     lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]})
              for i in range(5)]
     lines.insert(1, "{not json")
@@ -30,12 +32,21 @@ def test_malformed_upload_is_422_with_each_bad_row_and_keeps_the_good_ones(clien
     body = ("\n".join(lines) + "\n").encode()
     r = client.post("/api/jobs/upload", files={"file": ("prompts.jsonl", io.BytesIO(body))},
                     data={"spec": json.dumps(spec("http://127.0.0.1:9/v1", name="up"))})
-    assert r.status_code == 422, r.text
+    assert r.status_code == 201, r.text
     result = r.json()
     # Bad rows are kept too, as skipped samples with their reason.
     assert result["inserted"] == 8 and result["skipped"] == 3 and result["job_name"] == "up"
+    assert result["created"] is True
     assert [e["row"] for e in result["bad_rows"]] == [1, 3, 7]
     assert all(e["reason"] for e in result["bad_rows"])
+    assert result["message"] == (
+        f"job up (id {result['job_id']}) created: 8 rows read, 5 new samples to run, 0 already "
+        "in the job; 3 malformed rows skipped (rows 1, 3, 7, counted from 0; bad_rows gives "
+        "each reason)")
+    assert client.get(f"/api/jobs/{result['job_id']}").status_code == 200  # it exists
+    # No tokenizer: told now that the job makes no training data, and how to add one later.
+    assert any("job up has no tokenizer" in w and "`synthq retokenize up --tokenizer TARGET`"
+               in w for w in result["warnings"]), result["warnings"]
     assert counts(result["job_id"])["pending"] == 5
     # Clean data: 201. Settings are validated like the CLI's.
     good = client.post("/api/jobs/upload", files={"file": ("ok.jsonl", io.BytesIO(
