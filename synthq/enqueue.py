@@ -356,8 +356,6 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
     report = EnqueueReport(job_id=job_id, job_name=spec.name, created=created,
                            updated_settings=changed, key_version=key_version,
                            notes=notes if created else [])
-    if not tokenized:
-        report.warnings.append(no_tokenizer_warning(spec.name))
     if key_version != KEY_VERSION:
         report.warnings.append(old_rule_warning(spec.name, key_version))
     if note is not None and created:
@@ -375,6 +373,8 @@ def enqueue(spec: JobSpec, source: str, *, max_chars: int = MAX_ROW_CHARS,
         raise UserError(_no_valid_row(source, [], report.skip_examples) +
                         f" (its {report.skipped:,} rows are in job {spec.name!r} as skipped)")
     _check_source_ids(report, id_field)
+    if not tokenized:
+        report.warnings.append(no_tokenizer_warning(spec.name))
     return report
 
 
