@@ -238,6 +238,37 @@ def tiny_target(
     console.print_json(json.dumps(summary))
 
 
+@testing_app.command("tiny-prompts")
+def tiny_prompts(
+    directory: Annotated[str, typer.Argument(help="Where to write train.jsonl, held_out.jsonl "
+                                             "and manifest.json (created).")],
+    train: Annotated[int, typer.Option(min=1, max=1500, help="Training prompts, all "
+                                       "distinct.")] = 600,
+    held_out: Annotated[int, typer.Option(min=0, max=1500, help="Held-out prompts, none "
+                                          "among the training ones.")] = 40,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 1,
+) -> None:
+    """Write prompts of the tiny target's language ("count from 23 to 29"), for the loop on
+    a CPU: vLLM serving `synthq testing tiny-target`, or `synthq simulate`, which answers
+    them as the target does.
+
+    Example: `synthq testing tiny-prompts ./tiny-prompts && synthq run -d
+    tiny-prompts/train.jsonl -s http://127.0.0.1:8000/v1 -m tiny --tokenizer ./tiny`
+    """
+    import json
+    from pathlib import Path
+
+    from synthq.errors import UserError
+    from synthq.testing.tiny import write_prompt_set
+
+    try:
+        manifest = write_prompt_set(Path(directory), train=train, held_out=held_out,
+                                    seed=seed)
+    except UserError as exc:
+        raise fail(str(exc)) from None
+    console.print_json(json.dumps(manifest))
+
+
 @testing_app.command("real-target")
 def real_target(
     directory: Annotated[str, typer.Argument(help="Where to write the model (created).")],

@@ -32,6 +32,11 @@ messages, max_tokens, tools and tool_choice. Tools: a request carrying
 --tool-calls``) every such request calls one offered function, no directive
 needed. A request ending with tool results gets a text answer.
 
+The tiny target's language: a last user message ``count from A to B`` is answered
+``A A+1 ... B``, as the target of ``synthq testing tiny-target`` answers it, so that a
+job run on the simulator makes training data that target reads (``synthq testing
+tiny-prompts`` writes such prompts): the whole loop, generation to drafter, on a CPU.
+
 Run it from another process (it blocks)::
 
     python -c "from synthq.testing.simulator import SimConfig, serve; serve(SimConfig(), port=8000)"
@@ -460,6 +465,21 @@ def _prompt_seed(prompt_text: str) -> int:
     return int.from_bytes(hashlib.blake2b(prompt_text.encode(), digest_size=8).digest(), "big")
 
 
+_COUNT_RE = re.compile(r"^count from (\d{1,4}) to (\d{1,4})$")
+
+
+def count_words(last_user: str) -> list[str] | None:
+    """The tiny target's answer to ``count from A to B`` (``A ... B``, at most 1,000
+    numbers), or None for any other prompt."""
+    match = _COUNT_RE.match(last_user.strip())
+    if match is None:
+        return None
+    start, end = int(match.group(1)), int(match.group(2))
+    if end < start or end - start >= 1000:
+        return None
+    return [str(i) for i in range(start, end + 1)]
+
+
 def _answer_words(request: _ChatRequest, count: int) -> list[str]:
     """``count`` deterministic answer words: an echo of the prompt, then vocabulary."""
     echo = _DIRECTIVE_RE.sub("", request.last_user).split()[: min(_ECHO_WORDS, count)]
@@ -604,7 +624,8 @@ class _Simulator:
     def plan(self, request: _ChatRequest, fault: str | None) -> _Plan:
         """Decide the words and finish reason of a response."""
         want_reasoning = self.config.reasoning_tokens if self.config.reasoning else 0
-        want_content = self.config.response_tokens
+        counted = count_words(request.last_user)
+        want_content = self.config.response_tokens if counted is None else len(counted)
         if fault == "empty":
             return _Plan(fault, [], [], "stop", request.prompt_tokens)
         budget = (
@@ -615,7 +636,8 @@ class _Simulator:
         finish = "stop" if n_reasoning + n_content == want_reasoning + want_content else "length"
         if fault == "length":
             n_content, finish = min(n_content, max(1, want_content // 2)), "length"
-        content = _answer_words(request, n_content)
+        content = (_answer_words(request, n_content) if counted is None
+                   else counted[:n_content])
         if self.config.history_answers and content:
             content[0] = conversation_tag(request.messages)
         calls: list[dict[str, Any]] = []

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["TinySpec", "build_tiny_target", "count_prompt", "count_answer", "prompts",
-           "CHAT_TEMPLATE", "END_OF_TURN"]
+           "write_prompt_set", "CHAT_TEMPLATE", "END_OF_TURN"]
 
 END_OF_TURN = "<|im_end|>"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", END_OF_TURN, "<think>", "</think>"]
@@ -76,6 +76,38 @@ def prompts(k: int, seed: int) -> list[tuple[int, int]]:
         n = rng.randint(3, MAX_COUNT)
         out.append((n, rng.randint(0, TOP - n)))
     return out
+
+
+def write_prompt_set(directory: Path, *, train: int = 600, held_out: int = 40,
+                     seed: int = 1) -> dict[str, Any]:
+    """``DIR/train.jsonl`` and ``DIR/held_out.jsonl``: prompts of the target's language in
+    ``messages`` form (what ``synthq run -d`` reads), the held-out ones never among the
+    training ones, and ``DIR/manifest.json``. The loop on the tiny target had no prompt
+    file that any command wrote (``synthq testing doc-prompts`` is the real target's)."""
+    space = sum(TOP - n + 1 for n in range(3, MAX_COUNT + 1))  # 1,611 distinct prompts
+    if train + held_out > space:
+        from synthq.errors import UserError
+
+        raise UserError(f"the language has {space:,} distinct prompts: --train plus "
+                        f"--held-out may not exceed it, got {train + held_out:,}")
+    rng = random.Random(seed)
+    chosen_pairs: dict[tuple[int, int], None] = {}  # distinct, in the order drawn
+    while len(chosen_pairs) < train + held_out:
+        n = rng.randint(3, MAX_COUNT)
+        chosen_pairs.setdefault((n, rng.randint(0, TOP - n)))
+    every = list(chosen_pairs)
+    pairs, fresh = every[:train], every[train:]
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, chosen in (("train", pairs), ("held_out", fresh)):
+        (directory / f"{name}.jsonl").write_text("".join(
+            json.dumps({"id": f"count-{n}-{start}",
+                        "messages": [{"role": "user", "content": count_prompt(n, start)}]})
+            + "\n" for n, start in chosen))
+    manifest = {"directory": str(directory), "train": len(pairs), "held_out": len(fresh),
+                "seed": seed, "language": "count from A to B -> A A+1 ... B",
+                "files": ["train.jsonl", "held_out.jsonl"]}
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def _chat(n: int, start: int) -> str:
