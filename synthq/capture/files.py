@@ -15,14 +15,16 @@ A quarter of float32's bytes; e4m3 keeps 3 mantissa bits (a relative error up to
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Tensor", "read", "dumps", "convert", "convert_scaled", "hidden_states",
-           "MAX_HEADER", "E4M3_MAX", "DTYPE_NAMES"]
+__all__ = ["Tensor", "Entry", "NotWhole", "Malformed", "header", "tensors_of", "read",
+           "nonfinite", "dumps", "convert", "convert_scaled", "hidden_states", "MAX_HEADER",
+           "MAX_DIMS", "E4M3_MAX", "DTYPE_NAMES"]
 
 #: A header larger than this is not a capture file (the connector's are < 1 KiB).
 MAX_HEADER = 1 << 20
@@ -82,28 +84,129 @@ class Tensor:
             .reshape(self.shape)
 
 
+class NotWhole(ValueError):
+    """The file is shorter than its header says: cut, or still being written."""
+
+
+class Malformed(ValueError):
+    """The file is not a safetensors file synthq can take: a header that is not the
+    layout's (not JSON, nested past reason, a shape whose element count passes the
+    file, an unknown dtype)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor as the header declares it: its bytes at ``[start, end)`` of the body."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def header(fd: int, size: int) -> tuple[dict[str, Entry], dict[str, str], int]:
+    """The tensors a file declares, its metadata and the offset of its body, from ``fd``
+    (``size`` bytes, as ``fstat`` gave it): only the length and the header are read, so a
+    file is judged by its header before any of its tensors' bytes is."""
+    if size < 8:
+        raise NotWhole("shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", _pread(fd, 8, 0))
+    if length > MAX_HEADER:
+        raise Malformed(f"a header of {length:,} bytes, over the {MAX_HEADER:,} a capture "
+                        "file's can be")
+    if 8 + length > size:
+        raise NotWhole("the header runs past the file")
+    raw = _pread(fd, length, 8)
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past reason
+        raise Malformed(f"the header is not JSON ({type(exc).__name__})") from None
+    if not isinstance(parsed, dict):
+        raise Malformed("the header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values()):
+        raise Malformed("the header's __metadata__ is not a map of strings")
+    body = size - 8 - length
+    entries = {str(name): _entry(str(name), info, body) for name, info in parsed.items()}
+    return entries, {str(k): v for k, v in metadata.items()}, 8 + length
+
+
+#: Dimensions a tensor of a capture file may have (hidden states have 3).
+MAX_DIMS = 8
+
+
+def _entry(name: str, info: object, body: int) -> Entry:
+    """One header entry, checked with Python's integers: no element count overflows,
+    and none may pass the body's bytes."""
+    if not isinstance(info, dict) or info.get("dtype") not in _NUMPY:
+        raise Malformed(f"tensor {name[:80]!r} has no dtype synthq reads")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
+            type(n) is int and n >= 0 for n in shape):
+        raise Malformed(f"tensor {name[:80]!r} has no shape of up to {MAX_DIMS} sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            type(n) is int for n in offsets) or not 0 <= offsets[0] <= offsets[1]:
+        raise Malformed(f"tensor {name[:80]!r} has no data_offsets [start, end]")
+    width = np.dtype(_NUMPY[info["dtype"]]).itemsize
+    start, end = offsets
+    count = 0 if 0 in shape else 1
+    for n in shape if count else ():
+        count *= n
+        if count * width > end - start:  # past its bytes already: never multiplied further
+            break
+    if count * width != end - start:
+        raise Malformed(f"tensor {name[:80]!r}: its shape {shape[:MAX_DIMS]} does not "
+                        f"match its {end - start:,} bytes")
+    if end > body:
+        raise NotWhole(f"tensor {name[:80]!r} is cut")
+    return Entry(info["dtype"], tuple(shape), start, end)
+
+
+def _pread(fd: int, n: int, offset: int) -> bytearray:
+    """Exactly ``n`` bytes of ``fd`` at ``offset``, into one buffer (:class:`NotWhole` when
+    the file ends first)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k == 0:
+            raise NotWhole("the file ended before its header said")
+        got += k
+    return buf
+
+
+def tensors_of(fd: int, entries: dict[str, Entry], body: int,
+               names: list[str] | None = None) -> dict[str, Tensor]:
+    """The tensors ``names`` (all: None) read from ``fd``, the body at offset ``body``."""
+    return {name: Tensor(e.dtype, e.shape, _pread(fd, e.end - e.start, body + e.start))
+            for name, e in entries.items() if names is None or name in names}
+
+
 def read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Every tensor of a file and its metadata; ValueError when it is not whole."""
-    blob = Path(path).read_bytes()
-    if len(blob) < 8:
-        raise ValueError("shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", blob[:8])
-    if size > MAX_HEADER or 8 + size > len(blob):
-        raise ValueError("the header runs past the file")
-    header = json.loads(blob[8:8 + size])
-    body = blob[8 + size:]
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, Tensor] = {}
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        if not 0 <= start <= end <= len(body) or info["dtype"] not in _NUMPY:
-            raise ValueError(f"tensor {name!r} is cut or of an unknown dtype")
-        shape = tuple(int(n) for n in info["shape"])
-        width = np.dtype(_NUMPY[info["dtype"]]).itemsize
-        if int(np.prod(shape, dtype=np.int64)) * width != end - start:
-            raise ValueError(f"tensor {name!r}: its bytes do not match its shape")
-        tensors[name] = Tensor(info["dtype"], shape, body[start:end])
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    """Every tensor of a file and its metadata; ValueError (:class:`NotWhole`,
+    :class:`Malformed`) when it is not whole or not the layout."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        entries, metadata, body = header(fd, os.fstat(fd).st_size)
+        return tensors_of(fd, entries, body), metadata
+    finally:
+        os.close(fd)
+
+
+def nonfinite(tensor: Tensor) -> int:
+    """How many of a float tensor's values are NaN or infinite (read from the bits: no
+    float copy of a bf16 tensor); an e4m3 byte 0x7F/0xFF is its NaN."""
+    if tensor.dtype == "F8_E4M3":
+        raw8 = np.frombuffer(tensor.data, dtype=np.uint8)
+        return int(np.count_nonzero((raw8 & 0x7F) == 0x7F))
+    bits = {"F32": ("<u4", 0x7F800000), "BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00)}
+    if tensor.dtype not in bits:
+        return 0
+    code, exponent = bits[tensor.dtype]
+    raw = np.frombuffer(tensor.data, dtype=code)
+    return int(np.count_nonzero((raw & exponent) == exponent))
 
 
 def convert_scaled(tensor: Tensor, dtype: str) -> tuple[Tensor, float | None]:

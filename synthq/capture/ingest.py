@@ -3,11 +3,21 @@
 A file counts only once it is in the store and its row says so (the row's
 ``done`` transition comes after the store's rename). Checks, in order:
 
-* the file is whole (a safetensors header and tensors that fit it), with
-  ``hidden_states`` [tokens, layers, hidden] and ``token_ids`` [tokens];
+* the file is reached only through its folder's descriptor (synthq.capture.confine:
+  no symlink, a plain file with one link), and is no larger than the sample's tokens ×
+  layers × hidden × 4 B (plus a bounded header) before a byte of it is read;
+* its header is the layout (:class:`files.Malformed`: ``capture_mismatch``), with
+  ``hidden_states`` [tokens, layers, hidden] and ``token_ids`` [tokens], judged before
+  the tensors are read; the tensors fit the file (else ``capture_incomplete``);
 * the connector's checksum of ``hidden_states`` matches (when it wrote one);
 * ``token_ids`` equal the sample's ``input_ids`` and the layer count is the job's:
-  otherwise ``capture_mismatch`` (never data).
+  otherwise ``capture_mismatch`` (never data);
+* every value of ``hidden_states`` is finite: a NaN or an infinity is
+  ``capture_mismatch``, never stored (in float8 one infinity would clip the whole
+  tensor's scale).
+
+Every wait (the file whole, the stock connector's ``.lock``) ends at the capture's
+deadline; the lock is opened without blocking and looked at first (a FIFO is refused).
 
 A sample of several examples (``--examples per-turn``, synthq.examples) is captured
 one request per example, each its own prompt: :func:`ingest_parts` checks each
@@ -17,8 +27,6 @@ align with the sample's concatenated ``input_ids`` and ``loss_mask``.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import time
@@ -27,12 +35,17 @@ from pathlib import Path
 
 import numpy as np
 
-from synthq.capture import files
+from synthq.capture import confine, files
 from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
-from synthq.errors import CaptureIncomplete, CaptureMismatch
+from synthq.errors import BadRequest, CaptureIncomplete, CaptureMismatch
 
-__all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard"]
+__all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard",
+           "largest_file", "MAX_HIDDEN"]
+
+#: The hidden size a file may have when the target's is not known (the largest served
+#: models' are 16,384-25,600).
+MAX_HIDDEN = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,45 +57,48 @@ class Ingested:
     dtype: str
 
 
-def wait_whole(path: Path, *, timeout: float) -> None:
+def _file(file: confine.EngineFile | Path) -> confine.EngineFile:
+    return file if isinstance(file, confine.EngineFile) else confine.local(Path(file))
+
+
+def wait_whole(file: confine.EngineFile | Path, *, timeout: float | None = None,
+               deadline: float | None = None) -> None:
     """Until the engine's file is whole: synthq's connector renames it into place; the
-    stock one holds an exclusive lock on ``<file>.lock`` while it writes."""
-    lock = Path(f"{path}.lock")
-    deadline = time.monotonic() + timeout
+    stock one holds an exclusive lock on ``<file>.lock`` while it writes. Ends by
+    ``deadline`` (``time.monotonic()``) or after ``timeout`` seconds, whichever is first."""
+    engine_file = _file(file)
+    ends = [t for t in (deadline, None if timeout is None else time.monotonic() + timeout)
+            if t is not None]
+    until = min(ends) if ends else time.monotonic()
     delay = 0.005
     while True:
-        if path.is_file():
-            if not lock.exists():
-                return
-            try:
-                with open(lock) as f:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return
-            except BlockingIOError:
-                pass  # still being written
-            except FileNotFoundError:
-                return
-        if time.monotonic() >= deadline:
-            raise CaptureIncomplete(f"the engine's file {path} did not appear whole within "
-                                    f"{timeout:g} s")
-        time.sleep(delay)
+        if engine_file.present() and engine_file.unlocked():
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            raise CaptureIncomplete(f"the engine's file {engine_file} did not appear whole "
+                                    "within the capture's deadline")
+        time.sleep(min(delay, left))
         delay = min(0.1, delay * 2)
 
 
-def ingest(path: Path, *, input_ids: np.ndarray, layers: list[int], dtype: str, store: Store,
-           metadata: dict[str, str]) -> Ingested:
+def ingest(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: list[int],
+           dtype: str, store: Store, metadata: dict[str, str],
+           hidden: int | None = None) -> Ingested:
     """Check the engine's file against the sample and put it in the store, its hidden
     states as ``dtype`` (``auto``: as the engine wrote them)."""
     return ingest_parts([path], [input_ids], layers=layers, dtype=dtype, store=store,
-                        metadata=metadata)
+                        metadata=metadata, hidden=hidden)
 
 
-def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[int], dtype: str,
-                 store: Store, metadata: dict[str, str]) -> Ingested:
+def ingest_parts(paths: list[confine.EngineFile] | list[Path], pieces: list[np.ndarray], *,
+                 layers: list[int], dtype: str, store: Store, metadata: dict[str, str],
+                 hidden: int | None = None) -> Ingested:
     """Check each engine file against its piece of the sample's ids (one per example) and
     store them end to end as one file: ``hidden_states`` [sum of tokens, layers, hidden],
     ``token_ids`` the pieces concatenated (the sample's ``input_ids``)."""
-    parts = [check(p, input_ids=ids, layers=layers) for p, ids in zip(paths, pieces, strict=True)]
+    parts = [check(p, input_ids=ids, layers=layers, hidden=hidden)
+             for p, ids in zip(paths, pieces, strict=True)]
     sizes = {t.shape[2] for t in parts}
     if len(sizes) != 1:
         raise CaptureMismatch(f"the examples' files have hidden sizes {sorted(sizes)}")
@@ -90,56 +106,103 @@ def ingest_parts(paths: list[Path], pieces: list[np.ndarray], *, layers: list[in
         parts = [files.convert(t, "float32") for t in parts]
     want = np.concatenate(pieces).astype(np.int64)
     whole = files.Tensor(parts[0].dtype, (len(want), len(layers), parts[0].shape[2]),
-                         b"".join(t.data for t in parts))
+                         parts[0].data if len(parts) == 1 else b"".join(t.data for t in parts))
     if dtype == AUTO:  # the engine's own dtype: a bf16 engine's file is not widened
         dtype = files.DTYPE_NAMES[whole.dtype]
-    hidden, scale = files.convert_scaled(whole, dtype)  # float8: one scale for the file
-    out = {"hidden_states": hidden,
+    states, scale = files.convert_scaled(whole, dtype)  # float8: one scale for the file
+    out = {"hidden_states": states,
            "token_ids": files.Tensor("I64", (len(want),), want.astype("<i8").tobytes())}
     if scale is not None:
         out["hidden_states_scale"] = files.Tensor("F32", (1,),
                                                   np.float32(scale).astype("<f4").tobytes())
     meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
-                    sha256_hidden_states=hashlib.sha256(hidden.data).hexdigest())
+                    sha256_hidden_states=hashlib.sha256(states.data).hexdigest())
     if len(pieces) > 1:  # where each example's rows start (synthq.examples.split's cuts)
         meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
     stored = store.put(files.dumps(out, meta_out))
-    return Ingested(stored, len(want), hidden.shape[2], dtype)
+    return Ingested(stored, len(want), states.shape[2], dtype)
 
 
-def check(path: Path, *, input_ids: np.ndarray, layers: list[int]) -> files.Tensor:
+def largest_file(tokens: int, layers: int, hidden: int | None) -> int:
+    """The most bytes an engine file of ``tokens`` × ``layers`` may hold: float32 states
+    of the target's hidden size (:data:`MAX_HIDDEN` when unknown), int64 token ids, the
+    length and a header of at most :data:`files.MAX_HEADER`."""
+    return 8 + files.MAX_HEADER + tokens * layers * (hidden or MAX_HIDDEN) * 4 + tokens * 8
+
+
+def check(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: list[int],
+          hidden: int | None = None) -> files.Tensor:
     """The engine's file's ``hidden_states``, once it is whole and its token ids and shape
-    are ``input_ids``'s; raises ``capture_incomplete`` or ``capture_mismatch``."""
-    try:
-        tensors, meta = files.read(path)
-    except (OSError, ValueError) as exc:
-        raise CaptureIncomplete(f"the engine's file is not whole: {exc}") from exc
-    hidden, ids = tensors.get("hidden_states"), tensors.get("token_ids")
-    if hidden is None or ids is None:
-        raise CaptureMismatch("the file has no hidden_states or token_ids tensor")
-    expected = meta.get("sha256_hidden_states")
-    if expected and hashlib.sha256(hidden.data).hexdigest() != expected:
-        raise CaptureIncomplete("hidden_states fails the connector's checksum")
-    got = ids.array().astype(np.int64)
+    are ``input_ids``'s; raises ``capture_incomplete`` or ``capture_mismatch``. The file
+    is opened in its folder's descriptor and sized before it is read; its header is
+    judged before its tensors are read (``hidden``: the target's hidden size, if known,
+    the most the file's may be)."""
+    engine_file = _file(path)
     want = input_ids.astype(np.int64)
+    try:
+        fd = engine_file.open(most=largest_file(len(want), len(layers), hidden))
+    except FileNotFoundError as exc:
+        raise CaptureIncomplete(f"the engine's file is not whole: {exc.strerror}") from None
+    try:
+        return _check_open(fd, want, layers, hidden)
+    finally:
+        os.close(fd)
+
+
+def _check_open(fd: int, want: np.ndarray, layers: list[int],
+                hidden: int | None) -> files.Tensor:
+    try:
+        entries, meta, body = files.header(fd, os.fstat(fd).st_size)
+    except files.NotWhole as exc:
+        raise CaptureIncomplete(f"the engine's file is not whole: {exc}") from None
+    except files.Malformed as exc:
+        raise CaptureMismatch(f"the engine's file is not a capture file: {exc}") from None
+    states, ids_entry = entries.get("hidden_states"), entries.get("token_ids")
+    if states is None or ids_entry is None:
+        raise CaptureMismatch("the file has no hidden_states or token_ids tensor")
+    if states.dtype not in ("F32", "BF16", "F16"):
+        raise CaptureMismatch(f"hidden_states is {states.dtype}, not a float")
+    try:
+        ids = files.tensors_of(fd, entries, body, ["token_ids"])["token_ids"]
+    except files.NotWhole as exc:
+        raise CaptureIncomplete(f"the engine's file is not whole: {exc}") from None
+    got = ids.array().astype(np.int64).ravel()
     if got.shape != want.shape or not np.array_equal(got, want):
         first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
                      min(len(got), len(want)))
         raise CaptureMismatch(
             f"the engine captured {len(got)} tokens, the sample has {len(want)}; they "
             f"differ from position {first}")
-    if len(hidden.shape) != 3 or hidden.shape[0] != len(want) or hidden.shape[1] != len(layers):
+    shape = states.shape
+    if len(shape) != 3 or shape[0] != len(want) or shape[1] != len(layers):
         raise CaptureMismatch(
-            f"hidden_states has shape {list(hidden.shape)}, expected [{len(want)}, "
+            f"hidden_states has shape {list(shape)}, expected [{len(want)}, "
             f"{len(layers)}, hidden]: the engine captures other layers than the job's "
             f"{layers}?")
-    if hidden.dtype not in ("F32", "BF16", "F16"):
-        raise CaptureMismatch(f"hidden_states is {hidden.dtype}, not a float")
-    return hidden
+    if shape[2] > (hidden or MAX_HIDDEN):
+        raise CaptureMismatch(f"hidden_states has a hidden size of {shape[2]}, over the "
+                              f"{hidden or MAX_HIDDEN} {'of the target' if hidden else 'at most'}")
+    try:
+        tensor = files.tensors_of(fd, entries, body, ["hidden_states"])["hidden_states"]
+    except files.NotWhole as exc:
+        raise CaptureIncomplete(f"the engine's file is not whole: {exc}") from None
+    expected = meta.get("sha256_hidden_states")
+    if expected and hashlib.sha256(tensor.data).hexdigest() != expected:
+        raise CaptureIncomplete("hidden_states fails the connector's checksum")
+    bad = files.nonfinite(tensor)
+    if bad:
+        raise CaptureMismatch(f"hidden_states holds {bad} NaN or infinite values (of "
+                              f"{int(np.prod(shape))}): not stored")
+    return tensor
 
 
-def discard(path: Path) -> None:
-    """Remove the engine's file and its lock once the store holds the capture."""
-    for p in (path, Path(f"{path}.lock")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p)
+def discard(path: confine.EngineFile | Path) -> None:
+    """Remove the engine's file and its lock once the store holds the capture, by name in
+    the folder's descriptor."""
+    engine_file = path if isinstance(path, confine.EngineFile) else None
+    if engine_file is None:
+        try:
+            engine_file = confine.local(Path(path))
+        except (OSError, BadRequest):
+            return
+    engine_file.discard()

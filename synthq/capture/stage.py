@@ -23,9 +23,17 @@ the stage (synthq.streaks): one line naming the server and the cause, kept in
 A server that stops serving (a restart: its cold start takes minutes) is seen as
 generation sees it (synthq.dispatch.says_down): after ``TRIP_AFTER`` calls in a row
 refused, timed out or answered 5xx, it gets one capture at a time, a probe every
-``PROBE_INTERVAL`` seconds, and a capture that fails meanwhile is not charged (its
-server computed nothing), so an outage fails no capture; the first probe that goes
-through gives the server its whole limit back (:class:`Outages`).
+``PROBE_INTERVAL`` seconds, and a capture whose call it never answered (refused, timed
+out: its server computed nothing) is not charged, so a restart fails no capture; an
+HTTP 5xx answer is charged, as generation charges it, so a server that answers 500 to
+everything fails its captures after ``max_attempts`` rather than being probed for ever.
+The first probe that goes through gives the server its whole limit back (:class:`Outages`).
+
+Every capture has one deadline, the capture timeout plus the file timeout from its
+start, so it ends within its lease: each call's answer, headers and body in all
+(synthq.capture.deadline: a server trickling its answer is cut there, ``timeout``),
+and each wait for the engine's file. The check of a new job's capture servers
+(:func:`check_answer`) is bounded the same way, in :data:`CHECK_SECONDS` in all.
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ from sqlalchemy import func, select
 from synthq import ledger, workers
 from synthq import states as job_states
 from synthq.capture import confine, ingest, states
-from synthq.capture.plan import Plan, check_space, layers_for
+from synthq.capture.deadline import bounded
+from synthq.capture.deadline import client as watched_client
+from synthq.capture.plan import Plan, check_space, layers_for, target_config
 from synthq.capture.progress import CaptureCounts, counts
 from synthq.capture.progress import plan as progress_plan
 from synthq.capture.protocol import NAME_KEY
@@ -57,7 +67,7 @@ from synthq.capture.store import Store
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.defaults import store_root
-from synthq.dispatch import PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
+from synthq.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
 from synthq.enums import CaptureState
 from synthq.errors import (
     BadRequest,
@@ -120,17 +130,20 @@ def server_key(request: httpx.Request) -> httpx.Request:
     return request
 
 
-def _get(client: httpx.Client, url: str) -> Any:
-    with client.stream("GET", url) as response:
+def _get(client: httpx.Client, url: str, deadline: float) -> Any:
+    with bounded(client, "GET", url, deadline=deadline) as response:
         if response.status_code >= 400:
             raise ServerError(f"GET {url}: HTTP {response.status_code}")
         return _bounded_json(response)
 
 
-def describe(client: httpx.Client, url: str) -> Engine:
-    """The served model (``/v1/models``) and the engine's version (``/version``)."""
+def describe(client: httpx.Client, url: str, *, deadline: float | None = None) -> Engine:
+    """The served model (``/v1/models``) and the engine's version (``/version``), both
+    answered by ``deadline`` (``time.monotonic()``; default :data:`CHECK_SECONDS` from now)."""
+    if deadline is None:
+        deadline = time.monotonic() + CHECK_SECONDS
     try:
-        models = _get(client, f"{url.rstrip('/')}/models")
+        models = _get(client, f"{url.rstrip('/')}/models", deadline)
         model = str(models["data"][0]["id"])
     except (httpx.HTTPError, SampleError, KeyError, IndexError, TypeError) as exc:
         hint = "" if url.rstrip("/").endswith("/v1") else " (is it the base URL, ending in /v1?)"
@@ -139,7 +152,7 @@ def describe(client: httpx.Client, url: str) -> Engine:
             from exc
     root = url.rstrip("/").removesuffix("/v1")
     try:
-        version = f"vllm {_get(client, f'{root}/version')['version']}"
+        version = f"vllm {_get(client, f'{root}/version', deadline)['version']}"
     except (httpx.HTTPError, SampleError, KeyError, TypeError):
         version = "unknown"
     return Engine(url, model, version)
@@ -149,28 +162,93 @@ def check_answer(urls: list[str]) -> list[Engine]:
     """Each capture server as it describes itself; a :class:`UserError` for the first that
     does not answer. Every way a job gets capture servers asks this before the job stores
     them (`synthq capture --server`, `--capture-server` of `synthq enqueue` and `synthq
-    run`, ``POST /api/jobs``): a dead URL is refused, not kept as the job's."""
-    with httpx.Client(timeout=httpx.Timeout(10.0), auth=server_key) as client:
-        return [describe(client, url) for url in urls]
+    run`, ``POST /api/jobs``): a dead URL is refused, not kept as the job's.
+
+    Bounded, so that it never holds an API worker for long (issue 41: 40 job creations
+    naming a server that trickles its answer held every worker, and ``/ready`` went
+    silent): all of ``urls`` within :data:`CHECK_SECONDS` in all, one check of a URL
+    at a time in this process, its result shared by the calls that wait on it and
+    kept :data:`CHECK_KEEP_S` for the calls that follow (:class:`_Checks`)."""
+    deadline = time.monotonic() + CHECK_SECONDS
+    return [_CHECKS.describe(url, deadline) for url in urls]
+
+
+#: Seconds in all that the check of a new job's capture servers may take.
+CHECK_SECONDS = 5.0
+#: Seconds a check's result stands for the checks of the same URL that follow.
+CHECK_KEEP_S = 5.0
+
+
+class _Checks:
+    """One check of a capture server at a time per URL (thread-safe): a caller waits for
+    the check in flight, up to its own deadline, rather than send its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: URL → (when its last check ended, its Engine or its UserError).
+        self._done: dict[str, tuple[float, Engine | UserError]] = {}
+        self._running: dict[str, threading.Event] = {}
+
+    def describe(self, url: str, deadline: float) -> Engine:
+        while True:
+            with self._lock:
+                kept = self._done.get(url)
+                if kept is not None and time.monotonic() - kept[0] < CHECK_KEEP_S:
+                    return _result(kept[1])
+                running = self._running.get(url)
+                if running is None:
+                    running = self._running[url] = threading.Event()
+                    break
+            if not running.wait(max(0.0, deadline - time.monotonic())):
+                raise UserError(f"capture server {url} did not answer /models within "
+                                f"{CHECK_SECONDS:g} s")
+        result: Engine | UserError | None = None
+        try:
+            with watched_client(auth=server_key) as client:
+                result = describe(client, url, deadline=deadline)
+        except UserError as exc:
+            result = exc
+        finally:
+            with self._lock:
+                now = time.monotonic()
+                for old in [u for u, (at, _) in self._done.items() if now - at >= CHECK_KEEP_S]:
+                    del self._done[old]
+                if result is not None:
+                    self._done[url] = (now, result)
+                self._running.pop(url).set()
+        assert result is not None
+        return _result(result)
+
+
+def _result(kept: Engine | UserError) -> Engine:
+    if isinstance(kept, UserError):
+        raise UserError(str(kept))
+    return kept
+
+
+_CHECKS = _Checks()
 
 
 def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str,
-          folder: str | None = None) -> Path:
-    """One capture request; the path of the engine's file, one this request may read and
-    delete (synthq.capture.confine: named by ``name``, or inside ``folder``, the server's
-    declared engine-files folder). Errors carry their class."""
+          folder: str | None = None, *, deadline: float,
+          pins: confine.Pins | None = None) -> confine.EngineFile:
+    """One capture request, answered by ``deadline`` (``time.monotonic()``, headers and
+    body in all); the engine's file, one this request may read and delete, its folder
+    open (synthq.capture.confine: named by ``name`` in the one folder the server writes
+    to, or inside ``folder``, the server's declared engine-files folder). Errors carry
+    their class."""
     body = {"model": engine.model, "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {NAME_KEY: name}}
     try:
-        with client.stream("POST", f"{engine.url.rstrip('/')}/completions",
-                           json=body) as response:
+        with bounded(client, "POST", f"{engine.url.rstrip('/')}/completions",
+                     deadline=deadline, json=body) as response:
             if response.status_code >= 400:
                 text = b"".join(_take(response.iter_bytes(), 4096)).decode("utf-8", "replace")
                 raise status_error(response.status_code, text[:500], response.headers,
                                    body=text)
             answer = _bounded_json(response)
     except httpx.TimeoutException as exc:
-        raise TimeoutError_(f"the capture request timed out: {exc}") from exc
+        raise TimeoutError_(f"the capture request timed out: {exc}") from None
     except httpx.HTTPError as exc:
         raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
     try:
@@ -181,7 +259,7 @@ def _call(client: httpx.Client, engine: Engine, input_ids: list[int], name: str,
             from exc
     # The file is read and then deleted: only this request's is ever touched, whatever
     # path a server answers.
-    return confine.accept(path, name=name, folder=folder)
+    return confine.accept(path, name=name, folder=folder, server=engine.url, pins=pins)
 
 
 def _take(chunks: Any, limit: int) -> list[bytes]:
@@ -239,7 +317,8 @@ class Outages:
             self._probe_at[server] = time.monotonic() + PROBE_INTERVAL
         if new:
             self.say(f"capture: server {server} is down ({message[:200]}); one capture at a "
-                     f"time every {PROBE_INTERVAL:g} s until it answers, not charged")
+                     f"time every {PROBE_INTERVAL:g} s until it answers, not charged while "
+                     "it does not answer at all")
         return True
 
     def next_probe_s(self) -> float | None:
@@ -279,8 +358,13 @@ class Stage:
         self.store = store()
         settings = get_settings()
         self.timeout = settings.capture_timeout
-        self.client = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0),
-                                   auth=server_key)
+        # A connection per call: each call's socket is watched to its total deadline.
+        self.client = watched_client(auth=server_key)
+        #: Each server's folder when none is declared (synthq.capture.confine.Pins).
+        self.pins = confine.Pins()
+        #: The target's hidden size, when its config.json says: bounds each file's size
+        #: (synthq.capture.ingest.largest_file).
+        self.hidden: int | None = None
         #: Captures this process is running, and on which server.
         self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
         self.pool: ThreadPoolExecutor | None = None
@@ -300,13 +384,17 @@ class Stage:
                 raise UserError(f"job {job.name} has no capture server: pass --server URL")
             s.expunge(job)
         layers = layers_for(job)
-        engines = {url: describe(self.client, url) for url in job.capture_servers}
+        engines = {url: describe(self.client, url, deadline=time.monotonic() + CHECK_SECONDS)
+                   for url in job.capture_servers}
         for url, folder in (job.capture_files or {}).items():  # the probe checks each
             if url in engines:
                 confine.check_folder(url, folder)
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
             p = plan(s, job, at=self.store)
+        config = target_config(job.train_target, job.tokenizer)
+        if config is not None and isinstance(config.get("hidden_size"), int):
+            self.hidden = int(config["hidden_size"])
         self.say(p.line())
         check_space(p, reserve=get_settings().capture_reserve_bytes)
         return job, layers, engines
@@ -408,7 +496,11 @@ class Stage:
         ``examples`` (``samples.examples``): the sample holds several examples end to
         end; each is sent as its own prompt."""
         layers = layers_for(job)
-        engine_files: list[Path] = []
+        engine_files: list[confine.EngineFile] = []
+        settings = get_settings()
+        # The whole capture ends by this (every call's answer, every file's wait), so
+        # within its lease: it is never sent again while this process still runs it.
+        deadline = time.monotonic() + self.timeout + settings.capture_file_timeout
         try:
             if raw_ids is None:
                 raise CaptureIncomplete("the sample has no input_ids (retokenized?)")
@@ -422,14 +514,19 @@ class Stage:
             for k, piece in enumerate(pieces):
                 engine_files.append(_call(self.client, engine, piece.tolist(),
                                           name if len(pieces) == 1 else f"{name}-{k}",
-                                          (job.capture_files or {}).get(engine.url)))
+                                          (job.capture_files or {}).get(engine.url),
+                                          deadline=min(deadline,
+                                                       time.monotonic() + self.timeout),
+                                          pins=self.pins))
             for engine_file in engine_files:
-                ingest.wait_whole(engine_file, timeout=get_settings().capture_file_timeout)
+                ingest.wait_whole(engine_file, timeout=settings.capture_file_timeout,
+                                  deadline=deadline)
             got = ingest.ingest_parts(
                 engine_files, pieces, layers=layers, dtype=job.capture_dtype,
                 store=self.store, metadata={"engine": engine.version, "model": engine.model,
                                             "job": job.name,
-                                            "sample_id": str(claimed.sample_id)})
+                                            "sample_id": str(claimed.sample_id)},
+                hidden=self.hidden)
         except SampleError as exc:
             self._record_failure(job, claimed, engine.url, exc)
             return
@@ -441,6 +538,7 @@ class Stage:
         finally:
             for engine_file in engine_files:
                 ingest.discard(engine_file)
+                engine_file.folder.close()
         with session_scope() as s:
             won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
                               sha256=got.stored.sha256, nbytes=got.stored.bytes,
@@ -461,12 +559,17 @@ class Stage:
         line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
             if stop is not None else None
         down = self.outages.failed(server, exc.error_class, message)
+        # A down server is probed one capture at a time (Outages). A call it never
+        # answered (refused, timed out: a restart computes nothing) is not charged; one
+        # it answered (HTTP 5xx) is, as generation charges its probes: a server that
+        # answers 500 to every capture fails them after max_attempts, not probed for ever.
+        free = down and exc.error_class in DOWN_OUTCOMES
         with session_scope() as s:
             if line is not None:  # already stopped by another process: kept as it is
                 job_states.set_capture_stopped(s, job.id, line, now=now)
             delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
                                        base=job.backoff_base, cap=job.backoff_cap)
-            if down:  # the server's failure: due at once, paced by the probes, not charged
+            if free:  # the server's outage: due at once, paced by the probes, not charged
                 states.retry(s, claimed, now=now, error_class=exc.error_class,
                              error_message=message, next_attempt_at=now, charge=False)
             elif delay is not None:  # the server's Retry-After a floor
