@@ -135,7 +135,7 @@ db_app = typer.Typer(help="Database maintenance.\n\nExample: `synthq db upgrade`
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
 testing_app = typer.Typer(help="Helpers for trying synthq without a GPU.\n\nExample: "
-                          "`synthq testing tiny-target ./tiny` (a tiny Llama a CPU vLLM "
+                          "`synthq testing tiny-target synthq-data/tiny` (a tiny Llama a CPU vLLM "
                           "serves)", no_args_is_help=True)
 app.add_typer(testing_app, name="testing")
 

