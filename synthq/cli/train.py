@@ -36,67 +36,69 @@ def _config(opts: dict[str, Any]) -> Any:
     return cfg
 
 
+#: The panels of `synthq train --help` besides Options.
+_DATA, _STEPS, _DRAFTER, _EVAL = "Data", "Steps", "Drafter", "Evaluation"
+
+
 @app.command()
 def train(
     job: JobArg,
-    target: Annotated[str | None, typer.Option("--target", "-t", help="The target model: a "
-                      "local directory or a Hugging Face id [default: the job's stored "
-                      "target].")] = None,
+    target: Annotated[str | None, typer.Option("--target", "-t", help="The target model: "
+                      "a folder or Hugging Face id [default: the job's].")] = None,
     when: Annotated[str, typer.Option(metavar="<now|ready|done:F|count:N|never>",
-                    help="`now` starts a run now. `ready` (98 % of "
-                    "non-skipped samples done, none in flight), `done:F`, `count:N` or `never` "
-                    "store the threshold and target on the job; beat starts the run.")] = "now",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory [default: "
+                    help="`now`, or arm the job: beat starts the run when it is "
+                    "ready.")] = "now",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Run folder [default: "
                    "SYNTHQ_DATA_DIR/runs/JOB-runID].")] = None,
-    draft_vocab_size: Annotated[int, typer.Option(help="Draft vocabulary: the most "
-                                "frequent supervised ids.")] = 32_000,
-    max_len: Annotated[int, typer.Option(help="Cut examples to this many tokens.")] = 2048,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 1,
-    epochs: Annotated[int, typer.Option(help="Passes over the data (SpecForge's "
-                      "default).")] = 10,
-    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: all "
-                         "epochs).")] = 0,
-    max_examples: Annotated[int, typer.Option(help="Train on the first N examples of the "
-                            "training split (0: all); the held-out split stays the same, so "
-                            "runs of a data curve compare.")] = 0,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 1e-4,
-    warmup_ratio: Annotated[float, typer.Option(help="Warmup share of the steps.")] = 0.02,
+    draft_vocab_size: Annotated[int, typer.Option(help="Most frequent supervised ids "
+                                "drafted.", rich_help_panel=_DATA)] = 32_000,
+    max_len: Annotated[int, typer.Option(help="Cut examples to this many tokens.",
+                                         rich_help_panel=_DATA)] = 2048,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.",
+                                            rich_help_panel=_STEPS)] = 1,
+    epochs: Annotated[int, typer.Option(help="Passes over the data.",
+                                        rich_help_panel=_STEPS)] = 10,
+    max_steps: Annotated[int, typer.Option(help="Stop after N steps (0: all epochs).",
+                                           rich_help_panel=_STEPS)] = 0,
+    max_examples: Annotated[int, typer.Option(help="The first N training examples (0: "
+                            "all); the held-out ones stay.", rich_help_panel=_DATA)] = 0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).",
+                                      rich_help_panel=_STEPS)] = 1e-4,
+    warmup_ratio: Annotated[float, typer.Option(help="Warmup share of the steps.",
+                                                rich_help_panel=_STEPS)] = 0.02,
     drafter: Annotated[str, typer.Option(metavar="<eagle3|dflash>", help="The drafter "
-                       "family: `eagle3`, or `dflash` (a block-diffusion drafter served by "
-                       "vLLM's `dflash` method), trained from the same features.")] = "eagle3",
-    ttt_steps: Annotated[int, typer.Option(help="Training-time test steps (DFlash: the draft "
-                         "tokens of a block).")] = 7,
-    supervise: Annotated[str, typer.Option(metavar="<assistant|all>", help="Positions the "
-                         "loss learns: `assistant` (the loss mask: the tokens the model "
-                         "generated) or `all` (every real position with a next token, the "
-                         "prompt and the template too: the labels are the target's own "
-                         "distribution, so any text teaches the drafter; more signal from "
-                         "the same data). Either way only where the target's choice is in "
-                         "the draft vocabulary, which, like the evaluation, stays drawn "
-                         "from the generated tokens.")] = "assistant",
-    dflash_layers: Annotated[int, typer.Option(help="DFlash: decoder layers.")] = 2,
-    dflash_anchors: Annotated[int, typer.Option(help="DFlash: blocks trained per sequence "
-                              "a step (random anchors).")] = 256,
-    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 500,
-    log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.")] = 10,
+                       "family (`dflash`: vLLM's block-diffusion method).",
+                       rich_help_panel=_DRAFTER)] = "eagle3",
+    ttt_steps: Annotated[int, typer.Option(help="Training-time test steps (DFlash: a "
+                         "block's draft tokens).", rich_help_panel=_DRAFTER)] = 7,
+    supervise: Annotated[str, typer.Option(metavar="<assistant|all>", help="Positions "
+                         "learnt: the generated tokens, or every one.",
+                         rich_help_panel=_DATA)] = "assistant",
+    dflash_layers: Annotated[int, typer.Option(help="DFlash: decoder layers.",
+                                               rich_help_panel=_DRAFTER)] = 2,
+    dflash_anchors: Annotated[int, typer.Option(help="DFlash: blocks per sequence a step.",
+                                                rich_help_panel=_DRAFTER)] = 256,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps.",
+                                            rich_help_panel=_STEPS)] = 500,
+    log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.",
+                                           rich_help_panel=_STEPS)] = 10,
     hidden_states: Annotated[str, typer.Option(
         "--hidden-states", "--features", metavar="<online|offline|captured>",
-        help="`online` (target runs in each step), `offline` (cached per sample as "
-        "safetensors) or `captured` (the files of `synthq capture`: the engine's hidden "
-        "states; only the target's embeddings, norm and lm_head are loaded).")] = "online",
-    seed: Annotated[int, typer.Option(help="Shuffling and init seed.")] = 0,
-    eval_fraction: Annotated[float, typer.Option(help="Share of the examples held out, never "
-                             "trained on, to measure the served acceptance length; raised to "
-                             "50 examples, but never above a tenth of the job (a job of 200 "
-                             "holds out 20); 0: no evaluation.")] = 0.02,
-    eval_every: Annotated[int, typer.Option(help="Measure it every N steps (0: only at the "
-                          "end, which always runs).")] = 1000,
-    eval_draft_tokens: Annotated[int, typer.Option(help="Draft tokens per verify round in "
-                                 "the measurement (vLLM's num_speculative_tokens).")] = 4,
-    eval_max_new: Annotated[int, typer.Option(help="At most this many new tokens per "
-                            "held-out prompt.")] = 256,
-    keep_checkpoints: Annotated[int, typer.Option(help="Step checkpoints kept (older ones "
-                                "are deleted).")] = 2,
+        help="The target's features: run each step, cached, or `synthq capture`'s.",
+        rich_help_panel=_DATA)] = "online",
+    seed: Annotated[int, typer.Option(help="Shuffling and init seed.",
+                                      rich_help_panel=_STEPS)] = 0,
+    eval_fraction: Annotated[float, typer.Option(help="Share held out to measure "
+                             "acceptance (50 to a tenth of the job; 0: none).",
+                             rich_help_panel=_EVAL)] = 0.02,
+    eval_every: Annotated[int, typer.Option(help="Measure every N steps (0: at the end "
+                          "only).", rich_help_panel=_EVAL)] = 1000,
+    eval_draft_tokens: Annotated[int, typer.Option(help="Draft tokens a round (vLLM's "
+                                 "num_speculative_tokens).", rich_help_panel=_EVAL)] = 4,
+    eval_max_new: Annotated[int, typer.Option(help="New tokens per held-out prompt, at "
+                            "most.", rich_help_panel=_EVAL)] = 256,
+    keep_checkpoints: Annotated[int, typer.Option(help="Step checkpoints kept.",
+                                                  rich_help_panel=_STEPS)] = 2,
     restart: Annotated[bool, typer.Option("--restart", help="Cancel the job's unfinished run "
                        "and start a new one with these settings.")] = False,
     as_json: JsonOpt = False,
@@ -110,6 +112,8 @@ def train(
     last checkpoint.
 
     Example: `synthq train my-job --target /models/llama-3.1-8b --epochs 2 --lr 1e-4`
+
+    Each option in full: the docs' CLI reference (docs/cli.md).
     """
     from synthq import states
     from synthq.config import get_settings
