@@ -217,13 +217,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("timeout", float, 1800.0, "Total seconds one call may take.",
             field="total_timeout", also=_below_visibility, requeue="sample", role=OPERATIONAL_ROLE,
             requeue_help="Total seconds one call of the requeued samples may take.",
-            **_POSITIVE_SECONDS,
-            brief="Total seconds per call."),  # type: ignore[arg-type]
+            brief="Total seconds per call.",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("stall_timeout", float, 300.0, "Seconds without a streamed chunk before a call "
             "counts as stalled.", requeue="sample", requeue_help="Stall timeout of the "
             "requeued samples' calls.",
-            role=OPERATIONAL_ROLE, **_POSITIVE_SECONDS,
-            brief="Seconds with no chunk: stalled."),  # type: ignore[arg-type]
+            role=OPERATIONAL_ROLE, brief="Seconds with no chunk: stalled.",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("max_attempts", int, 5, "Calls per sample before it is failed.", low=1,
             high=1000, requeue="sample", role=OPERATIONAL_ROLE,
             requeue_help="Calls per requeued sample before it is failed.",
@@ -232,8 +232,8 @@ SETTINGS: tuple[Setting, ...] = (
             "jitter).", low=0, high=MAX_SECONDS, role=OPERATIONAL_ROLE,
             brief="First retry's wait in seconds."),
     Setting("backoff_cap", float, 300.0, "Backoff ceiling in seconds.", role=OPERATIONAL_ROLE,
-            **_POSITIVE_SECONDS,
-            brief="Longest retry wait, seconds."),  # type: ignore[arg-type]
+            brief="Longest retry wait, seconds.",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     # inflight is "N" or "auto"; its three settings are read together by
     # synthq.enqueue.inflight_settings, which words their errors.
     Setting("inflight", str, "64", "Most requests in flight per server (set it to what the "
