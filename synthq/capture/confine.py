@@ -143,7 +143,7 @@ def _open_folder(path: Path) -> int:
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 at = Path(*path.parts[:i + 1])
-                code = exc.errno
+                code = exc.errno or 0
                 if code == errno.ENOTDIR and _is_link(part, fd):  # O_DIRECTORY answers first
                     code = errno.ELOOP
                 why = {errno.ELOOP: "is a symlink", errno.ENOTDIR: "is not a folder",

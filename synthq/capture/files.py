@@ -70,7 +70,8 @@ class Tensor:
     #: safetensors' dtype code (``F32``, ``BF16``, ``I64`` ...).
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    #: The raw bytes (a bytearray when read from a file: one buffer, not copied again).
+    data: bytes | bytearray
 
     def array(self) -> np.ndarray:
         """As numpy (bfloat16 and float8 widened to float32; a float8 tensor's scale is

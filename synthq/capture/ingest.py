@@ -27,9 +27,11 @@ align with the sample's concatenated ``input_ids`` and ``loss_mask``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +59,18 @@ class Ingested:
     dtype: str
 
 
-def _file(file: confine.EngineFile | Path) -> confine.EngineFile:
-    return file if isinstance(file, confine.EngineFile) else confine.local(Path(file))
+@contextlib.contextmanager
+def _file(file: confine.EngineFile | Path) -> Iterator[confine.EngineFile]:
+    """``file`` as an :class:`confine.EngineFile`; a path synthq names itself (tests,
+    tools) opened the same way, its folder closed after."""
+    if isinstance(file, confine.EngineFile):
+        yield file
+        return
+    opened = confine.local(Path(file))
+    try:
+        yield opened
+    finally:
+        opened.folder.close()
 
 
 def wait_whole(file: confine.EngineFile | Path, *, timeout: float | None = None,
@@ -66,20 +78,20 @@ def wait_whole(file: confine.EngineFile | Path, *, timeout: float | None = None,
     """Until the engine's file is whole: synthq's connector renames it into place; the
     stock one holds an exclusive lock on ``<file>.lock`` while it writes. Ends by
     ``deadline`` (``time.monotonic()``) or after ``timeout`` seconds, whichever is first."""
-    engine_file = _file(file)
     ends = [t for t in (deadline, None if timeout is None else time.monotonic() + timeout)
             if t is not None]
     until = min(ends) if ends else time.monotonic()
     delay = 0.005
-    while True:
-        if engine_file.present() and engine_file.unlocked():
-            return
-        left = until - time.monotonic()
-        if left <= 0:
-            raise CaptureIncomplete(f"the engine's file {engine_file} did not appear whole "
-                                    "within the capture's deadline")
-        time.sleep(min(delay, left))
-        delay = min(0.1, delay * 2)
+    with _file(file) as engine_file:
+        while True:
+            if engine_file.present() and engine_file.unlocked():
+                return
+            left = until - time.monotonic()
+            if left <= 0:
+                raise CaptureIncomplete(f"the engine's file {engine_file} did not appear "
+                                        "whole within the capture's deadline")
+            time.sleep(min(delay, left))
+            delay = min(0.1, delay * 2)
 
 
 def ingest(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: list[int],
@@ -91,7 +103,7 @@ def ingest(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: li
                         metadata=metadata, hidden=hidden)
 
 
-def ingest_parts(paths: list[confine.EngineFile] | list[Path], pieces: list[np.ndarray], *,
+def ingest_parts(paths: Sequence[confine.EngineFile | Path], pieces: list[np.ndarray], *,
                  layers: list[int], dtype: str, store: Store, metadata: dict[str, str],
                  hidden: int | None = None) -> Ingested:
     """Check each engine file against its piece of the sample's ids (one per example) and
@@ -137,10 +149,10 @@ def check(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: lis
     is opened in its folder's descriptor and sized before it is read; its header is
     judged before its tensors are read (``hidden``: the target's hidden size, if known,
     the most the file's may be)."""
-    engine_file = _file(path)
     want = input_ids.astype(np.int64)
     try:
-        fd = engine_file.open(most=largest_file(len(want), len(layers), hidden))
+        with _file(path) as engine_file:
+            fd = engine_file.open(most=largest_file(len(want), len(layers), hidden))
     except FileNotFoundError as exc:
         raise CaptureIncomplete(f"the engine's file is not whole: {exc.strerror}") from None
     try:
@@ -199,10 +211,12 @@ def _check_open(fd: int, want: np.ndarray, layers: list[int],
 def discard(path: confine.EngineFile | Path) -> None:
     """Remove the engine's file and its lock once the store holds the capture, by name in
     the folder's descriptor."""
-    engine_file = path if isinstance(path, confine.EngineFile) else None
-    if engine_file is None:
-        try:
-            engine_file = confine.local(Path(path))
-        except (OSError, BadRequest):
-            return
+    if isinstance(path, confine.EngineFile):
+        path.discard()
+        return
+    try:
+        engine_file = confine.local(path)
+    except (OSError, BadRequest):
+        return  # its folder is not one (a path through a file): nothing there to delete
     engine_file.discard()
+    engine_file.folder.close()

@@ -384,7 +384,9 @@ class Stage:
                 raise UserError(f"job {job.name} has no capture server: pass --server URL")
             s.expunge(job)
         layers = layers_for(job)
-        engines = {url: describe(self.client, url, deadline=time.monotonic() + CHECK_SECONDS)
+        # Bounded like a capture call (a server that trickles /models stops no stage for
+        # good), and as long: an engine busy with prefills may be slow to list its model.
+        engines = {url: describe(self.client, url, deadline=time.monotonic() + self.timeout)
                    for url in job.capture_servers}
         for url, folder in (job.capture_files or {}).items():  # the probe checks each
             if url in engines:
