@@ -362,8 +362,8 @@ class Stage:
         self.client = watched_client(auth=server_key)
         #: Each server's folder when none is declared (synthq.capture.confine.Pins).
         self.pins = confine.Pins()
-        #: The target's hidden size, when its config.json says: bounds each file's size
-        #: (synthq.capture.ingest.largest_file).
+        #: The target's hidden size, when its config.json says (else the first stored
+        #: file's): bounds each file's size (synthq.capture.ingest.largest_file).
         self.hidden: int | None = None
         #: Captures this process is running, and on which server.
         self.inflight: dict[Future[None], tuple[states.Claimed, str]] = {}
@@ -549,6 +549,8 @@ class Stage:
                               engine_model=engine.model)
         self.streaks.ok(engine.url)
         self.outages.ok(engine.url)
+        if self.hidden is None:  # the engine's own, checked: bounds the next files' size
+            self.hidden = got.hidden_size
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "
                         "it was recorded", claimed.sample_id)
