@@ -114,10 +114,19 @@ _no_type_for_flags()
 
 
 def _compact_help() -> None:
-    """Options as two columns, names and help, so --help reads at 80 columns."""
-    from synthq.cli.helpfmt import install
+    """Options as two columns, names and help, so --help reads at 80 columns
+    (synthq.cli.helpfmt, imported only when help is drawn)."""
+    from typer.core import TyperCommand, TyperGroup
 
-    install()
+    for cls in (TyperCommand, TyperGroup):
+        def format_help(self: Any, ctx: Any, formatter: Any,
+                        _original: Any = cls.format_help) -> None:
+            from synthq.cli.helpfmt import install
+
+            install()
+            return _original(self, ctx, formatter)  # type: ignore[no-any-return]
+
+        cls.format_help = format_help  # type: ignore[method-assign]
 
 
 _compact_help()

@@ -9,8 +9,9 @@ Here a panel is two columns: the names with their value (``--server, -s <url>``,
 wraps between words, its default on the same line. Nothing else of Typer's help
 changes (usage, description, command lists, errors).
 
-:func:`install` swaps the panel function in when help is first drawn, so a command
-run without ``--help`` never imports rich.
+:func:`install` swaps the panel function in; the CLI calls it when help is first drawn
+(``synthq.cli._compact_help``), so a command run without ``--help`` imports neither
+this module nor rich.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import click
     from rich.console import Console
     from rich.text import Text
 
@@ -32,7 +32,7 @@ SHORT_METAVAR = 10
 _CODE = re.compile(r"`([^`]+)`")
 
 
-def names_cell(param: click.Parameter, ctx: click.Context) -> Text:
+def names_cell(param: Any, ctx: Any) -> Text:
     """``--server, -s <url>``; ``--[no-]stream``; ``--keep-truncated/--drop-truncated``
     on two lines; an argument by its name (``JOB``)."""
     from rich.text import Text
@@ -59,7 +59,7 @@ def names_cell(param: click.Parameter, ctx: click.Context) -> Text:
     return cell
 
 
-def _metavar(param: click.Parameter, ctx: click.Context) -> str | None:
+def _metavar(param: Any, ctx: Any) -> str | None:
     """The value an option takes as --help shows it (``<int>``; a repeatable option by
     its item, ``<str>`` for ``<list[str]>``), None for a flag."""
     shown = param.display_type_rich(ctx=ctx)  # type: ignore[attr-defined]
@@ -71,7 +71,7 @@ def _metavar(param: click.Parameter, ctx: click.Context) -> str | None:
 _LIST = re.compile(r"^<list\[(\w+)\]>$")
 
 
-def help_cell(param: click.Parameter, ctx: click.Context) -> Text:
+def help_cell(param: Any, ctx: Any) -> Text:
     """The help as one paragraph: a long value first, then the text (backticks shown as
     code), its default and ``[required]`` on the same line, wrapped between words."""
     from rich.text import Text
@@ -100,7 +100,7 @@ def help_cell(param: click.Parameter, ctx: click.Context) -> Text:
     return cell
 
 
-def _default(param: Any, ctx: click.Context) -> str:
+def _default(param: Any, ctx: Any) -> str:
     """The default as Typer words it, or "" where none is shown; ``on``/``off`` for a
     ``--[no-]flag``."""
     value = param._extract_default_help_str(ctx=ctx)
@@ -115,7 +115,7 @@ def _default(param: Any, ctx: click.Context) -> str:
                                          default_value=value))
 
 
-def _print_options_panel(*, name: str, params: list[Any], ctx: click.Context,
+def _print_options_panel(*, name: str, params: list[Any], ctx: Any,
                          markup_mode: Any, console: Console) -> None:
     """Typer's ``rich_utils._print_options_panel`` in two columns (see the module)."""
     del markup_mode  # the help is read as plain text with `code`, in every mode
@@ -134,28 +134,9 @@ def _print_options_panel(*, name: str, params: list[Any], ctx: click.Context,
                         box=box.ROUNDED))
 
 
-def _patched() -> None:
-    """Put the two-column panel in Typer's help renderer (once)."""
+def install() -> None:
+    """Draw Typer's options panels with :func:`_print_options_panel` from now on (called
+    by the CLI when help is first drawn: Typer imports ``rich_utils`` only then)."""
     from typer import rich_utils
 
     rich_utils._print_options_panel = _print_options_panel  # type: ignore[assignment]
-
-
-def install() -> None:
-    """Draw every command's options with :func:`_print_options_panel` from now on.
-
-    Typer's commands import ``rich_utils`` inside ``format_help``; the wrapper patches it
-    there, so nothing is imported before help is asked for."""
-    from typer.core import TyperCommand, TyperGroup
-
-    for cls in (TyperCommand, TyperGroup):
-        original = cls.format_help
-        if getattr(original, "_synthq_compact", False):
-            continue
-
-        def format_help(self: Any, ctx: Any, formatter: Any, _original: Any = original) -> None:
-            _patched()
-            return _original(self, ctx, formatter)
-
-        format_help._synthq_compact = True  # type: ignore[attr-defined]
-        cls.format_help = format_help  # type: ignore[method-assign]
