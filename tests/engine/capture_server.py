@@ -41,9 +41,10 @@ def vllm_python() -> Path:
     return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
 
 
-def build_tiny_target(where: Path) -> Path:
-    """``save_pretrained`` of a seeded random tiny Llama, in the engine's venv; its final
-    norm weights are far from ones, so a wrong norm changes its argmax."""
+def build_tiny_target(where: Path | None = None) -> Path:
+    """The folder of a seeded random tiny Llama (``save_pretrained`` in the engine's venv);
+    its final norm weights are far from ones, so a wrong norm changes its argmax.
+    ``where`` is not used: the folder is the machine's cached one."""
     code = (
         "import sys, torch\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -55,9 +56,17 @@ def build_tiny_target(where: Path) -> Path:
         "m = LlamaForCausalLM(cfg)\n"
         "m.model.norm.weight.data = 1 + 2 * torch.randn(cfg.hidden_size)\n"
         "m.save_pretrained(sys.argv[1])\n")
-    subprocess.run([str(vllm_python()), "-c", code, str(where)], check=True,
-                   capture_output=True, timeout=300)
-    return where
+    python = vllm_python()
+
+    def build(folder: Path) -> None:
+        subprocess.run([str(python), "-c", code, str(folder)], check=True,
+                       capture_output=True, timeout=300)
+
+    # Built once per machine (a torch start and 130 MB written, for each server started):
+    # the same code in the same venv gives the same weights.
+    from support import built_once
+
+    return built_once("capture-target", [code, str(python.resolve())], build)
 
 
 def free_port() -> int:
@@ -154,6 +163,8 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900,
                VLLM_LOGGING_LEVEL="WARNING")
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny-capture", "--dtype", "float32", "-O0",
+            # the model run in the engine's process: one torch import fewer per start
+            "--distributed-executor-backend", "uni",
             "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
             "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
             "--kv-transfer-config", json.dumps(kv)]
