@@ -59,7 +59,7 @@ class Watchdog:
         with self._cond:
             watch.sock = sock
             heapq.heappush(self._heap, (watch.deadline, next(self._order), watch))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # first, or forked
                 self._thread = threading.Thread(target=self._run, name="synthq-deadline",
                                                 daemon=True)
                 self._thread.start()
