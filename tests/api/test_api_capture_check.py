@@ -19,7 +19,7 @@ import pytest
 from conftest import AUTH
 from hostile_capture import HostileServer, Request
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.processes]
 
 
 def _trickle_models(server: HostileServer, conn: socket.socket, req: Request) -> None:

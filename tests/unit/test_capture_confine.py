@@ -159,6 +159,7 @@ print(next(int(line.split()[1]) // 1024 for line in open("/proc/self/status")
 """
 
 
+@pytest.mark.processes
 def test_a_1gib_sparse_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
     """Item 4: the engine's file was read whole before any size check: a 1 GiB sparse
     file cost 1,125 MiB of RSS. It is now sized against tokens × layers × hidden first."""
