@@ -7,6 +7,7 @@ its end-of-turn marker — and nothing of the headers or other roles.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,12 @@ def tokenizers(root: Path) -> dict[str, ChatTokenizer]:
             qwen, reasoning="drop", chat_template_kwargs='{"enable_thinking": false}')),
         "generation": ChatTokenizer(TokenizeSettings(ct.generation_blocks(root))),
     }
+
+
+def own_copy(base: ChatTokenizer) -> ChatTokenizer:
+    """A ChatTokenizer whose attributes a test may replace without touching the module's,
+    sharing its loaded tokenizer (loading it again took 5-10 s a test)."""
+    return copy.copy(base)
 
 
 END = {"deepseek-v3": "<｜end▁of▁sentence｜>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>",
@@ -166,7 +173,7 @@ def test_truncation_at_and_around_every_boundary(tokenizers: dict[str, ChatToken
     full = base.tokenize(messages)
     n = len(full.input_ids)
     first = int(np.flatnonzero(full.loss_mask)[0])
-    tok = ChatTokenizer(base.settings)
+    tok = own_copy(base)
     for limit in range(2, n + 3):
         tok.settings = replace(base.settings, max_seq_len=limit)
         if limit <= first:
@@ -278,7 +285,7 @@ def test_byte_level_path_gives_the_general_paths_results(tokenizers: dict[str, C
     at every max_seq_len (including refusals with the same message)."""
     base = tokenizers[name]
     assert base._fast is not None
-    tok = ChatTokenizer(base.settings)
+    tok = own_copy(base)
     answers = ["Eleven, then 13.", " 🎉👩‍💻 日本語\n\n```py\nx = 1\n```  ", "", "\r0\r",
                "a<|im_end|>b"]
     for answer in answers:
@@ -330,14 +337,14 @@ def test_byte_level_self_check_fails_on_a_wrong_mask(tokenizers: dict[str, ChatT
     base = tokenizers["qwen3-drop"]
     messages = base.conversation(PROMPTS["single turn"], "Four, 🎉 日本.", None)
     assert base.tokenize(messages).num_supervised
-    tok = ChatTokenizer(base.settings)
+    tok = own_copy(base)
     backend, table = tok._fast  # type: ignore[misc]
     # One token late (one early is walked forward to the right token: no harm done).
     tok._fast = (_ShiftedBackend(backend, 1), table)
     with pytest.raises(errors.MaskMismatch, match="supervised tokens decode to"):
         tok.tokenize(messages)
 
-    tok = ChatTokenizer(base.settings)
+    tok = own_copy(base)
     span = tok._span
     tok._span = lambda *a, **k: (lambda s: (s[0] + (by > 0), s[1] - (by < 0)))(span(*a, **k))  # type: ignore[method-assign]
     with pytest.raises(errors.MaskMismatch, match="supervised tokens decode to"):
@@ -351,7 +358,7 @@ def test_byte_level_self_check_does_not_trust_a_wrong_byte_table(
     base = tokenizers["llama3"]
     messages = base.conversation(PROMPTS["single turn"], "Four.", None)
     good = base.tokenize(messages)
-    tok = ChatTokenizer(base.settings)
+    tok = own_copy(base)
     backend, table = tok._fast  # type: ignore[misc]
     table = list(table)
     for i in good.completion_ids:
