@@ -10,7 +10,9 @@ Two ways in:
 
 It walks the Click command Typer builds (``typer.main.get_command``), so every command,
 group, argument and option ``synthq --help`` shows is here, with the help text and
-default that ``--help`` prints (the same ``get_help_record``).
+default that ``--help`` prints (the same ``get_help_record``). A job setting's ``--help``
+is a one-line brief that points here, so the page adds the setting's whole explanation
+below it (:attr:`synthq.jobspec.Setting.help`, the API schema's description too).
 """
 
 from __future__ import annotations
@@ -52,8 +54,33 @@ def _one_line(help_text: str | None) -> str:
     return " ".join(_text(help_text).split())
 
 
+_DEFAULT = re.compile(r" \[default: [^]]*\]")
+
+
+def _setting_help(param: Any) -> str:
+    """The whole explanation of a job setting's option (``synthq.jobspec.BY_NAME``), where
+    it says more than the brief ``--help`` shows; "" for any other option. The option is
+    the setting's only if its help is one the setting gives (synthq.cli.options._help):
+    another command's option of the same name (``synthq simulate --model``) is not."""
+    from synthq.jobspec import BY_NAME
+
+    s = BY_NAME.get(param.name or "")
+    if s is None or not s.help or not getattr(param, "help", None):
+        return ""
+    shown = param.help.removesuffix(" [default: the job's]")
+    if shown == s.requeue_help:  # a requeue's own words: they say more than the setting's
+        return ""
+    own = {s.help, s.help + (f" [default: {s.omitted}]" if s.omitted else ""),
+           s.brief, _DEFAULT.sub("", s.brief)}
+    if shown not in own:
+        return ""
+    said = " ".join(_DEFAULT.sub("", shown).split())
+    return "" if " ".join(s.help.split()) == said else _one_line(s.help)
+
+
 def _params(command: Any, ctx: Any) -> list[str]:
-    """One list item per argument and option, as ``--help`` shows it."""
+    """One list item per argument and option, as ``--help`` shows it; a job setting's
+    item goes on with its whole explanation, a paragraph of its own."""
     lines = []
     for param in command.get_params(ctx):
         record = param.get_help_record(ctx)
@@ -63,6 +90,9 @@ def _params(command: Any, ctx: Any) -> list[str]:
         line = f"- `{names}`"
         if help_text:
             line += f": {_one_line(help_text)}"
+        full = _setting_help(param)
+        if full:
+            line += f"\n\n    {full}\n"
         lines.append(line)
     return lines
 

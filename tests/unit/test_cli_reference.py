@@ -61,3 +61,23 @@ def test_the_site_build_generates_it_and_no_copy_is_kept() -> None:
     assert re.search(r"^hooks:\n  - scripts/cli_reference\.py$", config, re.M)
     assert "cli.md" in config  # in the nav
     assert not (REPO / "docs" / "cli.md").exists(), "docs/cli.md is generated at build time"
+
+
+def test_a_job_settings_whole_explanation_follows_its_brief() -> None:
+    """--help shows a job setting's one-line brief and points to this page for the rest:
+    the page carries the setting's whole text (synthq.jobspec's help), under the brief."""
+    from synthq.jobspec import BY_NAME
+
+    page = _generator().render()
+    run = page.split("### `synthq run`", 1)[1].split("\n### ", 1)[0]
+    inflight = BY_NAME["inflight"]
+    assert inflight.brief and inflight.brief != inflight.help
+    item = run.split("- `--inflight <N|auto>`: ", 1)[1].split("\n- ", 1)[0]
+    assert item.startswith(inflight.brief)
+    assert f"\n\n    {' '.join(inflight.help.split())}\n" in item
+    capture = page.split("### `synthq capture`", 1)[1].split("\n### ", 1)[0]
+    assert " ".join(BY_NAME["capture_dtype"].help.split()) in capture
+    # Another command's option of a setting's name is not that setting.
+    simulate = page.split("### `synthq simulate`", 1)[1].split("\n### ", 1)[0]
+    model = simulate.split("- `--model <str>`: ", 1)[1].split("\n- ", 1)[0]
+    assert "\n\n" not in model
