@@ -25,7 +25,8 @@ bash scripts/setup.sh
 if [ "$fast" = 1 ]; then
   # A test in this tier that starts a process fails at once (tests/conftest.py): it
   # must carry the `processes` marker, and so leave the tier.
-  SYNTHQ_FAST_TIER=1 exec .venv/bin/python -m pytest -n "${SYNTHQ_TEST_PROCESSES:-2}" \
+  # --dist loadfile: a module on one process, its fixtures (six tokenizers) loaded once.
+  SYNTHQ_FAST_TIER=1 exec .venv/bin/python -m pytest -n "${SYNTHQ_TEST_PROCESSES:-2}" --dist loadfile \
     -m "smoke or not (postgres or redis or processes or engine or chaos or browser or training or slow)" \
     "$@"
 fi

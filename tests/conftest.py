@@ -60,6 +60,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             why.add(_FOLDER_MARKS[folder])
         if item.path.name in _FILE_MARKS:
             why.add(_FILE_MARKS[item.path.name])
+        # A backend chosen by a parameter (``request.getfixturevalue("pg")``): its id says.
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "postgresql" in callspec.id.split("-"):
+            why.add("postgres")
         why.update(_MARKER_MARKS[m.name] for m in item.iter_markers() if m.name in _MARKER_MARKS)
         for name in sorted(why - {m.name for m in item.iter_markers()}):
             item.add_marker(name)

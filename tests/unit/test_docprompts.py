@@ -6,7 +6,12 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from synthq.testing.docprompts import HELD_OUT_BELOW, doc_prompts, write_prompt_set
+
+#: Each parses the whole standard library (about 10 s on 2 cores): outside the fast tier.
+pytestmark = pytest.mark.slow
 
 
 def test_prompts_are_real_docstrings_with_a_content_fixed_split(tmp_path: Path) -> None:
