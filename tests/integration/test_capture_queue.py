@@ -345,7 +345,10 @@ def test_stock_connector_files_are_taken_only_from_the_declared_folder(
         assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
         assert list(fake_engine.engine_dir.iterdir()) == []  # each taken, then deleted
     elif case == "other_ids":
-        assert left.done == 0 and left.failures == {"capture_mismatch": n}, left
+        # The stage stops a server after 5 identical failures: the sixth capture is
+        # refused too, or never sent, as the stop races with its claim.
+        assert left.done == 0 and set(left.failures) == {"capture_mismatch"}, left
+        assert 5 <= left.failures["capture_mismatch"] <= n, left
     else:
         assert left.done == 0 and set(left.failures) == {"bad_request"}, left
         if case == "symlink":
