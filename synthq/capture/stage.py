@@ -417,7 +417,7 @@ class Stage:
         last_beat = 0.0
         try:
             with session_scope() as s:
-                workers.heartbeat(s, self.name, capacity=0, inflight=0, now=utcnow())
+                workers.heartbeat(s, self.name, capacity=0, inflight=0)
             if self.reclaim_all:  # this process holds the data directory: nothing else runs
                 sweep(reclaim_all=True, job_ids=[self.job_id])
             while True:
@@ -461,7 +461,7 @@ class Stage:
         """Heartbeat, then the sweep (stopped processes' captures are due again: a
         ``synthq capture`` may run where no tick does), then new done samples' captures."""
         with session_scope() as s:
-            workers.heartbeat(s, self.name, capacity=0, inflight=inflight, now=utcnow())
+            workers.heartbeat(s, self.name, capacity=0, inflight=inflight)
         expired = sweep(job_ids=[self.job_id])
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
