@@ -196,7 +196,7 @@ def test_run_job_stops_at_once_on_a_full_sqlite_disk(simulator: Callable[..., An
     ("database or disk is full"). The embedded runner stops within seconds with DiskFull
     naming the data directory (before: retried as transient, then a crash in sweep());
     with room again the rerun finishes, redoing at most the calls in flight."""
-    from sqlalchemy import event
+    from sqlalchemy import Engine, event
 
     from synthq.config import get_settings
     from synthq.db import dispose_engines, get_engine
@@ -224,14 +224,19 @@ def test_run_job_stops_at_once_on_a_full_sqlite_disk(simulator: Callable[..., An
     def cap(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 12}")
 
-    event.listen(engine, "connect", cap)
-    engine.dispose()
-    started = time.monotonic()
-    with pytest.raises(DiskFull, match=f"^disk full at {data}: free space and run the same "
-                                       "command again$"):
-        run_job(job_id)
-    assert time.monotonic() - started < 30
-    event.remove(engine, "connect", cap)
+    # On every engine, not only this one: the run may build its own (a listener on this
+    # one alone let the run fill 99 pages against a cap of 54, and it finished).
+    event.listen(Engine, "connect", cap)
+    try:
+        engine.dispose()
+        started = time.monotonic()
+        with pytest.raises(DiskFull, match=f"^disk full at {data}: free space and run the "
+                                           "same command again$"):
+            run_job(job_id)
+        assert time.monotonic() - started < 30
+    finally:
+        event.remove(Engine, "connect", cap)
+    dispose_engines()
     engine.dispose()
     status = run_job(job_id)
     assert status.counts["done"] == n, status
