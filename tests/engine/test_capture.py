@@ -448,8 +448,12 @@ def test_a_name_in_flight_twice_never_wedges_the_engine(capture_server: CaptureS
         "hidden_states_path"), ANSWER_S, "the name stayed refused after its file was written")
     assert again == str(written)
     print(f"\nduplicate synthq_name in flight: all three answered within {took:.1f} s")
+    # The last request's file is written after its answer (CI once found its ``.tmp``
+    # renamed between the glob and the unlink): cleared once no write is in flight.
+    wait_for(lambda: not [*server.engine_dir.glob("*.tmp")], ANSWER_S,
+             "a capture file stayed half-written")
     for p in [*server.engine_dir.glob(f"{name}*"), *server.engine_dir.glob("other-*")]:
-        p.unlink()
+        p.unlink(missing_ok=True)
 
 
 def _keep(errors: list[BaseException], fn: Any) -> None:

@@ -51,7 +51,13 @@ def test_a_late_tick_does_nothing(pg: str, redis_url: str,
 
 
 def test_beat_marks_its_ticks(redis_url: str) -> None:
-    """Beat's tick carries no ``expires``; the message is marked live before it is sent."""
+    """Beat's tick carries no ``expires``; the message is marked live before it is sent.
+
+    It is sent to a queue of its own: a worker still draining ``control`` on this Redis
+    database (another test's) would take the message and its key before they are read
+    (CI: ``not enough values to unpack (expected 1, got 0)``)."""
+    import uuid
+
     import redis
 
     from synthq.broker import CONTROL_ROUTE, TICK_KEY, TICK_TASK
@@ -61,9 +67,12 @@ def test_beat_marks_its_ticks(redis_url: str) -> None:
     try:
         entry = app.conf.beat_schedule["dispatch"]
         assert "expires" not in entry["options"]
-        app.send_task(TICK_TASK, **entry["options"])
-        [message] = [json.loads(m) for m in client.lrange(CONTROL_ROUTE["queue"], 0, -1)]
+        assert entry["options"]["queue"] == CONTROL_ROUTE["queue"]
+        queue = f"tick-test-{uuid.uuid4().hex[:8]}"
+        app.send_task(TICK_TASK, **{**entry["options"], "queue": queue, "routing_key": queue})
+        [message] = [json.loads(m) for m in client.lrange(queue, 0, -1)]
         assert not message["headers"].get("expires")
         assert client.exists(TICK_KEY + message["headers"]["id"])
+        client.delete(queue, TICK_KEY + message["headers"]["id"])
     finally:
         client.close()
