@@ -161,10 +161,8 @@ class JobSpec:
             raise UserError("--backoff-cap must be at least --backoff-base")
         if self.tokenizer is not None:
             _check_tokenizer_path(self.tokenizer)
-        reserved = {"model", "messages", "stream", "max_tokens",
-                    "kv_transfer_params"} & set(self.sampling)
-        if reserved:
-            raise UserError(f"sampling options may not set {sorted(reserved)}")
+        # Sampling keys are sent in the body as extra_body's are: one list refuses both.
+        jobspec.check_body(self.sampling, flag="sampling options")
 
     def tokenize_settings(self) -> Any:
         """The tokenization settings, or None without a tokenizer."""

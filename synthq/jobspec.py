@@ -511,7 +511,8 @@ def check_values(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_body(body: Mapping[str, Any], flag: str = "--extra-body") -> None:
-    """Refuse request fields ``extra_body`` may not set (:data:`RESERVED_BODY`), in one line."""
+    """Refuse request fields ``extra_body`` (or a job's sampling options, sent in the same
+    body) may not set (:data:`RESERVED_BODY`), in one line."""
     reserved = RESERVED_BODY & set(body)
     if reserved:
         raise UserError(f"{flag} may not set {sorted(reserved)}: synthq sets these itself, or "

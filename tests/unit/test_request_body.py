@@ -93,3 +93,16 @@ def test_create_and_requeue_refuse_each_reserved_key_in_one_line(key: str) -> No
             check()
         message = str(info.value)
         assert f"--extra-body may not set ['{key}']" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("key", sorted(jobspec.RESERVED_BODY))
+def test_sampling_options_refuse_the_same_reserved_keys(key: str) -> None:
+    """Sampling options are sent in the body as extra_body is: the one list
+    (jobspec.RESERVED_BODY) refuses a key in either, each with its own words."""
+    from synthq.enqueue import JobSpec
+
+    spec = JobSpec(name="j", model="m", servers=["http://127.0.0.1:9/v1"],
+                   sampling={key: 1})
+    with pytest.raises(UserError) as info:
+        spec.check()
+    assert f"sampling options may not set ['{key}']" in str(info.value)
