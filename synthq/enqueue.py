@@ -108,7 +108,7 @@ class JobSpec:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_seq_len: int = jobspec.default("max_seq_len")
     reasoning: str = jobspec.default("reasoning")
-    #: None: ``all_assistant_turns`` with ``regenerate="all"``, else ``last_turn``.
+    #: None: the default of its ``regenerate`` (synthq.jobspec.mask_for).
     mask: str | None = None
     think_open: str = jobspec.default("think_open")
     think_close: str = jobspec.default("think_close")
@@ -122,8 +122,7 @@ class JobSpec:
     capture_servers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mask is None:
-            self.mask = "all_assistant_turns" if self.regenerate == "all" else "last_turn"
+        self.mask = jobspec.mask_for(self.mask, self.regenerate)
 
     def check(self) -> None:
         """Raise :class:`UserError` naming the first bad setting."""

@@ -43,7 +43,7 @@ from synthq.errors import UserError
 
 __all__ = ["Setting", "SETTINGS", "CAPTURE", "BY_NAME", "OVERRIDABLE", "OPERATIONAL",
            "RESERVED_BODY", "GENERATION", "TOKENIZATION", "EXPORTED", "generation_settings",
-           "default", "urls",
+           "default", "urls", "mask_for",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
            "inflight_settings", "job_name", "setting_for_key", "DEFAULT_MAX_INFLIGHT",
@@ -187,6 +187,17 @@ def _below_visibility(total_timeout: float) -> None:
 
 _POSITIVE_SECONDS = dict(low=0.0, high=MAX_SECONDS, low_open=True)
 
+#: The turns a job given no ``--mask`` supervises, by its ``--regenerate``: the one place
+#: this default is written (the JobSpec, TokenizeSettings and the ``jobs.mask`` column
+#: read it through :func:`mask_for`).
+MASK_BY_REGENERATE = {"last": "last_turn", "all": "all_assistant_turns"}
+
+
+def mask_for(mask: str | None, regenerate: str | None = "last") -> str:
+    """A job's mask: ``mask`` as given, else the default of its ``regenerate``."""
+    return mask or MASK_BY_REGENERATE["all" if regenerate == "all" else "last"]
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("servers", list, required=True, flags=("--server", "-s"), cli="list", urls=True,
             role=OPERATIONAL_ROLE,
@@ -310,7 +321,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mask", str, None, "last_turn: supervise the generated answer; "
             "all_assistant_turns: also the dataset's earlier assistant turns.",
             choices=("last_turn", "all_assistant_turns"),
-            omitted="all_assistant_turns with --regenerate all, else last_turn",
+            omitted=f"{mask_for(None, 'all')} with --regenerate all, else {mask_for(None)}",
             role=TOKENIZATION_ROLE, exported=True,
             brief="Turns supervised [default: per --regenerate]."),
     Setting("think_open", str, "<think>\n", "Opens kept reasoning where the template has no "

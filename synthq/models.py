@@ -32,7 +32,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from synthq.enums import CaptureState, JobState, RunState, SampleState
-from synthq.jobspec import default
+from synthq.jobspec import default, mask_for
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
            "TrainingRun", "UTCDateTime", "ApiSession", "Capture"]
@@ -147,8 +147,10 @@ class Job(Base):
                                             server_default="<think>\n")
     think_close: Mapped[str] = mapped_column(String(64), default="\n</think>\n\n",
                                              server_default="\n</think>\n\n")
-    #: ``last_turn`` (the generated answer) or ``all_assistant_turns``.
-    mask: Mapped[str] = mapped_column(String(24), default="last_turn", server_default="last_turn")
+    #: ``last_turn`` (the generated answer) or ``all_assistant_turns`` (its default:
+    #: synthq.jobspec.mask_for).
+    mask: Mapped[str] = mapped_column(String(24), default=mask_for(None),
+                                      server_default=mask_for(None))
     #: ``last``: regenerate the last assistant turn; ``all``: every assistant turn,
     #: each on the regenerated history (synthq.turns).
     regenerate: Mapped[str] = mapped_column(String(8), default="last", server_default="last")

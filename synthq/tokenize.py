@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from synthq import errors
-from synthq.jobspec import BY_NAME
+from synthq.jobspec import BY_NAME, mask_for
 
 __all__ = [
     "TokenizeSettings",
@@ -119,7 +119,7 @@ class TokenizeSettings:
     reasoning: str = "auto"
     think_open: str = "<think>\n"
     think_close: str = "\n</think>\n\n"
-    mask: str = "last_turn"
+    mask: str = mask_for(None)
 
     @classmethod
     def from_job(cls, job: Any) -> TokenizeSettings | None:
@@ -132,7 +132,7 @@ class TokenizeSettings:
         values = {column: getattr(job, column) for column in TOKENIZATION}
         values["chat_template_kwargs"] = json.dumps(values["chat_template_kwargs"] or {},
                                                     sort_keys=True)
-        values["mask"] = values["mask"] or "last_turn"
+        values["mask"] = mask_for(values["mask"], getattr(job, "regenerate", None))
         return cls(**values)
 
     @property

@@ -66,3 +66,26 @@ def test_capture_settings_make_the_capture_commands_options_and_the_columns_defa
             jobspec.check(layers, jobspec.ints(bad, layers))
     with pytest.raises(UserError, match="--limit"):
         jobspec.check(jobspec.BY_NAME["capture_limit"], 0)
+
+
+def test_the_mask_default_is_one_rule_by_regenerate() -> None:
+    """A job given no mask supervises per its regenerate (jobspec.mask_for), wherever the
+    default is read: the JobSpec, the tokenization settings and the column."""
+    from types import SimpleNamespace
+
+    from synthq.enqueue import JobSpec
+    from synthq.models import Job
+    from synthq.tokenize import TokenizeSettings
+
+    for regenerate, mask in (("last", "last_turn"), ("all", "all_assistant_turns")):
+        spec = JobSpec(name="j", model="m", servers=["http://h:1/v1"], regenerate=regenerate)
+        assert spec.mask == jobspec.mask_for(None, regenerate) == mask
+        row = SimpleNamespace(**{c: getattr(spec, c) for c in jobspec.TOKENIZATION},
+                              regenerate=regenerate)
+        row.tokenizer, row.mask = "t", None  # a job read before its mask was stored
+        settings = TokenizeSettings.from_job(row)
+        assert settings is not None and settings.mask == mask, regenerate
+    column = Job.__table__.c["mask"]
+    field = {f.name: f for f in dataclasses.fields(TokenizeSettings)}["mask"]
+    assert column.default.arg == column.server_default.arg == field.default \
+        == jobspec.mask_for(None)
