@@ -42,8 +42,8 @@ from typing import Any
 from synthq.errors import UserError
 
 __all__ = ["Setting", "SETTINGS", "CAPTURE", "BY_NAME", "OVERRIDABLE", "OPERATIONAL",
-           "RESERVED_BODY", "GENERATION", "TOKENIZATION", "EXPORTED", "generation_settings",
-           "default", "urls", "mask_for",
+           "RESERVED_BODY", "GENERATION", "TOKENIZATION", "EXPORTED", "RETOKENIZABLE",
+           "generation_settings", "default", "urls", "mask_for",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
            "inflight_settings", "job_name", "setting_for_key", "DEFAULT_MAX_INFLIGHT",
@@ -117,6 +117,9 @@ class Setting:
     role: str | None = None
     #: Recorded in the export manifest's settings (what produced the data).
     exported: bool = False
+    #: ``synthq retokenize`` may change it: the examples are made again from the stored
+    #: answers, with no call (synthq.retokenize, :data:`RETOKENIZABLE`).
+    retokenize: bool = False
     #: With role ``generation``: part of the key only while the column ``[0]`` holds
     #: ``[1]`` (jobs made before the setting existed keep their keys).
     key_when: tuple[str, Any] | None = None
@@ -283,7 +286,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chat_template_kwargs", dict, None, "JSON object sent as chat_template_kwargs "
             "(and used by the tokenizer), e.g. '{\"enable_thinking\": true}'.", cli="json",
             requeue="sample", requeue_help="JSON object sent as chat_template_kwargs for the "
-            "requeued samples.", role=TOKENIZATION_ROLE, exported=True,
+            "requeued samples.", role=TOKENIZATION_ROLE, exported=True, retokenize=True,
             brief="JSON object: chat_template_kwargs."),
     Setting("extra_body", dict, None, "JSON object of extra request fields (not those synthq "
             "sets or that change the answers' count, length or shape: n, max_tokens, "
@@ -302,27 +305,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tokenizer", str, None, "The target model's tokenizer (a local path or Hugging "
             "Face id). With it, each answer is tokenized with an assistant-only loss mask; "
             "without it, a sample is done once its answer is stored.", max_len=500,
-            omitted="none", role=TOKENIZATION_ROLE, exported=True,
+            omitted="none", role=TOKENIZATION_ROLE, exported=True, retokenize=True,
             brief="The target's tokenizer (path or HF id): without one, no "
             "training data [default: none]."),
     Setting("chat_template", str, None, "A Jinja chat template that overrides the "
             "tokenizer's own (the CLI reads it from a file).", cli="file",
-            omitted="the tokenizer's", role=TOKENIZATION_ROLE,
+            omitted="the tokenizer's", role=TOKENIZATION_ROLE, retokenize=True,
             brief="Jinja file to use as chat template [default: the tokenizer's]."),
     Setting("max_seq_len", int, 4096, "Truncate training examples to this many tokens.",
-            low=1, high=MAX_TOKENS, role=TOKENIZATION_ROLE, exported=True,
+            low=1, high=MAX_TOKENS, role=TOKENIZATION_ROLE, exported=True, retokenize=True,
             brief="Tokens an example is cut to."),
     Setting("reasoning", str, "auto", "auto: keep where the chat template renders "
             "reasoning, drop where it cannot (said in one line at enqueue; the job stores "
             "the result); keep: reasoning_content is rendered into the assistant turn and "
             "supervised; drop: left out.", choices=("auto", "keep", "drop"),
-            role=TOKENIZATION_ROLE, exported=True,
+            role=TOKENIZATION_ROLE, exported=True, retokenize=True,
             brief="reasoning_content in the examples."),
     Setting("mask", str, None, "last_turn: supervise the generated answer; "
             "all_assistant_turns: also the dataset's earlier assistant turns.",
             choices=("last_turn", "all_assistant_turns"),
             omitted=f"{mask_for(None, 'all')} with --regenerate all, else {mask_for(None)}",
-            role=TOKENIZATION_ROLE, exported=True,
+            role=TOKENIZATION_ROLE, exported=True, retokenize=True,
             brief="Turns supervised [default: per --regenerate]."),
     Setting("think_open", str, "<think>\n", "Opens kept reasoning where the template has no "
             "reasoning_content (escapes like \\n are read).", cli="escapes", max_len=64,
@@ -346,7 +349,7 @@ SETTINGS: tuple[Setting, ...] = (
             "its history as sent and its answer supervised.",
             choices=("conversation", "per-turn"),
             omitted="per-turn where the template cannot mask several turns at once (tried at "
-            "enqueue), else conversation", exported=True,
+            "enqueue), else conversation", exported=True, retokenize=True,
             brief="Regenerate all: one example per conversation or per turn "
             "[default: what the template can mask]."),
     Setting("capture_servers", list, [], "Base URL of a capture server (…/v1): a vLLM started "
@@ -647,6 +650,8 @@ def _columns(role: str) -> tuple[str, ...]:
 GENERATION: tuple[str, ...] = _columns(GENERATION_ROLE)
 #: The job columns that make examples from the answers (``synthq.tokenize.TokenizeSettings``).
 TOKENIZATION: tuple[str, ...] = _columns(TOKENIZATION_ROLE)
+#: The settings ``synthq retokenize`` may change (each its own column).
+RETOKENIZABLE: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.retokenize)
 #: The job columns recorded in the export manifest (what produced the data).
 EXPORTED: tuple[str, ...] = tuple(dict.fromkeys(s.column for s in SETTINGS
                                                 if s.exported and s.column))

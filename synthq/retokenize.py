@@ -13,15 +13,15 @@ again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from synthq import errors, states
+from synthq import errors, jobspec, states
 from synthq.db import session_scope, utcnow, with_db_retry
 from synthq.enums import SampleState
 from synthq.errors import UserError
@@ -54,19 +54,14 @@ def stale_query(job_id: int, version: int) -> Any:
 
 def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
     """Apply tokenization ``changes`` to ``job``, check they work, bump the version."""
-    fields = {"tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
-              "mask", "examples"}
-    unknown = set(changes) - fields
+    unknown = set(changes) - set(jobspec.RETOKENIZABLE)
     if unknown:
         raise UserError(f"cannot change {sorted(unknown)} by retokenizing")
-    merged = {name: getattr(job, name) for name in fields} | changes
-    if not merged["tokenizer"]:
+    merged = {name: getattr(job, name) for name in (*jobspec.TOKENIZATION,
+                                                    *jobspec.RETOKENIZABLE)} | changes
+    settings = TokenizeSettings.from_job(SimpleNamespace(**merged, regenerate=job.regenerate))
+    if settings is None:
         raise UserError(f"job {job.name} has no tokenizer: pass --tokenizer")
-    settings = TokenizeSettings(
-        tokenizer=merged["tokenizer"], chat_template=merged["chat_template"],
-        chat_template_kwargs=json.dumps(merged["chat_template_kwargs"] or {}, sort_keys=True),
-        max_seq_len=merged["max_seq_len"], reasoning=merged["reasoning"], mask=merged["mask"],
-        think_open=job.think_open, think_close=job.think_close)
     tok = get_chat_tokenizer(settings)  # raises a clear error if it cannot work
     if "examples" in changes or "mask" in changes:  # refused where every sample would fail
         choose(merged["examples"], regenerate=job.regenerate, mask=merged["mask"],

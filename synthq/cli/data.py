@@ -136,13 +136,8 @@ def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
                   "written)")
 
 
-#: The tokenization settings a retokenize may change (synthq.jobspec declares them).
-RETOKENIZE = ("tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
-              "mask", "examples")
-
-
 @app.command()
-@with_settings(RETOKENIZE, mode="retokenize")
+@with_settings(jobspec.RETOKENIZABLE, mode="retokenize")
 def retokenize(
     job: JobArg,
     settings: dict[str, Any],

@@ -89,3 +89,19 @@ def test_the_mask_default_is_one_rule_by_regenerate() -> None:
     field = {f.name: f for f in dataclasses.fields(TokenizeSettings)}["mask"]
     assert column.default.arg == column.server_default.arg == field.default \
         == jobspec.mask_for(None)
+
+
+def test_retokenize_changes_the_settings_declared_retokenizable() -> None:
+    """`synthq retokenize`'s options and what synthq.retokenize.configure accepts are the
+    settings declared ``retokenize=True``, not lists written again."""
+    from synthq.cli.data import retokenize
+    from synthq.retokenize import configure
+
+    declared = {s.name for s in jobspec.SETTINGS if s.retokenize}
+    assert set(jobspec.RETOKENIZABLE) == declared == {
+        "tokenizer", "chat_template", "chat_template_kwargs", "max_seq_len", "reasoning",
+        "mask", "examples"}
+    options = set(inspect.signature(retokenize).parameters) & set(jobspec.BY_NAME)
+    assert options == declared
+    with pytest.raises(UserError, match=r"cannot change \['think_open'\] by retokenizing"):
+        configure(None, object(), {"think_open": "<t>"})  # type: ignore[arg-type]
