@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+import dataclasses
+from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from synthq import jobspec
-from synthq.enqueue import JobSpec
+from synthq.enqueue import EnqueueReport, JobSpec
 from synthq.jobspec import Setting
 from synthq.query import SampleRow
 from synthq.training.runs import RunRecord
@@ -101,22 +102,31 @@ class RowError(BaseModel):
     reason: str
 
 
-class EnqueueResult(BaseModel):
-    job_id: int
-    job_name: str
-    created: bool
-    rows: int
-    inserted: int
-    duplicates: int
-    skipped: int
-    updated_settings: list[str]
-    warnings: list[str]
-    #: Every malformed row (up to 1,000) with its reason: kept in the job as a skipped
-    #: sample, while the other rows run (a malformed row never stops a job).
-    bad_rows: list[RowError] = Field(default_factory=list)
-    #: What happened, in one line: the job created (or found), the samples to run, and the
-    #: rows skipped.
-    message: str = ""
+def _report_fields() -> dict[str, Any]:
+    """A pydantic field per field of synthq.enqueue.EnqueueReport, with its type and
+    default: the API answers the record `synthq enqueue --json` prints, not a copy of it."""
+    hints = get_type_hints(EnqueueReport)
+    return {f.name: (hints[f.name],
+                     Field(default_factory=f.default_factory)
+                     if f.default_factory is not dataclasses.MISSING
+                     else ... if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(EnqueueReport)}
+
+
+if TYPE_CHECKING:
+    EnqueueResult = BaseModel
+else:
+    #: The enqueue's outcome: every field of synthq.enqueue.EnqueueReport, then the
+    #: malformed rows and the one-line message.
+    EnqueueResult = create_model(
+        "EnqueueResult", __doc__="The enqueue's report (every field `synthq enqueue --json` "
+        "prints), with the malformed rows and a one-line message.", **_report_fields(),
+        bad_rows=(list[RowError], Field(
+            default_factory=list, description="Every malformed row (up to 1,000) with its "
+            "reason: kept in the job as a skipped sample, while the other rows run (a "
+            "malformed row never stops a job).")),
+        message=(str, Field("", description="What happened, in one line: the job created "
+                            "(or found), the samples to run, and the rows skipped.")))
 
 
 # The job list's items are synthq.query.JobSummary itself.

@@ -9,6 +9,7 @@ import re
 import shutil
 import tempfile
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -49,12 +50,9 @@ CREATE_ERRORS: dict[int | str, dict[str, object]] = {
 
 
 def _result(r: EnqueueReport, bad: list[tuple[int, str]]) -> EnqueueResult:
-    return EnqueueResult(
-        job_id=r.job_id, job_name=r.job_name, created=r.created, rows=r.rows,
-        inserted=r.inserted, duplicates=r.duplicates, skipped=r.skipped,
-        updated_settings=r.updated_settings, warnings=r.warnings,
-        bad_rows=[RowError(row=i, reason=reason) for i, reason in bad],
-        message=_message(r, bad))
+    return EnqueueResult(**asdict(r), bad_rows=[RowError(row=i, reason=reason)
+                                               for i, reason in bad],
+                         message=_message(r, bad))
 
 
 def _message(r: EnqueueReport, bad: list[tuple[int, str]]) -> str:

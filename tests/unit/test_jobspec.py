@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 
 import pytest
 
@@ -80,3 +81,22 @@ def test_a_value_out_of_its_declaration_is_one_line(name: str, value: object,
     with pytest.raises(UserError) as info:
         jobspec.check(jobspec.BY_NAME[name], value)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_the_apis_enqueue_result_is_the_report_with_every_field() -> None:
+    """One outcome record: POST /api/jobs answers each field of EnqueueReport (what
+    `synthq enqueue --json` prints), typed as there, plus its malformed rows and message."""
+    from typing import get_type_hints
+
+    from api.schemas import EnqueueResult
+    from synthq.enqueue import EnqueueReport
+
+    hints = get_type_hints(EnqueueReport)
+    fields = EnqueueResult.model_fields
+    assert list(fields) == [*hints, "bad_rows", "message"]
+    for name, kind in hints.items():
+        assert fields[name].annotation == kind, name
+    report = EnqueueReport(job_id=1, job_name="j", created=True, notes=["n"],
+                           skip_examples=[("line 2", "bad")])
+    body = EnqueueResult(**dataclasses.asdict(report)).model_dump(mode="json")
+    assert body == {**json.loads(report.to_json()), "bad_rows": [], "message": ""}
