@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from synthq.cli import JsonOpt, app, console, ensure_db, fail
+from synthq.cli import JsonOpt, app, console, ensure_db, err, fail
 from synthq.errors import UserError
 
 
@@ -19,6 +19,8 @@ def serve_check(
                       "`synthq runs` names the run's drafter).")],
     model: Annotated[str, typer.Option("--model", "-m", help="The served model name.")],
     concurrency: Annotated[int, typer.Option(help="Requests at once.")] = 4,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for the server to serve "
+                                        "the model (it may still be loading).")] = 900.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Send the run's held-out prompts to vLLM serving its drafter and store the
@@ -31,10 +33,12 @@ def serve_check(
     """
     from synthq.db import session_scope
     from synthq.models import TrainingRun
-    from synthq.training.served import describe, held_out_prompts, measure
+    from synthq.training.served import describe, held_out_prompts, measure, wait_serving
 
     if concurrency < 1:
         raise fail("--concurrency must be at least 1")
+    if not 0 <= wait <= 86_400:  # NaN fails too
+        raise fail("--wait must be between 0 and 86400 seconds")
     try:
         ensure_db()
         with session_scope() as s:
@@ -47,6 +51,7 @@ def serve_check(
             drafter = settings.get("drafter", "eagle3")
             evaluated = run.eval_acceptance_length
         prompts = held_out_prompts(output_dir, settings)
+        wait_serving(server, model, wait, notice=err.print)
         result = measure(server, model, prompts, concurrency=concurrency)
     except UserError as exc:
         raise fail(str(exc)) from None

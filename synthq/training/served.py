@@ -13,7 +13,8 @@ same code that made it during training.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import httpx
 from synthq.errors import UserError
 
 __all__ = ["Served", "held_out_prompts", "measure", "spec_counters", "engine_version",
-           "describe"]
+           "describe", "wait_serving"]
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -59,6 +60,39 @@ def spec_counters(root: str, client: httpx.Client) -> tuple[float, float]:
                         "--speculative-config '{\"method\": \"eagle3\" (or \"dflash\"), "
                         "\"model\": RUN/final, ...}'?")
     return found[DRAFTS], found[ACCEPTED]
+
+
+def wait_serving(root: str, model: str, timeout: float,
+                 notice: Callable[[str], None] = lambda _: None) -> None:
+    """Wait until the server lists ``model`` (``GET /models``), for at most ``timeout``
+    seconds: a vLLM started in the background a moment ago takes minutes to load the
+    target and its drafter, and the walkthrough starts serve-check right after it.
+    Raises UserError naming the last answer or error when the time is up."""
+    deadline = time.monotonic() + timeout
+    told = False
+    last = "no answer"
+    with httpx.Client(timeout=10.0) as client:
+        while True:
+            try:
+                r = client.get(f"{root.rstrip('/')}/models")
+                if r.status_code == 200:
+                    names = [m.get("id") for m in r.json().get("data", [])]
+                    if model in names:
+                        return
+                    raise UserError(f"{root} serves {names}, not {model!r} (-m)")
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            except (ValueError, AttributeError) as exc:
+                raise UserError(f"{root}/models is not an OpenAI model list: {exc}") from None
+            if time.monotonic() >= deadline:
+                raise UserError(f"{root} did not answer within {timeout:.0f} s ({last}); "
+                                "is the engine started (--wait SECONDS waits longer)?")
+            if not told:
+                notice(f"waiting for {root} to serve {model} (up to {timeout:.0f} s: "
+                       f"{last})")
+                told = True
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
 def engine_version(root: str, client: httpx.Client) -> str | None:
