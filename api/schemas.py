@@ -70,7 +70,7 @@ else:
 
 
 if TYPE_CHECKING:
-    CaptureSettings = BaseModel
+    CaptureSettings = CaptureSettingsPublic = BaseModel
 else:
     #: The capture stage's settings, as `synthq capture` takes them (synthq.jobspec.CAPTURE):
     #: a setting declared there is a field here, with its checks, and nothing else is.
@@ -80,6 +80,14 @@ else:
         **{s.name: (_field(s)[0] | None, Field(None, description=_field(s)[1].description,
                                                json_schema_extra=_field(s)[1].json_schema_extra))
            for s in jobspec.CAPTURE})
+    #: The job's capture settings after a change. Those naming servers (capture_servers,
+    #: capture_files) are not echoed: a URL may carry credentials, and GET /api/jobs/{id}
+    #: shows the capture servers masked.
+    CaptureSettingsPublic = create_model(
+        "CaptureSettingsPublic", __doc__="The job's capture settings after the change (the "
+        "servers' URLs are in GET /api/jobs/{id}, masked).",
+        **{s.name: (_field(s)[0] | None, Field(description=_field(s)[1].description))
+           for s in jobspec.CAPTURE if not s.urls})
 
 
 class JobCreate(JobSettings):

@@ -471,7 +471,7 @@ def build_spec(values: Mapping[str, Any], *, source: str = "") -> JobSpec:
     sampling: dict[str, Any] = {}
     fields: dict[str, Any] = {}
     for s in jobspec.SETTINGS:
-        if s.field == "" or v[s.name] is None and s.field and "." in s.field:
+        if s.field == "" or v[s.name] is None:  # not given: the JobSpec's own default
             continue
         target = s.field or s.name
         if target.startswith("sampling."):

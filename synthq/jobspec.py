@@ -19,11 +19,18 @@ again changes it, :data:`OPERATIONAL`'s columns), or none; whether it is
 roles here, not written again where they are used.
 
 :data:`CAPTURE` holds the settings of the hidden-state capture stage (``synthq
-capture``): declared the same way (type, default, bounds, choices, help), so
-the command's options, their checks and the columns' defaults follow from them.
+capture``, ``PUT /api/jobs/{id}/capture``, both through
+:func:`synthq.service.set_capture`): declared the same way (type, default, bounds,
+choices, help), so the command's options, the API's fields, their checks and the
+columns' defaults follow from them. ``capture_servers`` is in both tuples: a job
+is created with it, and the capture stage changes it.
+
+The retokenizable settings (:data:`RETOKENIZABLE`), the reserved request keys
+(:data:`RESERVED_BODY`, for ``extra_body`` and the sampling options alike) and
+the mask default (:func:`mask_for`) are written here once too.
 
 Adding a setting: one ``Setting(...)`` here, plus where it is used (a
-``JobSpec`` field and its column, or the code that reads it).
+``JobSpec`` field and its column, or the code that reads it) and its migration.
 
 Bounds fit the columns that store the values (``INTEGER``: below 2**31) and
 the arithmetic done with them (a lease or a backoff added to a timestamp must
@@ -43,7 +50,7 @@ from synthq.errors import UserError
 
 __all__ = ["Setting", "SETTINGS", "CAPTURE", "BY_NAME", "OVERRIDABLE", "OPERATIONAL",
            "RESERVED_BODY", "GENERATION", "TOKENIZATION", "EXPORTED", "RETOKENIZABLE",
-           "generation_settings", "default", "urls", "mask_for",
+           "generation_settings", "default", "urls", "named_urls", "mask_for", "pairs",
            "check", "check_values", "check_body", "check_overrides", "requeue_settings",
            "apply_overrides",
            "inflight_settings", "job_name", "setting_for_key", "DEFAULT_MAX_INFLIGHT",
@@ -100,7 +107,8 @@ class Setting:
     #: What is sent or used when the setting is not given (its ``--help`` default).
     omitted: str | None = None
     #: How the CLI takes it, where not as the API: ``json`` (a JSON text), ``file`` (a
-    #: path whose text is the value), ``escapes`` (``\\n`` read as a newline), ``list``.
+    #: path whose text is the value), ``escapes`` (``\\n`` read as a newline), ``list``,
+    #: ``ints`` (``2,4,5``), ``pairs`` (repeated ``URL=DIR``, a mapping).
     cli: str = ""
     #: What --help shows for the value (default: its type, or its choices).
     metavar: str | None = None
@@ -199,6 +207,17 @@ MASK_BY_REGENERATE = {"last": "last_turn", "all": "all_assistant_turns"}
 def mask_for(mask: str | None, regenerate: str | None = "last") -> str:
     """A job's mask: ``mask`` as given, else the default of its ``regenerate``."""
     return mask or MASK_BY_REGENERATE["all" if regenerate == "all" else "last"]
+
+
+#: Set at create (``--capture-server``) and by `synthq capture`: in SETTINGS and CAPTURE.
+_CAPTURE_SERVERS = Setting(
+    "capture_servers", list, None, "Base URL of a capture server (…/v1): a vLLM started "
+    "with extract_hidden_states and synthq's connector; each done sample's hidden "
+    "states are captured there (the stage `synthq capture` runs alone). Repeat for "
+    "several. Each must answer before the job stores it.",
+    flags=("--capture-server",), cli="list", urls=True, role=OPERATIONAL_ROLE,
+    kept_when_omitted=True,
+    brief="Capture server URL, e.g. http://cap:8000/v1.")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -352,13 +371,7 @@ SETTINGS: tuple[Setting, ...] = (
             "enqueue), else conversation", exported=True, retokenize=True,
             brief="Regenerate all: one example per conversation or per turn "
             "[default: what the template can mask]."),
-    Setting("capture_servers", list, [], "Base URL of a capture server (…/v1): a vLLM started "
-            "with extract_hidden_states and synthq's connector; each done sample's hidden "
-            "states are captured there (the stage `synthq capture` runs alone). Repeat for "
-            "several. Each must answer before the job stores it.",
-            flags=("--capture-server",), cli="list", urls=True, role=OPERATIONAL_ROLE,
-            kept_when_omitted=True,
-            brief="Capture server URL, e.g. http://cap:8000/v1."),
+    _CAPTURE_SERVERS,
 )
 
 #: The most output_hidden_states index a capture may name.
@@ -372,9 +385,20 @@ def _layer_ids(layers: list[int]) -> None:
                         f"and {MAX_LAYER}")
 
 
-#: The capture stage's settings (``synthq capture``; synthq.capture), stored on the job.
-#: The default of a setting may be a sentinel its reader resolves (e.g. ``auto``).
+#: The capture stage's settings (``synthq capture``; synthq.capture), stored on the job:
+#: `synthq capture` and ``PUT /api/jobs/{id}/capture`` change them through one function
+#: (synthq.service.set_capture). The default of a setting may be a sentinel its reader
+#: resolves (e.g. ``auto``).
 CAPTURE: tuple[Setting, ...] = (
+    _CAPTURE_SERVERS,
+    Setting("capture_files", dict, None, "Capture server URL → the folder where its engine "
+            "writes its files (its connector's shared_storage_path, as this machine sees it). "
+            "With it synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by "
+            "request id) too, from that folder only. Merged into the job's; an empty folder "
+            "removes the server's.", flags=("--engine-files",), cli="pairs", urls=True,
+            metavar="<url=dir>", role=OPERATIONAL_ROLE, kept_when_omitted=True,
+            brief="URL=DIR: the folder where capture server URL's engine writes its files, "
+            "for vLLM's stock connector. Repeat per server; URL= removes it."),
     Setting("capture_layers", list, None, "output_hidden_states indices to capture, "
             "comma-separated; must be the server's eagle_aux_hidden_state_layer_ids.",
             item=int, cli="ints", flags=("--layers",), metavar="<i,j,...>",
@@ -458,7 +482,7 @@ def check(s: Setting, value: Any) -> Any:
         raise UserError(f"{s.flag} must be a list of "
                         f"{'integers' if s.item is int else 'strings'}")
     if s.urls:
-        value = _urls(s, value)
+        value = _urls(s, value) if s.type is list else _url_keys(s, value)
     if s.name == "extra_body":
         check_body(value)
     if s.also is not None:
@@ -479,6 +503,20 @@ def _urls(s: Setting, given: list[str]) -> list[str]:
     if len(set(stripped)) != len(stripped):
         raise UserError(f"the same {s.flag} is given twice")
     return stripped
+
+
+def _url_keys(s: Setting, given: dict[str, Any]) -> dict[str, str]:
+    """A mapping of base URLs (each checked as :func:`_urls` checks a list) to strings."""
+    if not all(isinstance(v, str) for v in given.values()):
+        raise UserError(f"{s.flag} must map each server URL to a folder")
+    return dict(zip(_urls(s, list(given)), given.values(), strict=True))
+
+
+def named_urls(values: Mapping[str, Any]) -> list[str]:
+    """Every server URL that settings ``values`` (by name) name: the URL lists, and the
+    keys of a mapping by URL (``capture_files``)."""
+    return [u for name, value in values.items()
+            if name in BY_NAME and BY_NAME[name].urls and value for u in value]
 
 
 def urls(spec: Any) -> list[str]:
@@ -517,6 +555,18 @@ def ints(text: str, s: Setting) -> list[int]:
     except ValueError:
         raise UserError(f"{s.flag} {text!r}: give comma-separated integers, e.g. 2,4,5,8") \
             from None
+
+
+def pairs(items: list[str], s: Setting) -> dict[str, str]:
+    """``URL=DIR`` items as the CLI takes them (``--engine-files``): URL → DIR ("" for
+    ``URL=``)."""
+    out: dict[str, str] = {}
+    for item in items:
+        url, eq, folder = item.rpartition("=")
+        if not eq or not url:
+            raise UserError(f"{s.flag} {item!r}: expected URL=DIR")
+        out[url] = folder
+    return out
 
 
 def check_values(values: Mapping[str, Any]) -> dict[str, Any]:

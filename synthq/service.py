@@ -109,9 +109,31 @@ def requeue_left_servers(session: Session, job: Job) -> int:
 
 
 def set_capture(session: Session, job: Job, values: dict[str, Any]) -> dict[str, Any]:
-    """The capture settings given (``jobspec.CAPTURE``), checked as `synthq capture` checks
-    them, stored on the job; returns the job's capture settings after the change."""
-    changes = jobspec.check_values(values)
+    """Change ``job``'s capture settings (``jobspec.CAPTURE``, by name), as `synthq capture`
+    and ``PUT /api/jobs/{id}/capture`` both do; returns the job's capture settings after.
+
+    Each value is checked as declared. New capture servers must answer before the job
+    stores them, as at enqueue; an engine-files folder must be a real folder on this
+    machine, and the given ones are merged into the job's (``""`` removes a server's).
+    An omitted setting is kept, and so is a null where the column holds none, or an
+    empty value of a setting kept when omitted (``capture_servers``).
+    """
+    from synthq.capture.confine import check_folder
+    from synthq.capture.stage import check_answer
+
+    unknown = set(values) - {s.name for s in jobspec.CAPTURE}
+    if unknown:
+        raise UserError(f"not capture settings: {sorted(unknown)}")
+    changes = {k: v for k, v in jobspec.check_values(values).items()
+               if (v is not None or Job.__table__.c[k].nullable)
+               and (v or not jobspec.BY_NAME[k].kept_when_omitted)}
+    if "capture_servers" in changes:
+        check_answer(changes["capture_servers"])
+    if "capture_files" in changes:
+        given = {url: str(check_folder(url, folder)) if folder else ""
+                 for url, folder in changes["capture_files"].items()}
+        merged = {**(job.capture_files or {}), **given}
+        changes["capture_files"] = {url: folder for url, folder in merged.items() if folder}
     if changes:
         states.update_job(session, job, changes, now=utcnow())
     return {s.name: getattr(job, s.name) for s in jobspec.CAPTURE}

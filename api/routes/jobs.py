@@ -20,6 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 from api.deps import JobDep, JobRef, SessionDep, SettingsDep, job_or_404
 from api.schemas import (
     CaptureSettings,
+    CaptureSettingsPublic,
     EnqueueResult,
     ErrorBody,
     JobCreate,
@@ -294,22 +295,35 @@ def cancel(job: JobRef) -> JobStateChange:
     return _set_state(job, JobState.CANCELLED)
 
 
-@router.put("/{job}/capture", response_model=CaptureSettings, responses=ERRORS,
+@router.put("/{job}/capture", response_model=CaptureSettingsPublic, responses=ERRORS,
             summary="Set the job's capture settings, as `synthq capture` does (an omitted "
             "one is kept); the stage runs under `synthq capture` or the tick")
-def set_capture(job: JobRef, body: CaptureSettings, settings: SettingsDep) -> CaptureSettings:
-    given = body.model_dump(exclude_unset=True)
+def set_capture(job: JobRef, body: CaptureSettings,
+                settings: SettingsDep) -> CaptureSettingsPublic:
+    given = jobspec.check_values(body.model_dump(exclude_unset=True))
+    check_servers(jobspec.named_urls(given))  # before the probe, as at create
     if given.get("train_target") is not None:  # a folder the server opens: confined
-        try:
-            folder = service.data_path(settings.data_dir, given["train_target"])
-        except UserError:
-            raise HTTPException(422, "train_target must be a folder inside the data "
-                                "directory") from None
-        if not folder.is_dir():
-            raise HTTPException(422, "train_target must be a folder (holding config.json)")
-        given["train_target"] = str(folder)
+        given["train_target"] = str(_data_folder(settings.data_dir, given["train_target"],
+                                                 "train_target"))
+    if given.get("capture_files"):  # folders the server reads and deletes in: confined
+        given["capture_files"] = {
+            url: str(_data_folder(settings.data_dir, folder, "capture_files")) if folder else ""
+            for url, folder in given["capture_files"].items()}
     with session_scope() as s:
-        return CaptureSettings(**service.set_capture(s, job_or_404(s, job), given))
+        return CaptureSettingsPublic(**service.set_capture(s, job_or_404(s, job), given))
+
+
+def _data_folder(data_dir: Path, relative: str, name: str) -> Path:
+    """``relative``: a folder inside the data directory, or a 422 naming ``name``."""
+    try:
+        folder = service.data_path(data_dir, relative)
+    except UserError:
+        raise HTTPException(422, f"{name} must be a folder inside the data "
+                            "directory") from None
+    if not folder.is_dir():
+        raise HTTPException(422, f"{name} must be a folder"
+                            + (" (holding config.json)" if name == "train_target" else ""))
+    return folder
 
 
 @router.post("/{job}/requeue", response_model=RequeueResult, responses=ERRORS,

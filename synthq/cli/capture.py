@@ -14,20 +14,16 @@ from synthq.errors import UserError
 
 
 @app.command()
-@with_settings([s.name for s in jobspec.CAPTURE], mode="retokenize")
+@with_settings([s.name for s in jobspec.CAPTURE if s.name != "capture_servers"],
+               mode="retokenize")
 def capture(
     job: JobArg,
-    server: Annotated[list[str] | None, typer.Option(
+    # The declared capture_servers, with this command's own short flags.
+    capture_servers: Annotated[list[str] | None, typer.Option(
         "--server", "-s", "--capture-server", help="A capture server's base URL (…/v1): a "
         "vLLM started with extract_hidden_states and synthq's connector (see "
         "`scripts/vllm-cpu.sh --capture`). Repeat for several. It must answer; it is stored "
         "on the job [default: the job's].")] = None,
-    engine_files: Annotated[list[str] | None, typer.Option(
-        "--engine-files", help="URL=DIR: the folder where capture server URL's engine writes "
-        "its files (its connector's shared_storage_path, as this machine sees it). With it "
-        "synthq takes files of vLLM's stock ExampleHiddenStatesConnector (named by request "
-        "id) too, from that folder only. Repeat per server; URL= (empty DIR) removes it.")] \
-        = None,
     *, settings: dict[str, Any],
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Send failed captures again (their attempts reset), and run "
@@ -47,6 +43,7 @@ def capture(
 
     Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
+    from synthq import service
     from synthq.capture import stage as capture_stage
     from synthq.capture import states as capture_states
     from synthq.config import get_settings
@@ -56,34 +53,12 @@ def capture(
 
     try:
         ensure_db()
-        changes: dict[str, Any] = {}
-        if server:  # checked as `synthq enqueue --capture-server` checks them
-            urls = jobspec.check(jobspec.BY_NAME["capture_servers"], server)
-            capture_stage.check_answer(urls)  # each must answer before the job stores it
-            changes["capture_servers"] = urls
-        # The capture settings given, each checked as declared (synthq.jobspec.CAPTURE).
-        changes.update(jobspec.check_values(api_values(settings)))
-        if engine_files:
-            from synthq.capture.confine import check_folder
-
-            folders: dict[str, str] = {}
-            for item in engine_files:
-                url, eq, folder = item.rpartition("=")
-                if not eq or not url:
-                    raise UserError(f"--engine-files {item!r}: expected URL=DIR")
-                url = jobspec.check(jobspec.BY_NAME["capture_servers"], [url])[0]
-                folders[url] = str(check_folder(url, folder)) if folder else ""
-            changes["capture_files"] = folders
+        given = {**api_values(settings), "capture_servers": capture_servers}
         with session_scope() as s:
             row = find_job(s, job)
             job_id = row.id
-            if "capture_files" in changes:  # merged into the job's, "" removes one
-                merged = {**(row.capture_files or {}), **changes["capture_files"]}
-                changes["capture_files"] = {k: v for k, v in merged.items() if v}
-            if changes:
-                from synthq import states
-
-                states.update_job(s, row, changes, now=utcnow())
+            # Checked, probed and stored as the API's PUT /api/jobs/{id}/capture does.
+            service.set_capture(s, row, given)
             if retry_failed:
                 from synthq import states as job_states
 

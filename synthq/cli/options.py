@@ -71,7 +71,8 @@ def option(s: Setting, *, mode: str = "create") -> inspect.Parameter:
     """The command parameter of setting ``s``. ``mode``: ``create`` (its declared default),
     ``optional`` (required ones may be left out), ``requeue`` or ``retokenize`` (None: the
     job's stays)."""
-    kind = Path if s.cli == "file" else str if s.cli == "ints" else _TYPES[s.type]
+    kind = (Path if s.cli == "file" else str if s.cli == "ints" else list[str]
+            if s.cli == "pairs" else _TYPES[s.type])
     default: Any = s.default
     if s.cli == "escapes":
         default = _escaped(default)
@@ -148,6 +149,8 @@ def api_values(values: dict[str, Any]) -> dict[str, Any]:
             value = _unescape(value)
         elif s.cli == "ints":
             value = jobspec.ints(value, s)
+        elif s.cli == "pairs":
+            value = jobspec.pairs(value, s)
         out[name] = value
     return out
 

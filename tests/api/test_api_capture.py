@@ -134,3 +134,44 @@ def test_the_api_sets_the_declared_capture_settings_checked_as_the_cli_does(
         assert (job.capture_layers, job.capture_dtype, job.capture_limit) == \
             ([2, 4, 5, 8], "bfloat16", 3)
     assert client.put("/api/jobs/999999/capture", json={}).status_code == 404
+
+
+def test_the_api_sets_capture_servers_and_engine_files_as_synthq_capture_does(
+        client: Any, simulator: Any, tmp_path: Path) -> None:
+    """capture_servers and capture_files are declared capture settings: PUT
+    /api/jobs/{id}/capture changes them through the function `synthq capture` uses (a
+    server must answer, 403 outside SYNTHQ_ALLOWED_SERVERS, folders merged and "" removes
+    one); an engine-files folder is confined to the data directory; URLs are not echoed."""
+    from synthq.db import session_scope
+    from synthq.models import Job
+
+    sim = simulator("--latency", "0")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "p.jsonl").write_text(json.dumps({"prompt": "q"}) + "\n")
+    (data / "engine").mkdir()
+    r = client.post("/api/jobs", json=_body(sim.url, [], name="files"))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+    for body, code, said in (
+            ({"capture_servers": ["ftp://nope"]}, 422, "is not an http(s) URL"),
+            ({"capture_servers": ["http://10.9.8.7:8000/v1"]}, 403, "SYNTHQ_ALLOWED_SERVERS"),
+            ({"capture_servers": ["http://127.0.0.1:9/v1"]}, 422, "does not list a model"),
+            ({"capture_files": {sim.url: "/etc"}}, 422, "inside the data directory"),
+            ({"capture_files": {"http://10.9.8.7:8000/v1": "engine"}}, 403, "ALLOWED")):
+        r = client.put(f"/api/jobs/{job_id}/capture", json=body)
+        assert r.status_code == code, (body, r.text)
+        assert said in r.text, (body, r.text)
+    r = client.put(f"/api/jobs/{job_id}/capture", json={
+        "capture_servers": [sim.url + "/"], "capture_files": {sim.url: "engine"}})
+    assert r.status_code == 200, r.text
+    assert "capture_servers" not in r.json() and "capture_files" not in r.json()
+    with session_scope() as s:
+        job = s.get_one(Job, job_id)
+        assert job.capture_servers == [sim.url]
+        assert job.capture_files == {sim.url: str(data / "engine")}
+    r = client.put(f"/api/jobs/{job_id}/capture", json={"capture_files": {sim.url: ""}})
+    assert r.status_code == 200, r.text
+    with session_scope() as s:
+        job = s.get_one(Job, job_id)
+        assert (job.capture_servers, job.capture_files) == ([sim.url], {})
