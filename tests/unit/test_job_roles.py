@@ -105,3 +105,74 @@ def test_retokenize_changes_the_settings_declared_retokenizable() -> None:
     assert options == declared
     with pytest.raises(UserError, match=r"cannot change \['think_open'\] by retokenizing"):
         configure(None, object(), {"think_open": "<t>"})  # type: ignore[arg-type]
+
+
+#: Settings whose declared default is resolved before a job is stored (``--reasoning
+#: auto`` and ``--examples`` at enqueue, the mask by jobspec.mask_for), and what their
+#: column holds where nothing was stored (a job made before the setting existed).
+RESOLVED = {"reasoning": "keep", "mask": jobspec.mask_for(None), "examples": "conversation"}
+
+
+def _own_columns() -> dict[str, jobspec.Setting]:
+    """The declared settings that each have a ``jobs`` column of their own, by column."""
+    return {s.column: s for s in (*jobspec.SETTINGS, *jobspec.CAPTURE)
+            if s.column and s.column != "sampling"}
+
+
+def test_the_jobspec_is_the_declared_settings_and_what_is_made_from_them() -> None:
+    """A setting cannot be declared and not be on the JobSpec, nor the other way round:
+    its fields are the declared settings' columns (the sampling keys in ``sampling``),
+    the three of --inflight and the dataset, each typed and defaulted as declared."""
+    from synthq.enqueue import JobSpec
+
+    fields = {f.name: f for f in dataclasses.fields(JobSpec)}
+    declared = {c: s for c, s in _own_columns().items() if s in jobspec.SETTINGS}
+    assert set(fields) == {*declared, "sampling", *jobspec.inflight_settings("auto"),
+                           "dataset"}
+    for column, s in declared.items():
+        f = fields[column]
+        # The job's name is made from the dataset's when not given (jobspec.job_name).
+        given = s.required or s.name == "name"
+        if s.type in (list, dict):
+            assert str(f.type).startswith(f"{s.type.__name__}["), column
+            assert given or f.default_factory() == s.type(), column  # type: ignore[misc]
+            continue
+        optional = s.default is None and not given
+        assert f.type == s.type.__name__ + (" | None" if optional else ""), column
+        if given:
+            assert f.default is dataclasses.MISSING, column
+        else:
+            assert f.default == s.default, column
+
+
+def test_the_jobs_columns_store_the_declared_settings() -> None:
+    """Each declared setting's column holds its type, is nullable where the setting may be
+    None once the job is made, fits its longest value, and defaults to the declared
+    default (or what an enqueue resolves it to, RESOLVED); every JobSpec field is a
+    column (states.create_job inserts them)."""
+    from sqlalchemy import JSON, Boolean, String
+
+    from synthq.enqueue import JobSpec
+    from synthq.models import Job
+
+    columns = Job.__table__.c
+    assert {f.name for f in dataclasses.fields(JobSpec)} <= set(columns.keys())
+    for name, s in _own_columns().items():
+        column = columns[name]
+        container = s.type in (list, dict)
+        if container:
+            assert isinstance(column.type, JSON), name
+        else:
+            assert column.type.python_type is s.type, name
+        # A list or an object not given is stored empty, unless None stands for something
+        # (what ``omitted`` says: the drafter's layers for capture_layers).
+        may_be_none = s.default is None and not s.required and s.name not in RESOLVED \
+            and s.name != "name" and (not container or s.omitted is not None)
+        assert column.nullable == may_be_none, name
+        if isinstance(column.type, String) and column.type.length is not None:
+            assert s.max_len in (None, column.type.length), name
+            assert all(len(c) <= column.type.length for c in s.choices), name
+        if column.default is not None and not container:
+            assert column.default.arg == RESOLVED.get(s.name, s.default), name
+            if column.server_default is not None and not isinstance(column.type, Boolean):
+                assert column.server_default.arg == str(column.default.arg), name
