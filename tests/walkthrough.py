@@ -72,15 +72,16 @@ def reduced(script: str, replacements: list[tuple[str, str]]) -> str:
 def run_walkthrough(script: str, workdir: Path, env: dict[str, str],
                     timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``script`` in ``workdir`` (created, with ``scripts/`` linked from the
-    repository, as "from the repository root" means), every command echoed (``bash -x``);
-    its background jobs are ended with it. The output is also in
-    ``workdir/walkthrough.log``."""
+    repository, as "from the repository root" means), every command echoed (``bash -x``)
+    with the seconds since the start; its background jobs are ended with it. The output
+    is also in ``workdir/walkthrough.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     link = workdir / "scripts"
     if not link.exists():
         link.symlink_to(REPO / "scripts")
     path = workdir / "walkthrough.sh"
-    path.write_text("set -euo pipefail\n" + script + "\n")
+    # Each echoed command carries the seconds since the start: the log is the timing.
+    path.write_text("set -euo pipefail\nPS4='+ [${SECONDS}s] '\n" + script + "\n")
     env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
     log = workdir / "walkthrough.log"
     with open(log, "w") as out:
