@@ -75,7 +75,14 @@ def _char_name(char: str) -> str:
 
 @dataclass
 class JobSpec:
-    """Everything a job is created with; validated by :meth:`check`."""
+    """Everything a job is created with; validated by :meth:`check`.
+
+    A field per declared setting with a column of its own (synthq.jobspec.SETTINGS: its
+    key, type and default), plus what is made from several (``sampling``, from the
+    sampling keys; ``inflight_limit``, ``inflight_auto`` and ``min_inflight``, from
+    --inflight) and the ``dataset``. Written out so that mypy knows each field; a test
+    (tests/unit/test_job_roles.py) fails when they and the declaration differ.
+    """
 
     name: str
     model: str

@@ -31,6 +31,8 @@ the mask default (:func:`mask_for`) are written here once too.
 
 Adding a setting: one ``Setting(...)`` here, plus where it is used (a
 ``JobSpec`` field and its column, or the code that reads it) and its migration.
+tests/unit/test_job_roles.py holds the ``JobSpec``'s fields and the ``jobs``
+columns to this declaration (names, types, nullability, defaults, lengths).
 
 Bounds fit the columns that store the values (``INTEGER``: below 2**31) and
 the arithmetic done with them (a lease or a backoff added to a timestamp must
