@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Writes that belong in synthq/states.py only.
@@ -95,3 +97,137 @@ def test_the_api_writes_through_service_only() -> None:
         code = path.read_text()
         assert not re.search(r"from synthq import [^\n]*\bstates\b|synthq\.states\b|\bstates\.",
                              code), path
+
+
+# -- captures and training runs: each kind's states module is the one writer of its rows ---
+
+#: The one writer of each kind's rows besides synthq.ledger, whose transitions take the
+#: kind's model as a value and never name it.
+KIND_WRITERS = {"Capture": Path("synthq/capture/states.py"),
+                "TrainingRun": Path("synthq/training/states.py")}
+#: Writes outside the writer, known and owed to it (issue 42): (module, column). The test
+#: fails when one is gone too, so the entry goes with its fix.
+KNOWN_KIND_WRITES = {
+    # synthq serve-check records the served acceptance through the ORM.
+    ("synthq/cli/engine.py", "served_acceptance_length"),
+    ("synthq/cli/engine.py", "served_engine"),
+    ("synthq/cli/engine.py", "served_engine_version"),
+}
+
+
+def _statement_writes(model: str) -> re.Pattern[str]:
+    """Core writes and ORM inserts of ``model``'s table, by name."""
+    return re.compile(rf"(update|insert|delete)\(\s*{model}\b|session\.add\(\s*{model}\("
+                      rf"|(?<![\w.]){model}\(")
+
+
+def _loaders(model: str) -> set[str]:
+    """The package's functions that return a row of ``model`` (``-> TrainingRun``)."""
+    import ast
+
+    names = set()
+    for path in sorted((ROOT / "synthq").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and node.returns is not None and \
+                    ast.unparse(node.returns) == model:
+                names.add(node.name)
+    return names
+
+
+def row_writes(path: Path, model: Any, loaders: Collection[str] = ()) -> list[tuple[int, str]]:
+    """ORM writes to rows of ``model`` in a module: ``name.column = ...`` (or ``setattr``)
+    on a name bound to ``s.get(Model, ...)``, ``s.get_one(...)``, a ``select(Model)`` or a
+    call of one of ``loaders``. Returns (line, column)."""
+    import ast
+
+    model_name = model.__name__
+    columns = set(model.__mapper__.attrs.keys())
+
+    def loads(expr: ast.AST) -> bool:
+        for call in ast.walk(expr):
+            if not isinstance(call, ast.Call):
+                continue
+            func = call.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = ast.unparse(call.args[0]) if call.args else ""
+            if (name in ("get", "get_one", "select") and first == model_name) or \
+                    name in loaders:
+                return True
+        return False
+
+    tree = ast.parse(path.read_text(), str(path))
+    rows: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and loads(node.value):
+            rows.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.For) and loads(node.iter):
+            rows.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple)
+                                                          else [t])]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and \
+                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in rows:
+            found.append((node.lineno, "setattr"))
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in columns and \
+                    isinstance(t.value, ast.Name) and t.value.id in rows:
+                found.append((node.lineno, t.attr))
+    return sorted(found)
+
+
+def kind_offenders() -> set[tuple[str, str]]:
+    """(module, what) for each write to captures or training runs outside their writer."""
+    from synthq import models
+
+    found = set()
+    for model_name, writer in KIND_WRITERS.items():
+        model = getattr(models, model_name)
+        statements = _statement_writes(model_name)
+        loaders = _loaders(model_name)
+        for folder in ("synthq", "worker", "api"):
+            for path in sorted((ROOT / folder).rglob("*.py")):
+                rel = path.relative_to(ROOT)
+                if rel in (writer, Path("synthq/models.py")):
+                    continue
+                for no, line in enumerate(path.read_text().splitlines(), 1):
+                    if statements.search(line.split("#", 1)[0]):
+                        found.add((str(rel), f"{no}: {line.strip()}"))
+                found.update((str(rel), column) for _, column in
+                             row_writes(path, model, loaders))
+    return found
+
+
+def test_only_their_states_modules_write_captures_and_training_runs() -> None:
+    found = kind_offenders()
+    assert found - KNOWN_KIND_WRITES == set()
+    assert KNOWN_KIND_WRITES - found == set(), "fixed: drop them from KNOWN_KIND_WRITES"
+
+
+def test_the_kind_rule_can_fail(tmp_path: Path) -> None:
+    from synthq.models import Capture, TrainingRun
+
+    assert _statement_writes("Capture").search("s.execute(update(Capture).values(x=1))")
+    assert _statement_writes("TrainingRun").search("session.add(TrainingRun(job_id=1))")
+    assert _statement_writes("TrainingRun").search("run = TrainingRun(job_id=1)")
+    assert not _statement_writes("Capture").search("select(Capture.id).where(x)")
+    assert not _statement_writes("Capture").search("claimed = capture_states.Capture(1)")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(s, ids):\n"
+                   "    run = s.get(TrainingRun, 1)\n"
+                   "    run.error, run.step = 'x', 2\n"
+                   "    run.step += 1\n"
+                   "    setattr(run, 'error', 'y')\n"
+                   "    for cap in s.scalars(select(Capture).where(Capture.id.in_(ids))):\n"
+                   "        cap.path = None\n"
+                   "    made = new_run(s)\n"
+                   "    made.output_dir = '/x'\n"
+                   "    other = s.get(Job, 1)\n"
+                   "    other.error = 'fine'\n")
+    assert [c for _, c in row_writes(bad, TrainingRun, {"new_run"})] == \
+        ["error", "step", "step", "setattr", "output_dir"]
+    assert [c for _, c in row_writes(bad, Capture)] == ["path"]
