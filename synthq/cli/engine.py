@@ -31,8 +31,10 @@ def serve_check(
     "RUN/final", "num_speculative_tokens": 4}'` (a `--drafter dflash` run: `"method":
     "dflash"`), then `synthq serve-check 3 -s http://127.0.0.1:8000/v1 -m TARGET`
     """
+    from synthq.clock import utcnow
     from synthq.db import session_scope
     from synthq.models import TrainingRun
+    from synthq.training import states as run_states
     from synthq.training.served import describe, held_out_prompts, measure, wait_serving
 
     if concurrency < 1:
@@ -61,10 +63,10 @@ def serve_check(
         raise fail(f"{server} made no drafts for {len(prompts)} prompts: is the drafter "
                    "loaded (--speculative-config)?")
     with session_scope() as s:
-        row = s.get_one(TrainingRun, run_id)
-        row.served_acceptance_length = result.mean
-        row.served_engine = result.engine
-        row.served_engine_version = result.version
+        if not run_states.record_served(s, run_id, acceptance=result.mean,
+                                        engine=result.engine, version=result.version,
+                                        now=utcnow()):
+            raise fail(f"run {run_id} is no longer done: vLLM's figure was not stored")
     out = {"run": run_id, "drafter": drafter, **describe(result),
            "eval_acceptance_length": evaluated}
     if as_json:

@@ -35,7 +35,7 @@ from synthq.enums import RunState
 from synthq.models import TrainingRun
 
 __all__ = ["RUNS", "RunState", "OPEN", "create", "claim", "progress", "finish", "fail",
-           "cancel", "release", "sweep_stale"]
+           "cancel", "release", "sweep_stale", "record_served"]
 
 #: Training runs as a kind of leased work: claimed from pending, the lease their
 #: holder's heartbeat.
@@ -116,6 +116,15 @@ def cancel(session: Session, run_id: int, *, now: datetime) -> bool:
     """pending/running → cancelled; the training process stops at its next heartbeat."""
     return ledger.cas(session, RUNS, run_id, OPEN, dict(
         state=RunState.CANCELLED, claim=None, finished_at=now, updated_at=now))
+
+
+def record_served(session: Session, run_id: int, *, acceptance: float, engine: str,
+                  version: str | None, now: datetime) -> bool:
+    """The acceptance length an engine served the done run's drafter at (``synthq
+    serve-check``), beside its own estimate; the state stays done."""
+    return ledger.cas(session, RUNS, run_id, [RunState.DONE], dict(
+        served_acceptance_length=acceptance, served_engine=engine,
+        served_engine_version=version, updated_at=now))
 
 
 def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: float) -> list[int]:
