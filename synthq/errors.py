@@ -40,9 +40,17 @@
 
 ``openai``/``httpx`` exceptions are converted at the boundary
 (:mod:`synthq.inference`) with ``raise ... from exc``.
+
+Each class's policy (retryable, what it says about the server's load, whether it
+says the server is down, which stage's streak it counts toward) is one row of
+:data:`POLICY`, read through :class:`FailureClass`: the dispatcher's down rule, the
+adaptive controller and the streaks read it there, not from lists of their own.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 __all__ = [
     "SynthqError",
@@ -80,6 +88,12 @@ __all__ = [
     "ALL_CLASSES",
     "PERMANENT_CLASSES",
     "brief",
+    "FailureClass",
+    "Load",
+    "Down",
+    "Stage",
+    "Policy",
+    "POLICY",
 ]
 
 
@@ -318,6 +332,157 @@ PERMANENT_CLASSES = frozenset(
 #: Every failure class a sample or a capture can end with: each one a class of this
 #: module (``worker_error`` and ``lost`` included), what ``requeue --class`` accepts.
 ALL_CLASSES = _classes(SampleError)
+
+
+class FailureClass(enum.StrEnum):
+    """The failure classes (each the ``error_class`` of one class above), as stored in
+    ``samples.error_class``, ``captures.error_class`` and ``attempts.outcome``. A member's
+    properties are its row of :data:`POLICY`."""
+
+    #: :class:`TimeoutError_`
+    TIMEOUT = "timeout"
+    #: :class:`StalledError`
+    STALLED = "stalled"
+    #: :class:`ConnectionFailed`
+    CONNECTION = "connection"
+    #: :class:`RateLimited`
+    RATE_LIMITED = "rate_limited"
+    #: :class:`ServerError`
+    SERVER_ERROR = "server_error"
+    #: :class:`WorkerError`
+    WORKER_ERROR = "worker_error"
+    #: :class:`Lost`
+    LOST = "lost"
+    #: :class:`CaptureIncomplete`
+    CAPTURE_INCOMPLETE = "capture_incomplete"
+    #: :class:`BadRequest`
+    BAD_REQUEST = "bad_request"
+    #: :class:`ContextLength`
+    CONTEXT_LENGTH = "context_length"
+    #: :class:`InvalidInput` (and :class:`TokenizerCrashed`)
+    INVALID_INPUT = "invalid_input"
+    #: :class:`Unstorable`
+    UNSTORABLE = "unstorable"
+    #: :class:`EmptyResponse`
+    EMPTY_RESPONSE = "empty_response"
+    #: :class:`Truncated`
+    TRUNCATED = "truncated"
+    #: :class:`ResponseTooLarge`
+    RESPONSE_TOO_LARGE = "response_too_large"
+    #: :class:`RequestTooLarge`
+    REQUEST_TOO_LARGE = "request_too_large"
+    #: :class:`BoundaryUnstable`
+    BOUNDARY_UNSTABLE = "boundary_unstable"
+    #: :class:`MaskMismatch`
+    MASK_MISMATCH = "mask_mismatch"
+    #: :class:`NoSupervisedTokens`
+    NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+    #: :class:`CaptureMismatch`
+    CAPTURE_MISMATCH = "capture_mismatch"
+
+    @classmethod
+    def of(cls, name: str | None) -> FailureClass | None:
+        """The member stored as ``name``; None for an attempt that succeeded (``ok``),
+        for no outcome, or for a name that is no failure class."""
+        if name is None:
+            return None
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+    @property
+    def retryable(self) -> bool:
+        """Another call may succeed: back off and retry, up to max_attempts."""
+        return POLICY[self].retryable
+
+    @property
+    def load(self) -> Load:
+        """What the failure tells the adaptive controller about the server's load."""
+        return POLICY[self].load
+
+    @property
+    def down(self) -> Down:
+        """Whether the failure counts toward the "server is down" rule."""
+        return POLICY[self].down
+
+    @property
+    def streak(self) -> frozenset[Stage]:
+        """The stages in which a run of these failures stops the server's stage
+        (:mod:`synthq.streaks`): it says the server is misconfigured."""
+        return POLICY[self].streak
+
+
+class Load(enum.StrEnum):
+    """What a failed call says about its server's load (:mod:`synthq.adaptive`)."""
+
+    #: Too much load: the server said so (429) or broke under it (5xx): a sharp cut.
+    OVERLOAD = "overload"
+    #: The call timed out or stalled: a cut.
+    TIMEOUT = "timeout"
+    #: Nothing about load: the sample's own fault, synthq's, or a lost holder.
+    NONE = "none"
+
+
+class Down(enum.StrEnum):
+    """Whether a failed call counts toward its server's "down" rule
+    (:func:`synthq.dispatch.says_down`)."""
+
+    #: The server did not serve it (refused, hanging, stalling): always, and a capture
+    #: server's outage does not charge the capture.
+    UNANSWERED = "unanswered"
+    #: Only when the server answered with an HTTP 5xx status (an overloaded queue, a
+    #: gateway); a broken stream of the same class does not count.
+    HTTP_5XX = "http_5xx"
+    #: Never: the server answered.
+    NEVER = "never"
+
+
+class Stage(enum.StrEnum):
+    """The stages that call a server: each counts its own streaks."""
+
+    GENERATION = "generation"
+    CAPTURE = "capture"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One failure class's policy: every field decided, none defaulted."""
+
+    retryable: bool
+    load: Load
+    down: Down
+    streak: frozenset[Stage]
+
+
+_NONE: frozenset[Stage] = frozenset()
+_BOTH = frozenset({Stage.GENERATION, Stage.CAPTURE})
+_CAPTURE = frozenset({Stage.CAPTURE})
+
+#: Every failure class's policy, the one table that the callers read.
+POLICY: dict[FailureClass, Policy] = {
+    #                                  retryable  load           down             streak
+    FailureClass.TIMEOUT:              Policy(True, Load.TIMEOUT, Down.UNANSWERED, _NONE),
+    FailureClass.STALLED:              Policy(True, Load.TIMEOUT, Down.UNANSWERED, _NONE),
+    FailureClass.CONNECTION:           Policy(True, Load.NONE, Down.UNANSWERED, _NONE),
+    FailureClass.RATE_LIMITED:         Policy(True, Load.OVERLOAD, Down.NEVER, _NONE),
+    FailureClass.SERVER_ERROR:         Policy(True, Load.OVERLOAD, Down.HTTP_5XX, _NONE),
+    FailureClass.WORKER_ERROR:         Policy(True, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.LOST:                 Policy(True, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.CAPTURE_INCOMPLETE:   Policy(True, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.BAD_REQUEST:          Policy(False, Load.NONE, Down.NEVER, _BOTH),
+    FailureClass.CONTEXT_LENGTH:       Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.INVALID_INPUT:        Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.UNSTORABLE:           Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.EMPTY_RESPONSE:       Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.TRUNCATED:            Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.RESPONSE_TOO_LARGE:   Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.REQUEST_TOO_LARGE:    Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.BOUNDARY_UNSTABLE:    Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.MASK_MISMATCH:        Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.NO_SUPERVISED_TOKENS: Policy(False, Load.NONE, Down.NEVER, _NONE),
+    FailureClass.CAPTURE_MISMATCH:     Policy(False, Load.NONE, Down.NEVER, _CAPTURE),
+}
 
 
 def brief(exc: BaseException) -> str:
