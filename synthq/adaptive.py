@@ -82,6 +82,7 @@ from sqlalchemy.orm import Session
 from synthq import locks
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState
+from synthq.errors import FailureClass, Load
 from synthq.limits import START, current_limits, start_limit  # read without SQLAlchemy
 from synthq.models import Attempt, Job, Sample, Server
 from synthq.secrets import safe_url
@@ -115,9 +116,10 @@ CEILING_SECONDS = 30.0
 COOLDOWN = 3
 #: The gradient's allowance for queueing: QUEUE × √limit calls above the no-queue level.
 QUEUE = 0.25
-#: Outcomes that mean "too much load" and cut sharply.
-OVERLOAD = ("rate_limited", "server_error")
-TIMEOUTS = ("timeout", "stalled")
+#: Outcomes that mean "too much load" and cut sharply, and those that cut
+#: (each class's :attr:`FailureClass.load <synthq.errors.FailureClass.load>`).
+OVERLOAD = frozenset(c for c in FailureClass if c.load is Load.OVERLOAD)
+TIMEOUTS = frozenset(c for c in FailureClass if c.load is Load.TIMEOUT)
 #: 5xx answers are congestion only when they are not isolated: at least two, and this
 #: share of the calls of the window (those that ended in it, and those still out: an
 #: error comes back before the answers started with it). A server that fails one call
@@ -476,7 +478,7 @@ def summarize(rows: Sequence[CallRow], *, now: float, limit: int, inflight: int,
         if ended >= cutoff:
             if outcome in OVERLOAD:
                 overload += 1
-                server_errors += outcome == "server_error"
+                server_errors += outcome == FailureClass.SERVER_ERROR
             elif outcome in TIMEOUTS:
                 timeouts += 1
             elif outcome == "ok":

@@ -36,6 +36,7 @@ from synthq.capture import states as capture_states
 from synthq.config import get_settings
 from synthq.db import session_scope, utcnow
 from synthq.enums import INFLIGHT, JobState, SampleState
+from synthq.errors import Down, FailureClass
 from synthq.limits import current_limits, start_limit
 from synthq.models import Attempt, Job, Sample, Server, Worker
 
@@ -219,8 +220,9 @@ def _load_statement(capacity: bool, lateral: bool) -> Any:
 #: A server whose last this-many calls all failed to connect, stalled or timed out
 #: is treated as down.
 TRIP_AFTER = 3
-#: Outcomes that say "the server is not serving": refused, hanging, stalling.
-DOWN_OUTCOMES = ("connection", "stalled", "timeout")
+#: Outcomes that say "the server is not serving": refused, hanging, stalling
+#: (:attr:`Down.UNANSWERED <synthq.errors.Down.UNANSWERED>`).
+DOWN_OUTCOMES = frozenset(c for c in FailureClass if c.down is Down.UNANSWERED)
 #: Seconds between probes of a down server.
 PROBE_INTERVAL = 2.0
 #: Longest wait between probes that a server's Retry-After can ask for.
@@ -232,10 +234,14 @@ _RETRY_AFTER = re.compile(r"^HTTP \d+ \(Retry-After ([0-9.]+) s\)")
 def says_down(outcome: str | None, message: str | None) -> bool:
     """A call that says the server is not serving: refused, hanging, stalling, or an
     HTTP 5xx answer (overloaded: 503 from a bounded queue or a gateway). A broken
-    stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this."""
-    if outcome in DOWN_OUTCOMES:
-        return True
-    return outcome == "server_error" and (message or "").startswith("HTTP 5")
+    stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this: the
+    attempt row keeps no HTTP status, so its message (:func:`synthq.inference.status_error`
+    writes ``HTTP <status>`` first) tells them apart. Each class's rule is its
+    :attr:`FailureClass.down`."""
+    failure = FailureClass.of(outcome)
+    if failure is None or failure.down is Down.NEVER:
+        return False
+    return failure.down is Down.UNANSWERED or (message or "").startswith("HTTP 5")
 
 
 def server_is_down(session: Session, url: str) -> bool:

@@ -33,13 +33,16 @@ import re
 import threading
 from dataclasses import dataclass, replace
 
+from synthq.errors import FailureClass, Stage
+
 __all__ = ["STOP_AFTER", "CAPTURE_CLASSES", "GENERATION_CLASSES", "Stop", "Streaks", "shape"]
 
 #: Identical failures in a row on one server after which its stage stops.
 STOP_AFTER = 5
-#: The classes that say the server is misconfigured, per stage.
-CAPTURE_CLASSES = frozenset({"bad_request", "capture_mismatch"})
-GENERATION_CLASSES = frozenset({"bad_request"})
+#: The classes that say the server is misconfigured, per stage (each class's
+#: :attr:`FailureClass.streak <synthq.errors.FailureClass.streak>`).
+CAPTURE_CLASSES = frozenset(c for c in FailureClass if Stage.CAPTURE in c.streak)
+GENERATION_CLASSES = frozenset(c for c in FailureClass if Stage.GENERATION in c.streak)
 
 _VARIABLE = re.compile(r"'[^']*'|\"[^\"]*\"|\b[0-9a-f]{8,}\b|\d+")
 
