@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from synthq import errors, states, turns
+from synthq import errors, ledger, states, turns
 from synthq.config import get_settings
 from synthq.db import disk_full, utcnow
 from synthq.enums import SampleState
@@ -38,7 +38,6 @@ from synthq.inference import ChatRequest, ChatResult, InferenceClient
 from synthq.jobview import effective
 from synthq.models import Attempt, Job
 from synthq.packing import pack_ids, unpack_ids
-from synthq.retry import backoff_delay
 from synthq.states import Claimed
 from synthq.streaks import Streaks
 from synthq.writer import Writer
@@ -376,11 +375,9 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     # An overload answer (Retry-After) is not charged to the budget, within a cap on
     # the sample's calls in all (counted in the write's transaction).
     overload = isinstance(exc, errors.RetryableError) and exc.overload
-    retry = exc.retryable and (c.attempts < job.max_attempts or overload)
-    delay = 0.0
-    if retry:
-        delay = backoff_delay(c.attempts, base=job.backoff_base, cap=job.backoff_cap,
-                              retry_after=getattr(exc, "retry_after", None))
+    due = ledger.retry_delay(exc, c.attempts, max_attempts=job.max_attempts,
+                             base=job.backoff_base, cap=job.backoff_cap, charged=not overload)
+    retry, delay = due is not None, due or 0.0
     gave_up = f"{message} (gave up after {c.attempts} attempts)" if exc.retryable else message
     if overload:
         gave_up = (f"{message} (gave up: overloaded for "

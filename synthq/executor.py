@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
-from synthq import states, workers
+from synthq import ledger, states, workers
 from synthq.call import Call, Outcome, run_claimed
 from synthq.config import get_settings
 from synthq.db import CLAIM_PATH_ATTEMPTS, session_scope, utcnow, with_db_retry
@@ -42,7 +42,6 @@ from synthq.errors import DiskFull, WorkerError, brief
 from synthq.heartbeat import Heartbeat
 from synthq.inference import InferenceClient
 from synthq.jobview import effective, get_job, lease_seconds
-from synthq.retry import backoff_delay
 from synthq.streaks import GENERATION_CLASSES, Streaks
 from synthq.writer import Writer
 
@@ -354,9 +353,10 @@ class Executor:
         settings = effective(job, c.overrides) if job is not None else None
         delay, retry = 0.0, True
         if settings is not None:
-            retry = c.attempts < settings.max_attempts and c.response_content is None
-            delay = backoff_delay(c.attempts, base=settings.backoff_base,
-                                  cap=settings.backoff_cap)
+            due = ledger.retry_delay(WorkerError(message), c.attempts,
+                                     max_attempts=settings.max_attempts,
+                                     base=settings.backoff_base, cap=settings.backoff_cap)
+            retry, delay = due is not None and c.response_content is None, due or 0.0
 
         def record(s: Any, now: datetime) -> bool:
             if not retry:

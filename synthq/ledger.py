@@ -40,6 +40,8 @@ from sqlalchemy import and_, bindparam, select, text, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
+from synthq.retry import backoff_delay
+
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "claim_statement", "claim", "held_by_dead", "expire", "requeue",
            "retry_delay"]
@@ -378,14 +380,16 @@ def requeue(session: Session, kind: Kind, where: Sequence[Any], *, now: datetime
     return int(result.rowcount or 0)
 
 
-def retry_delay(exc: Any, attempts: int, *, max_attempts: int, base: float,
-                cap: float) -> float | None:
-    """Seconds before a failed call's row is due again (exponential backoff with jitter,
-    the server's Retry-After a floor), or None when it fails for good: a permanent
-    error, or ``attempts`` reached ``max_attempts``."""
-    from synthq.retry import backoff_delay
+def retry_delay(exc: Any, attempts: int, *, max_attempts: int, base: float, cap: float,
+                charged: bool = True) -> float | None:
+    """Retry or fail, for every kind: seconds before a failed call's row is due again
+    (exponential backoff with full jitter, the server's Retry-After a floor), or None when
+    it fails for good: a permanent error, or a charged call whose ``attempts`` reached
+    ``max_attempts``.
 
-    if not getattr(exc, "retryable", False) or attempts >= max_attempts:
+    ``charged=False``: the call is not charged to the budget (a sample's overload answer),
+    so the budget does not end it; the caller caps such calls itself."""
+    if not getattr(exc, "retryable", False) or (charged and attempts >= max_attempts):
         return None
     return backoff_delay(attempts, base=base, cap=cap,
                          retry_after=getattr(exc, "retry_after", None))

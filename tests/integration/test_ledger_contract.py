@@ -62,7 +62,7 @@ CONTRACT: dict[str, tuple[Any, Any, Any]] = {
     # Where a retry's due time is enforced: the claim itself, or the dispatcher's offer.
     "due time kept by": ("dispatcher (synthq.dispatch)", "claim", None),
     # Where retry-or-fail is decided: ledger.retry_delay, or inline in the caller.
-    "retry-or-fail decided by": ("inline: synthq.call._failure, synthq.executor",
+    "retry-or-fail decided by": ("ledger.retry_delay (synthq.call._failure, synthq.executor)",
                                  "ledger.retry_delay (synthq.capture.stage)", None),
     # The holder's hand-back (held → waiting, now, uncharged).
     "release": ("advance_turn (a turn done)", None, "release"),
@@ -531,10 +531,8 @@ def test_retry_or_fail_by_the_attempt_budget(kind: Kind) -> None:
         return
 
     def decide(attempts: int, exc: Any) -> float | None:
-        if decided_by.startswith("ledger.retry_delay"):
-            return ledger.retry_delay(exc, attempts, max_attempts=2, base=0.1, cap=0.5)
-        # Samples decide inline in the caller; the same rule, stated here.
-        return 0.1 if exc.retryable and attempts < 2 else None
+        assert decided_by.startswith("ledger.retry_delay")
+        return ledger.retry_delay(exc, attempts, max_attempts=2, base=0.1, cap=0.5)
 
     t = now
     for attempt in (1, 2):

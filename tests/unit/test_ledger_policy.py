@@ -1,0 +1,46 @@
+"""Leased work's policy, written once beside the ledger (issue 42, item 1): retry-or-fail
+with backoff and Retry-After, for generation, the worker's hand-back and capture alike."""
+
+from __future__ import annotations
+
+from synthq import errors, ledger
+
+
+def test_a_permanent_error_fails_at_once_whatever_the_budget() -> None:
+    for charged in (True, False):
+        assert ledger.retry_delay(errors.BadRequest("no"), 1, max_attempts=5, base=1.0,
+                                  cap=10.0, charged=charged) is None
+
+
+def test_a_retryable_error_retries_until_the_charged_attempts_reach_the_budget() -> None:
+    exc = errors.TimeoutError_("slow")
+    for attempts in (1, 2):
+        delay = ledger.retry_delay(exc, attempts, max_attempts=3, base=1.0, cap=10.0)
+        assert delay is not None and 0.0 <= delay <= min(10.0, 2.0 ** (attempts - 1))
+    assert ledger.retry_delay(exc, 3, max_attempts=3, base=1.0, cap=10.0) is None
+    assert ledger.retry_delay(exc, 4, max_attempts=3, base=1.0, cap=10.0) is None
+
+
+def test_an_uncharged_call_is_not_ended_by_the_budget() -> None:
+    """A sample's overload answer: the caller caps those calls its own way."""
+    exc = errors.RateLimited("busy", retry_after=5.0)
+    assert ledger.retry_delay(exc, 9, max_attempts=3, base=1.0, cap=10.0) is None
+    assert ledger.retry_delay(exc, 9, max_attempts=3, base=1.0, cap=2.0, charged=False) == 5.0
+
+
+def test_the_backoff_is_exponential_with_full_jitter_under_the_cap() -> None:
+    exc = errors.ConnectionFailed("refused")
+    for attempts in range(1, 10):
+        ceiling = min(60.0, 2.0 * 2 ** (attempts - 1))
+        draws = [ledger.retry_delay(exc, attempts, max_attempts=99, base=2.0, cap=60.0)
+                 for _ in range(200)]
+        assert all(d is not None and 0.0 <= d <= ceiling for d in draws)
+        assert max(d for d in draws if d is not None) > ceiling * 0.8
+
+
+def test_retry_after_is_a_floor_and_absent_means_none() -> None:
+    assert ledger.retry_delay(errors.ServerError("503", retry_after=7.0), 1, max_attempts=3,
+                              base=0.1, cap=0.2) == 7.0
+    # The worker's hand-back passes an error with no Retry-After: plain backoff.
+    delay = ledger.retry_delay(errors.WorkerError("bug"), 1, max_attempts=3, base=0.1, cap=0.2)
+    assert delay is not None and delay <= 0.1
