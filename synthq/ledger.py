@@ -44,7 +44,7 @@ from synthq.retry import backoff_delay
 
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "claim_statement", "claim", "held_by_dead", "expire", "requeue",
-           "retry_delay"]
+           "refund", "retry_delay"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -378,6 +378,14 @@ def requeue(session: Session, kind: Kind, where: Sequence[Any], *, now: datetime
                   .values(state=kind.waiting, attempts=0, finished_at=None, updated_at=now,
                           **values))
     return int(result.rowcount or 0)
+
+
+def refund(kind: Kind) -> dict[str, Any]:
+    """The column a retry sets to give its claim's charge back: an uncharged retry, whose
+    call does not count against the row's attempt budget (a sample's overload answer, a
+    capture whose server was down)."""
+    attempts = kind.column("attempts")
+    return {"attempts": attempts - 1}
 
 
 def retry_delay(exc: Any, attempts: int, *, max_attempts: int, base: float, cap: float,

@@ -361,7 +361,7 @@ def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: date
 
     ``charge=False`` gives the call back to the sample's attempt budget (an
     overload answer: the server asked us to come back later)."""
-    extra = {} if charge else {"attempts": Sample.attempts - 1}
+    extra = {} if charge else ledger.refund(SAMPLES)
     won = _move(session, "retry", sample_id, token, now=now, server=None,
                 last_server=Sample.server, next_attempt_at=next_attempt_at,
                 error_class=error_class, error_message=error_message, **extra)

@@ -128,7 +128,7 @@ def retry(session: Session, claimed: Claimed, *, now: datetime, next_attempt_at:
           error_class: str, error_message: str, charge: bool = True) -> bool:
     """running → pending, due again at ``next_attempt_at``; ``charge=False`` gives the
     call back to the capture's attempt budget (its server was down: nothing was computed)."""
-    extra = {} if charge else {"attempts": Capture.attempts - 1}
+    extra = {} if charge else ledger.refund(CAPTURES)
     return ledger.move(session, CAPTURES, "retry", claimed.capture_id, claimed.token, now=now,
                        next_attempt_at=next_attempt_at, error_class=error_class,
                        error_message=error_message[:2000], **extra)

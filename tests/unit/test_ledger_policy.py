@@ -4,6 +4,8 @@ with backoff and Retry-After, for generation, the worker's hand-back and capture
 from __future__ import annotations
 
 from synthq import errors, ledger
+from synthq.capture.states import CAPTURES
+from synthq.states import SAMPLES
 
 
 def test_a_permanent_error_fails_at_once_whatever_the_budget() -> None:
@@ -44,3 +46,13 @@ def test_retry_after_is_a_floor_and_absent_means_none() -> None:
     # The worker's hand-back passes an error with no Retry-After: plain backoff.
     delay = ledger.retry_delay(errors.WorkerError("bug"), 1, max_attempts=3, base=0.1, cap=0.2)
     assert delay is not None and delay <= 0.1
+
+
+def test_an_uncharged_retry_gives_the_claims_charge_back_for_every_kind() -> None:
+    """The claim charged ``attempts + 1``; the refund is ``attempts - 1`` of the kind's own
+    table (the contract test runs it against PostgreSQL)."""
+    for kind in (SAMPLES, CAPTURES):
+        (column, value), = ledger.refund(kind).items()
+        assert column == "attempts"
+        assert str(value.compile(compile_kwargs={"literal_binds": True})) == \
+            f"{kind.model.__tablename__}.attempts - 1"
