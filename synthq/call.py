@@ -157,12 +157,13 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
         return await _unsent(c, stop, writer)
 
     def attempt(outcome: str, message: str | None, result: ChatResult | None) -> dict[str, Any]:
-        return dict(sample_id=c.sample_id, server=c.server, worker=worker,
-                    started_at=call.started_at, ended_at=utcnow(), outcome=outcome,
-                    error_message=message, latency_s=time.monotonic() - call.started_mono,
-                    ttft_s=result.ttft_s if result else None,
-                    completion_tokens=result.completion_tokens if result else None,
-                    turn=c.turn if multi else None)
+        return states.attempt_row(
+            c.sample_id, server=c.server, worker=worker, started_at=call.started_at,
+            ended_at=utcnow(), outcome=outcome, error_message=message,
+            latency_s=time.monotonic() - call.started_mono,
+            ttft_s=result.ttft_s if result else None,
+            completion_tokens=result.completion_tokens if result else None,
+            turn=c.turn if multi else None)
 
     if multi:
         messages = turns.history(c.prompt, c.turns or [], c.turn,

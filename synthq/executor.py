@@ -346,10 +346,10 @@ class Executor:
         message = f"unexpected error in the worker: {why}"[:2000]
         attempt = None
         if call is not None and call.calling:
-            attempt = dict(sample_id=c.sample_id, server=c.server, worker=self.name,
-                           started_at=call.started_at, ended_at=utcnow(),
-                           outcome=WorkerError.error_class, error_message=message,
-                           latency_s=time.monotonic() - call.started_mono)
+            attempt = states.attempt_row(
+                c.sample_id, server=c.server, worker=self.name, started_at=call.started_at,
+                ended_at=utcnow(), outcome=WorkerError.error_class, error_message=message,
+                latency_s=time.monotonic() - call.started_mono)
         settings = effective(job, c.overrides) if job is not None else None
         delay, retry = 0.0, True
         if settings is not None:

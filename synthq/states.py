@@ -61,7 +61,7 @@ from synthq.models import Attempt, Job, Sample, Worker
 
 __all__ = [
     "SAMPLES", "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
-    "queue", "claim_batch", "claim", "release", "renew", "renew_many",
+    "queue", "claim_batch", "claim", "release", "renew", "renew_many", "attempt_row",
     "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
     "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
@@ -122,6 +122,19 @@ def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
 def _move(session: Session, transition: str, sample_id: int, token: str, *, now: datetime,
           **values: Any) -> bool:
     return ledger.move(session, SAMPLES, transition, sample_id, token, now=now, **values)
+
+
+def attempt_row(sample_id: int, *, server: str, worker: str | None, started_at: datetime,
+                ended_at: datetime, outcome: str, error_message: str | None,
+                latency_s: float | None = None, ttft_s: float | None = None,
+                completion_tokens: int | None = None, turn: int | None = None) -> dict[str, Any]:
+    """One call's ``attempts`` row (the worker's outcome, its hand-back after a bug, the
+    sweep's ``lost``), every column named: a transaction's rows go in one INSERT, which
+    takes its columns from the first row, so rows of one shape are what it can take."""
+    return dict(sample_id=sample_id, server=server, worker=worker, started_at=started_at,
+                ended_at=ended_at, outcome=outcome, error_message=error_message,
+                latency_s=latency_s, ttft_s=ttft_s, completion_tokens=completion_tokens,
+                turn=turn)
 
 
 def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
@@ -677,9 +690,9 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
                     error_message="the worker stopped reporting during its last attempt"))
     # The calls those workers were making never ended: log them as lost.
     # (rows: id, state, attempts, cap, server, worker, started_at, unanswered, turn)
-    lost = [dict(sample_id=r[0], server=r[4], worker=r[5], started_at=r[6] or now,
-                 ended_at=now, outcome="lost", turn=r[8],
-                 error_message="the worker stopped reporting during the call")
+    lost = [attempt_row(r[0], server=r[4], worker=r[5], started_at=r[6] or now, ended_at=now,
+                        outcome="lost", turn=r[8],
+                        error_message="the worker stopped reporting during the call")
             for r in expired.rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
     if lost:
         session.execute(insert(Attempt), lost)

@@ -3,8 +3,11 @@ with backoff and Retry-After, for generation, the worker's hand-back and capture
 
 from __future__ import annotations
 
-from synthq import errors, ledger
+from datetime import UTC, datetime
+
+from synthq import errors, ledger, states
 from synthq.capture.states import CAPTURES
+from synthq.models import Attempt
 from synthq.states import SAMPLES
 
 
@@ -56,3 +59,20 @@ def test_an_uncharged_retry_gives_the_claims_charge_back_for_every_kind() -> Non
         assert column == "attempts"
         assert str(value.compile(compile_kwargs={"literal_binds": True})) == \
             f"{kind.model.__tablename__}.attempts - 1"
+
+
+def test_every_attempt_row_names_every_column_whoever_builds_it() -> None:
+    """The worker's outcome, its hand-back after a bug and the sweep's ``lost`` rows share
+    one INSERT per transaction, whose columns are the first row's: one shape for all."""
+    columns = set(Attempt.__table__.c.keys()) - {"id"}
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    bare = states.attempt_row(7, server="http://s/v1", worker=None, started_at=now,
+                              ended_at=now, outcome="lost", error_message=None)
+    assert set(bare) == columns
+    assert {k: v for k, v in bare.items() if v is not None} == dict(
+        sample_id=7, server="http://s/v1", started_at=now, ended_at=now, outcome="lost")
+    full = states.attempt_row(7, server="s", worker="w", started_at=now, ended_at=now,
+                              outcome="ok", error_message=None, latency_s=1.5, ttft_s=0.25,
+                              completion_tokens=12, turn=2)
+    assert (full["worker"], full["latency_s"], full["ttft_s"], full["completion_tokens"],
+            full["turn"]) == ("w", 1.5, 0.25, 12, 2)
