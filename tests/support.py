@@ -216,8 +216,29 @@ def _reset_process_state() -> None:
     reset_default_executor()
     get_settings.cache_clear()
     broker._client.cache_clear()  # the broker URL may differ in the next test
+    _rebind_celery_app(get_settings().broker_url)
     dispose_engines()
     jobview._jobs.clear()  # job ids restart at 1 in every test
+
+
+def _rebind_celery_app(url: str | None) -> None:
+    """Point an imported ``worker.app`` at this test's broker. Its broker URL is read
+    once, when the module is first imported: in a random order a test that imported it
+    without Redis left it on the default database (0), and a later test's
+    ``publish_train`` or ``send_task`` sent there, not to the database its worker reads
+    (CI: a tick never in its queue; a training worker that never got its run)."""
+    module = sys.modules.get("worker.app")
+    if module is None:
+        return
+    app = module.app
+    want = url or "redis://127.0.0.1:6379/0"
+    if app.conf.broker_url == want:
+        return
+    app.conf.broker_url = want
+    # Pools made for the old URL are dropped, not closed: kombu's shared producer pools
+    # may still hold them ("Acquire on closed pool").
+    app._pool = None
+    app.amqp._producer_pool = None
 
 
 class Simulator:
