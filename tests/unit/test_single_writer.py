@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Collection
 from pathlib import Path
@@ -58,21 +59,33 @@ def settings_writes(path: Path) -> list[str]:
 
     columns = set(Job.__mapper__.attrs.keys())
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node, attr in attribute_writes(ast.parse(path.read_text(), str(path)), JOB_NAMES,
+                                       columns):
+        text = ast.unparse(node) if attr == "setattr" else f"{attr} = ..."
+        found.append(f"{path.name}:{node.lineno}: {text}")
+    return found
+
+
+def attribute_writes(tree: ast.AST, names: set[str] | frozenset[str], columns: set[str]
+                     ) -> list[tuple[ast.AST, str]]:
+    """(node, what) for each write in ``tree`` to a column of a variable named in
+    ``names``: ``NAME.column = ...`` (plain, augmented, annotated, or in a tuple), as
+    ``"NAME.column"``; and ``setattr(NAME, ...)``, as ``"setattr"``."""
+    found: list[tuple[ast.AST, str]] = []
+    for node in ast.walk(tree):
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
             targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple)
                                                           else [t])]
         elif isinstance(node, ast.AugAssign | ast.AnnAssign):
             targets = [node.target]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id == "setattr" and node.args and \
-                isinstance(node.args[0], ast.Name) and node.args[0].id in JOB_NAMES:
-            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and \
+                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names:
+            found.append((node, "setattr"))
         for t in targets:
             if isinstance(t, ast.Attribute) and t.attr in columns and \
-                    isinstance(t.value, ast.Name) and t.value.id in JOB_NAMES:
-                found.append(f"{path.name}:{node.lineno}: {ast.unparse(t)} = ...")
+                    isinstance(t.value, ast.Name) and t.value.id in names:
+                found.append((node, ast.unparse(t)))
     return found
 
 
@@ -157,21 +170,8 @@ def row_writes(path: Path, model: Any, loaders: Collection[str] = ()) -> list[tu
             rows.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.For) and loads(node.iter):
             rows.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
-    found = []
-    for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple)
-                                                          else [t])]
-        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
-            targets = [node.target]
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and \
-                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in rows:
-            found.append((node.lineno, "setattr"))
-        for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr in columns and \
-                    isinstance(t.value, ast.Name) and t.value.id in rows:
-                found.append((node.lineno, t.attr))
+    found = [(node.lineno, what if what == "setattr" else what.split(".", 1)[1])
+             for node, what in attribute_writes(tree, rows, columns)]
     return sorted(found)
 
 
