@@ -31,8 +31,8 @@ from api.coalesce import Coalescer  # noqa: E402
 from api.config import api_settings  # noqa: E402
 from api.guard import RETRY_AFTER_S, Guard, outage  # noqa: E402
 from api.routes import exports, jobs, samples, system, ui  # noqa: E402
-from synthq.db import safe_url  # noqa: E402
-from synthq.errors import UserError  # noqa: E402
+from synthq.core.errors import UserError  # noqa: E402
+from synthq.store.db import safe_url  # noqa: E402
 
 __all__ = ["app", "create_app", "ROUTERS"]
 
@@ -64,8 +64,8 @@ def db_slots() -> int:
     Each request holds at most one connection at a time, so with no more
     requests than connections none waits for one (see :mod:`api.guard`).
     """
-    from synthq.config import get_settings
-    from synthq.export_runs import MAX_RUNNING
+    from synthq.jobs.export_runs import MAX_RUNNING
+    from synthq.spec.config import get_settings
 
     s = get_settings()
     pool = 96 if s.database_url.startswith("sqlite") else s.db_pool_size + s.db_max_overflow

@@ -48,7 +48,7 @@ def _prune_expired(s: Any, now: datetime) -> None:
     global _pruned_at
     from sqlalchemy import delete
 
-    from synthq.models import ApiSession
+    from synthq.store.models import ApiSession
 
     if _pruned_at is not None and time.monotonic() - _pruned_at < PRUNE_EVERY_S:
         return
@@ -58,8 +58,8 @@ def _prune_expired(s: Any, now: datetime) -> None:
 
 def new_session(settings: ApiSettings) -> str:
     """A new login: a random cookie value, its sha256 stored with its expiry."""
-    from synthq.db import session_scope, utcnow
-    from synthq.models import ApiSession
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import ApiSession
 
     value = secrets.token_urlsafe(32)
     now = utcnow()
@@ -73,8 +73,8 @@ def new_session(settings: ApiSettings) -> str:
 def end_session(value: str) -> None:
     from sqlalchemy import delete
 
-    from synthq.db import session_scope
-    from synthq.models import ApiSession
+    from synthq.store.db import session_scope
+    from synthq.store.models import ApiSession
 
     with session_scope() as s:
         s.execute(delete(ApiSession).where(ApiSession.id == _digest(value)))
@@ -84,8 +84,8 @@ def session_of(request: Request) -> str | None:
     """The request's session cookie value if it names a live login, else None."""
     from sqlalchemy import select
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import ApiSession
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import ApiSession
 
     value = request.cookies.get(COOKIE)
     if not value or len(value) > 100:

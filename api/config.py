@@ -9,8 +9,8 @@ from pathlib import Path
 from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from synthq.config import get_settings
-from synthq.secrets import check_secret
+from synthq.core.secrets import check_secret
+from synthq.spec.config import get_settings
 
 __all__ = ["ApiSettings", "api_settings"]
 

@@ -9,10 +9,10 @@ from fastapi import Depends, HTTPException, Path, status
 from sqlalchemy.orm import Session
 
 from api.config import ApiSettings, api_settings
-from synthq.db import session_scope
-from synthq.enqueue import find_job
-from synthq.errors import UserError
-from synthq.models import Job
+from synthq.core.errors import UserError
+from synthq.jobs.enqueue import find_job
+from synthq.store.db import session_scope
+from synthq.store.models import Job
 
 
 def get_session() -> Iterator[Session]:

@@ -18,8 +18,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from synthq import query
-from synthq.db import session_scope
+from synthq.store.db import session_scope
+from synthq.views import query
 
 __all__ = ["SqlCollector", "registry"]
 
@@ -97,9 +97,9 @@ def _captures() -> Iterator[Metric]:
     from sqlalchemy import select
 
     from synthq.capture.progress import capture_progress
-    from synthq.config import status_settings
-    from synthq.models import Capture, Job
-    from synthq.sqlread import reader_of
+    from synthq.spec.config import status_settings
+    from synthq.store.models import Capture, Job
+    from synthq.store.sqlread import reader_of
 
     store = status_settings().capture_store or ""
     with session_scope() as s:

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from synthq import jobspec
-from synthq.enqueue import EnqueueReport, JobSpec
-from synthq.jobspec import Setting
-from synthq.query import SampleRow
+from synthq.jobs.enqueue import EnqueueReport, JobSpec
+from synthq.spec import jobspec
+from synthq.spec.jobspec import Setting
 from synthq.training.runs import RunRecord
+from synthq.views.query import SampleRow
 
 
 def _field(s: Setting, *, requeue: bool = False) -> tuple[Any, Any]:
     """A pydantic field of setting ``s``: its type, default and description, its bounds
-    and choices shown in the schema. The values are checked by synthq.jobspec.check (in
+    and choices shown in the schema. The values are checked by synthq.spec.jobspec.check (in
     :meth:`JobSettings.to_spec` and the requeue), as the CLI's are, with the same message."""
     kinds: dict[type, Any] = {list: list[s.item], dict: dict[str, Any]}
     kind: Any = kinds.get(s.type, s.type)
@@ -54,8 +54,8 @@ class _JobSettings(BaseModel):
 
     def to_spec(self, default_name: str) -> JobSpec:
         """The JobSpec `synthq enqueue` would make from the same options (both through
-        synthq.enqueue.build_spec, which checks each value)."""
-        from synthq.enqueue import build_spec
+        synthq.jobs.enqueue.build_spec, which checks each value)."""
+        from synthq.jobs.enqueue import build_spec
 
         return build_spec(self.model_dump(), source=default_name)
 
@@ -63,7 +63,7 @@ class _JobSettings(BaseModel):
 if TYPE_CHECKING:  # the fields are made at import; a type checker sees the base
     JobSettings = _JobSettings
 else:
-    #: Generation and tokenization settings, as `synthq enqueue` takes them (synthq.jobspec).
+    #: Generation and tokenization settings, as `synthq enqueue` takes them (synthq.spec.jobspec).
     JobSettings = create_model(
         "JobSettings", __base__=_JobSettings, __doc__="Generation and tokenization settings, "
         "as `synthq enqueue` takes them.", **{s.name: _field(s) for s in jobspec.SETTINGS})
@@ -72,7 +72,7 @@ else:
 if TYPE_CHECKING:
     CaptureSettings = CaptureSettingsPublic = BaseModel
 else:
-    #: The capture stage's settings, as `synthq capture` takes them (synthq.jobspec.CAPTURE):
+    #: The capture stage's settings, as `synthq capture` takes them (synthq.spec.jobspec.CAPTURE):
     #: a setting declared there is a field here, with its checks, and nothing else is.
     CaptureSettings = create_model(
         "CaptureSettings", __config__=ConfigDict(extra="forbid"), __doc__="The capture "
@@ -111,7 +111,7 @@ class RowError(BaseModel):
 
 
 def _report_fields() -> dict[str, Any]:
-    """A pydantic field per field of synthq.enqueue.EnqueueReport, with its type and
+    """A pydantic field per field of synthq.jobs.enqueue.EnqueueReport, with its type and
     default: the API answers the record `synthq enqueue --json` prints, not a copy of it."""
     hints = get_type_hints(EnqueueReport)
     return {f.name: (hints[f.name],
@@ -124,7 +124,7 @@ def _report_fields() -> dict[str, Any]:
 if TYPE_CHECKING:
     EnqueueResult = BaseModel
 else:
-    #: The enqueue's outcome: every field of synthq.enqueue.EnqueueReport, then the
+    #: The enqueue's outcome: every field of synthq.jobs.enqueue.EnqueueReport, then the
     #: malformed rows and the one-line message.
     EnqueueResult = create_model(
         "EnqueueResult", __doc__="The enqueue's report (every field `synthq enqueue --json` "
@@ -137,10 +137,10 @@ else:
                             "(or found), the samples to run, and the rows skipped.")))
 
 
-# The job list's items are synthq.query.JobSummary itself.
+# The job list's items are synthq.views.query.JobSummary itself.
 
 
-# A job's status is synthq.report.JobStatus itself (the record `synthq status --json`
+# A job's status is synthq.views.report.JobStatus itself (the record `synthq status --json`
 # prints): GET /api/jobs/{job} answers it as its response model, so the two cannot drift.
 
 
@@ -165,7 +165,7 @@ class _RequeueRequest(BaseModel):
                                   description="Only these samples (at most 10,000 a call).")
 
     def settings(self) -> dict[str, Any]:
-        """The requeue's settings given (synthq.jobspec.requeue_settings checks them)."""
+        """The requeue's settings given (synthq.spec.jobspec.requeue_settings checks them)."""
         return {k: v for k, v in self.model_dump().items()
                 if k in jobspec.BY_NAME and v is not None}
 
@@ -185,13 +185,13 @@ class RequeueResult(BaseModel):
 
 
 class SamplePage(BaseModel):
-    #: Each sample as synthq.query.SampleRow (one record, no copy to keep in step).
+    #: Each sample as synthq.views.query.SampleRow (one record, no copy to keep in step).
     items: list[SampleRow]
     #: Pass as ``after`` for the next page; null on the last one.
     next_after: int | None
 
 
-# One sample in full is synthq.query.SampleDetail itself (what `synthq sample --json`
+# One sample in full is synthq.views.query.SampleDetail itself (what `synthq sample --json`
 # prints), the response model of GET /api/samples/{id}.
 
 

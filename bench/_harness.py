@@ -3,7 +3,7 @@
 Every benchmark runs inside :class:`Bench`, a context manager that
 
 * creates a fresh PostgreSQL database (``synthq_bench_<name>``) and migrates it
-  with :func:`synthq.migrate.upgrade`;
+  with :func:`synthq.store.migrate.upgrade`;
 * uses its own Redis database number, flushed at start and at the end;
 * points ``SYNTHQ_DATABASE_URL`` / ``SYNTHQ_BROKER_URL`` / ``SYNTHQ_DATA_DIR``
   at them, in this process and in every subprocess it starts;
@@ -236,7 +236,7 @@ class Bench:
         import redis
         from sqlalchemy import text
 
-        from synthq.migrate import upgrade
+        from synthq.store.migrate import upgrade
 
         admin = self._admin()
         try:
@@ -286,9 +286,9 @@ class Bench:
 
     @staticmethod
     def _reset_process_state() -> None:
-        from synthq.config import get_settings
-        from synthq.db import dispose_engines
-        from synthq.executor import reset_default_executor
+        from synthq.serving.executor import reset_default_executor
+        from synthq.spec.config import get_settings
+        from synthq.store.db import dispose_engines
 
         reset_default_executor()
         get_settings.cache_clear()
@@ -359,13 +359,14 @@ class Bench:
 
 def create_job(spec: Any, prompts: Sequence[str]) -> Any:
     """Create ``spec``'s job and insert one user-message sample per prompt (the real path:
-    :func:`synthq.enqueue.get_or_create_job` + :func:`synthq.samplecopy.insert_rows`), then
-    ask for a tick now as `synthq enqueue` and the API do (:func:`synthq.service.start_now`)."""
-    from synthq.dataset import Row
-    from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, get_or_create_job
-    from synthq.samplecopy import insert_rows
-    from synthq.service import start_now
+    :func:`synthq.jobs.enqueue.get_or_create_job` +
+    :func:`synthq.jobs.samplecopy.insert_rows`), then
+    ask for a tick now as `synthq enqueue` and the API do (:func:`synthq.app.service.start_now`)."""
+    from synthq.app.service import start_now
+    from synthq.data.dataset import Row
+    from synthq.jobs.enqueue import EnqueueReport, get_or_create_job
+    from synthq.jobs.samplecopy import insert_rows
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         job, created, _ = get_or_create_job(s, spec)
@@ -382,8 +383,8 @@ def prompts(n: int, tag: str = "bench") -> list[str]:
 
 
 def counts(job_id: int) -> dict[str, int]:
-    from synthq.counts import state_counts
-    from synthq.db import session_scope
+    from synthq.store.counts import state_counts
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         return state_counts(s, job_id)
@@ -392,8 +393,8 @@ def counts(job_id: int) -> dict[str, int]:
 def set_job_state(job_id: int, state: str) -> None:
     from sqlalchemy import update
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Job
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Job
 
     with session_scope() as s:
         s.execute(update(Job).where(Job.id == job_id).values(state=state, updated_at=utcnow()))
@@ -403,8 +404,8 @@ def done_times(job_id: int) -> list[float]:
     """``finished_at`` (epoch seconds, sorted) of the job's done samples."""
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Sample
 
     with session_scope() as s:
         rows = s.scalars(select(Sample.finished_at).where(

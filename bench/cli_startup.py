@@ -69,7 +69,7 @@ def cpu_of(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
 
 def pg_job(url: str, env: dict[str, str]) -> str:
     """A job of 1,000 samples in the PostgreSQL database ``url`` (migrated here)."""
-    code = ("import sys; from synthq.migrate import upgrade; upgrade(sys.argv[1]); "
+    code = ("import sys; from synthq.store.migrate import upgrade; upgrade(sys.argv[1]); "
             "from synthq.testing.chaos import create_job, prompts; "
             "print(create_job(prompts(1000, 'cli'), ['http://127.0.0.1:9/v1'], "
             "name='cli-bench'))")

@@ -4,7 +4,7 @@ An answer that has arrived but is not committed is lost at a ``kill -9`` and pai
 for again: at a kill of a worker mid-run (2 workers, limit 32, 0.1 s answers) 17
 of the 29 calls lost had been answered in full (issue 24). Each worker measures,
 for every answer, the time from its last byte to the commit of the write that
-stores it (``synthq.writer.Writer.wait_figures``) and logs the figures when it
+stores it (``synthq.serving.writer.Writer.wait_figures``) and logs the figures when it
 stops; this script runs that load and prints them.
 
 Setup: a fresh PostgreSQL database, Redis db 12, the simulator with ``--latency
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
 
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     hogs: list[subprocess.Popen[bytes]] = []
     with Bench("commit_wait", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:

@@ -58,8 +58,8 @@ def _synthq(env: dict[str, str], *args: str) -> Any:
 
 def _train_seconds(env: dict[str, str], run_id: int) -> float:
     """The run's steps' own seconds: Σ tokens / tokens_per_s over its records."""
-    code = ("import json; from synthq.db import session_scope; "
-            "from synthq.models import TrainingRun\n"
+    code = ("import json; from synthq.store.db import session_scope; "
+            "from synthq.store.models import TrainingRun\n"
             f"with session_scope() as s: print(json.dumps(s.get(TrainingRun, {run_id}).metrics))")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
                          text=True, check=True)

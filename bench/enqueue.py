@@ -8,7 +8,7 @@ trailing assistant answer to drop, ShareGPT ``conversations`` with
 
 Phases, each timed end to end on the real code path:
 
-1. ``enqueue``: :func:`synthq.enqueue.enqueue` (read + parse + normalise +
+1. ``enqueue``: :func:`synthq.jobs.enqueue.enqueue` (read + parse + normalise +
    content hash + a binary ``COPY`` per batch of 5,000, streamed while the rows
    are read) into a new job. Figure: rows/s; ``inserted`` should equal
    ``--rows``. Beside it, the CPU it took per row: this process's (reading,
@@ -18,9 +18,9 @@ Phases, each timed end to end on the real code path:
 2. ``re-enqueue``: the same call again with the same file and job: every row
    is a duplicate (invariant 9), ``inserted`` must be 0. Figure: rows/s and
    seconds — what a user pays for re-running an enqueue command.
-3. breakdown: ``parse`` is :func:`synthq.dataset.iter_rows` alone into a list;
-   ``hash`` is :func:`synthq.dataset.content_key` over those rows;
-   ``insert`` is :func:`synthq.samplecopy.insert_rows` on the pre-parsed rows into
+3. breakdown: ``parse`` is :func:`synthq.data.dataset.iter_rows` alone into a list;
+   ``hash`` is :func:`synthq.data.dataset.content_key` over those rows;
+   ``insert`` is :func:`synthq.jobs.samplecopy.insert_rows` on the pre-parsed rows into
    another new job (it hashes too: insert ≈ hash + SQL).
 
 For scale: the reference figures measured on this machine are ``COPY`` 143,000
@@ -75,9 +75,9 @@ def main() -> None:
 
     from _harness import service_cpu_seconds
 
-    from synthq.dataset import content_key, iter_rows
-    from synthq.enqueue import EnqueueReport, JobSpec, enqueue
-    from synthq.samplecopy import insert_rows
+    from synthq.data.dataset import content_key, iter_rows
+    from synthq.jobs.enqueue import EnqueueReport, JobSpec, enqueue
+    from synthq.jobs.samplecopy import insert_rows
 
     def spec(name: str) -> JobSpec:
         return JobSpec(name=name, model="sim-model", servers=["http://127.0.0.1:9/v1"],
@@ -87,7 +87,7 @@ def main() -> None:
         if args.sqlite:
             import os
 
-            from synthq.migrate import upgrade
+            from synthq.store.migrate import upgrade
 
             (b.tmp / "data").mkdir(exist_ok=True)
             url = f"sqlite:///{b.tmp / 'data' / 'synthq.db'}"
@@ -119,8 +119,8 @@ def main() -> None:
                 content_key(row.messages, settings)
         t_hash = time.perf_counter() - t
 
-        from synthq.db import session_scope
-        from synthq.enqueue import get_or_create_job
+        from synthq.jobs.enqueue import get_or_create_job
+        from synthq.store.db import session_scope
 
         with session_scope() as s:
             job, _, _ = get_or_create_job(s, spec("bench-insert-only"))

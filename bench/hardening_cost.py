@@ -2,7 +2,7 @@
 
 Each piece is timed in this process with the process's CPU clock, side by side
 with the same piece as it was before the round (``--before REV``, default
-91e9d3c, the commit before it: its ``synthq/inference.py`` is loaded from git as
+91e9d3c, the commit before it: its ``synthq/serving/inference.py`` is loaded from git as
 a module of its own), interleaved over ``--repeats`` rounds; the figure is the
 median microseconds per operation, and the difference is what the check adds:
 
@@ -12,13 +12,13 @@ median microseconds per operation, and the difference is what the check adds:
   ``pieces``, ``ids``) vs nothing;
 * **request body**: ``_body`` (reserved keys left out, the size cap) vs the plain dump;
 * **non-streamed answer**: ``_completion_result`` with its field and usage checks vs without;
-* **clock**: ``synthq.clock.utcnow`` on the database's time (anchor + monotonic) vs
+* **clock**: ``synthq.core.clock.utcnow`` on the database's time (anchor + monotonic) vs
   ``datetime.now(UTC)``;
 * **statement**: one ``SELECT 1`` round trip on a psycopg connection with the
-  answer deadline (``synthq.db._guarded_connection``) vs a plain one (PostgreSQL;
+  answer deadline (``synthq.store.db._guarded_connection``) vs a plain one (PostgreSQL;
   skipped with ``--no-pg``);
 * **template render**: a Qwen3-style chat template (``tests/chat_tokenizers.py``)
-  rendering a ~2,000-token conversation in :class:`synthq.sandbox.BoundedSandbox`
+  rendering a ~2,000-token conversation in :class:`synthq.data.sandbox.BoundedSandbox`
   (the budget) vs jinja2's ``ImmutableSandboxedEnvironment`` (what transformers
   uses).
 
@@ -49,14 +49,14 @@ if str(REPO) not in sys.path:
 
 
 def _before_inference(rev: str) -> Any:
-    """``synthq/inference.py`` as it was at ``rev``, loaded as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:synthq/inference.py"], cwd=REPO,
+    """``synthq/serving/inference.py`` as it was at ``rev``, loaded as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:synthq/serving/inference.py"], cwd=REPO,
                             check=True, capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("synthq_inference_before", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    exec(compile(source, f"{rev}:synthq/inference.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:synthq/serving/inference.py", "exec"), module.__dict__)  # noqa: S102
     return module
 
 
@@ -76,7 +76,7 @@ def _chunk(i: int) -> dict[str, Any]:
 
 def pieces(before: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
     """name -> (before, now, calls per timing)."""
-    from synthq import inference as now
+    from synthq.serving import inference as now
 
     chunks = [_chunk(i) for i in range(40)]
     chunks[-1]["choices"][0]["finish_reason"] = "length"
@@ -124,7 +124,7 @@ def pieces(before: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any],
 
 
 def clock_pieces() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
-    from synthq import clock
+    from synthq.core import clock
 
     clock.calibrate(datetime.now(UTC), time.monotonic(), datetime.now(UTC))
     return {"clock (utcnow)": (lambda: datetime.now(UTC), clock.utcnow, 5000)}
@@ -133,7 +133,7 @@ def clock_pieces() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]
 def pg_pieces() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
     import psycopg
 
-    from synthq.db import _guarded_connection
+    from synthq.store.db import _guarded_connection
 
     dsn = os.environ.get("SYNTHQ_BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
     plain = psycopg.connect(dsn, autocommit=True)
@@ -148,7 +148,7 @@ def pg_pieces() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
 def render_pieces() -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from synthq.sandbox import BoundedSandbox
+    from synthq.data.sandbox import BoundedSandbox
     from tests.chat_tokenizers import QWEN3_TEMPLATE
 
     words = " ".join(f"token{i}" for i in range(700))

@@ -53,8 +53,8 @@ def cycle_gaps(job_id: int) -> dict[str, float]:
 
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     with session_scope() as s:
         rows = s.execute(select(Sample.queued_at, Sample.started_at, Attempt.started_at,
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
 
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     ideal = args.limit / args.latency if args.latency > 0 else float("inf")
     with Bench("littles_law", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:

@@ -1,7 +1,7 @@
 """Hostile chat templates against synthq's sandbox: each one's peak RSS, time and outcome.
 
 Each template is compiled and rendered in a child process of its own, in
-:class:`synthq.sandbox.BoundedSandbox` under ``limits(seconds=...)`` (20 s, the
+:class:`synthq.data.sandbox.BoundedSandbox` under ``limits(seconds=...)`` (20 s, the
 worker's budget, or ``--seconds``); the parent reads the child's peak RSS from
 ``os.wait4`` and its wall time. The child's address space is capped (``--cap``
 MiB) so that a template the sandbox lets through cannot take the machine down;
@@ -53,7 +53,7 @@ def child(source: str, seconds: float, cap_mib: int) -> None:
     """Compile and render ``source``; print one JSON line (outcome, seconds)."""
     resource.setrlimit(resource.RLIMIT_AS, (cap_mib << 20, cap_mib << 20))
     sys.path.insert(0, str(REPO))
-    from synthq.sandbox import BoundedSandbox, limits
+    from synthq.data.sandbox import BoundedSandbox, limits
 
     started = time.monotonic()
     try:

@@ -12,14 +12,14 @@ failed samples, with a latency, a time to first token and tokens; then
 Each figure is the median (and max) of ``--repeats`` (5) timings of the real
 function, in this process, against that database:
 
-* **dispatch tick**: :func:`synthq.dispatch.dispatch` with a publisher that
+* **dispatch tick**: :func:`synthq.queue.dispatch.dispatch` with a publisher that
   drops the samples and room for 64, then those samples put back to pending
   (not timed), so every tick finds the same work;
-* **status --json**: :func:`synthq.report.job_status` (what ``synthq status
+* **status --json**: :func:`synthq.views.report.job_status` (what ``synthq status
   JOB --json`` prints, without the process start), and ``status_no_cost``
-  without the cost report (:mod:`synthq.cost`); the statements of one call
+  without the cost report (:mod:`synthq.store.cost`); the statements of one call
   that took longest are printed first;
-* **/metrics**: :func:`synthq.query.metrics_snapshot` (the SQL behind a scrape),
+* **/metrics**: :func:`synthq.views.query.metrics_snapshot` (the SQL behind a scrape),
   warm (this process scraped before: only the attempts since its last safe
   point are read), ``metrics_first`` (a fresh process: the whole table once),
   and ``metrics_full_scan`` (the attempts queries over the whole table: what
@@ -46,8 +46,8 @@ SERVERS = [f"http://gpu{i}:8000/v1" for i in range(8)]
 def populate(n: int, attempts: int) -> int:
     from sqlalchemy import text
 
-    from synthq.db import session_scope
-    from synthq.enqueue import JobSpec, get_or_create_job
+    from synthq.jobs.enqueue import JobSpec, get_or_create_job
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         job, _, _ = get_or_create_job(s, JobSpec(name="scale", model="m", servers=SERVERS,
@@ -93,7 +93,7 @@ def populate(n: int, attempts: int) -> int:
             WHERE job_id = :job AND state IN ('done', 'failed')
             ORDER BY k, id LIMIT :a"""), {"job": job_id, "a": attempts,
                                           "k": -(-attempts // max(1, n * 13 // 20))})
-    from synthq.db import get_engine
+    from synthq.store.db import get_engine
 
     with get_engine().connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("VACUUM ANALYZE"))
@@ -117,7 +117,7 @@ def slowest(fn: Callable[[], Any], what: str, after: Callable[[], None] | None =
     """Print the statements of one ``fn()`` call that took longest (where the time goes)."""
     from sqlalchemy import event
 
-    from synthq.db import get_engine
+    from synthq.store.db import get_engine
 
     fn()  # warm
     if after:
@@ -158,11 +158,11 @@ def main() -> None:
     with Bench("scale", redis_db=args.redis_db, env={"SYNTHQ_BROKER_URL": ""}):
         from sqlalchemy import func, select, update
 
-        from synthq.db import session_scope
-        from synthq.dispatch import Dispatched, dispatch
-        from synthq.models import Attempt, Job, Sample
-        from synthq.query import metrics_snapshot
-        from synthq.report import job_status
+        from synthq.queue.dispatch import Dispatched, dispatch
+        from synthq.store.db import session_scope
+        from synthq.store.models import Attempt, Job, Sample
+        from synthq.views.query import metrics_snapshot
+        from synthq.views.report import job_status
 
         t0 = time.monotonic()
         job_id = populate(args.samples, args.attempts)
@@ -186,7 +186,7 @@ def main() -> None:
             with session_scope() as s:
                 job_status(s, s.get_one(Job, job_id))
 
-        def status_no_cost() -> None:  # the same without the cost report (synthq.cost)
+        def status_no_cost() -> None:  # the same without the cost report (synthq.store.cost)
             with session_scope() as s:
                 job_status(s, s.get_one(Job, job_id), cost=False)
 
@@ -195,13 +195,13 @@ def main() -> None:
                 metrics_snapshot(s)
 
         def metrics_first() -> None:  # a new API process: sums the whole table once
-            from synthq import query
+            from synthq.views import query
 
             query._rollups.clear()
             metrics()
 
         def full_scan() -> None:  # what every scrape cost before the rollup
-            from synthq.query import _AttemptFigures
+            from synthq.views.query import _AttemptFigures
 
             with session_scope() as s:
                 _AttemptFigures.read(s, 0, None)

@@ -136,7 +136,7 @@ def run_embedded(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
 def run_distributed(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
                     timeout: float, index: int) -> dict[str, float]:
     """One job on a Celery worker ``-c concurrency`` and beat (both started for it)."""
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     worker = b.worker(concurrency)
     beat = b.beat()
@@ -147,8 +147,8 @@ def run_distributed(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
         def registered() -> bool:
             from sqlalchemy import func, select
 
-            from synthq.db import session_scope
-            from synthq.models import Worker
+            from synthq.store.db import session_scope
+            from synthq.store.models import Worker
 
             with session_scope() as s:
                 return bool(s.scalar(select(func.count()).select_from(Worker)))
@@ -178,8 +178,8 @@ def run_distributed(b: Bench, sim: Any, n: int, concurrency: int, stream: bool,
     with contextlib.suppress(Exception):  # the next run's worker registers anew
         from sqlalchemy import delete
 
-        from synthq.db import session_scope
-        from synthq.models import Worker
+        from synthq.store.db import session_scope
+        from synthq.store.models import Worker
 
         with session_scope() as s:
             s.execute(delete(Worker))

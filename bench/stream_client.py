@@ -2,7 +2,7 @@
 
 The seed scenario's calls (the simulator at ``--latency 0 --tokens-per-second 80
 --response-tokens 40``: 43 SSE events a call, 128 in flight) made by
-``synthq.inference.InferenceClient`` in one asyncio process, measured with
+``synthq.serving.inference.InferenceClient`` in one asyncio process, measured with
 ``time.process_time()`` of that process only (the simulator's CPU is not in it).
 This is the per-chunk and per-call path of a worker's answers without anything
 else a worker does: a change to the HTTP layer shows here first, undiluted.
@@ -34,7 +34,7 @@ SIM_ARGS = ["--latency", "0", "--tokens-per-second", "80", "--response-tokens", 
 
 
 async def _calls(url: str, n: int, inflight: int, profile: bool) -> dict[str, float]:
-    from synthq.inference import ChatRequest, InferenceClient
+    from synthq.serving.inference import ChatRequest, InferenceClient
 
     client = InferenceClient(url, max_connections=inflight)
     room = asyncio.Semaphore(inflight)

@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
 
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     with Bench("throughput", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:
         sim = b.simulator("--latency", "0", "--response-tokens", str(args.response_tokens),

@@ -16,7 +16,7 @@ Methods, timed with ``time.perf_counter`` over all ``--n`` conversations,
 after a warm-up pass over the first 30, ``--repeats`` (3) times with the
 methods interleaved; the figure is the median samples/s:
 
-1. ``ours``: :meth:`synthq.tokenize.ChatTokenizer.tokenize` — the full path:
+1. ``ours``: :meth:`synthq.data.tokenize.ChatTokenizer.tokenize` — the full path:
    two renders (the whole conversation, and the prefix with the generation
    prompt; the conversation through the last turn is the whole one), one
    encode with character
@@ -256,7 +256,7 @@ def compare(ct: Any, convs: list[Conversation]) -> dict[str, Any]:
 
 
 def run_one(label: str, path: str, convs: list[Conversation], repeats: int) -> dict[str, Any]:
-    from synthq.tokenize import ChatTokenizer, TokenizeSettings
+    from synthq.data.tokenize import ChatTokenizer, TokenizeSettings
 
     ct = ChatTokenizer(TokenizeSettings(tokenizer=path, reasoning="drop",
                                         max_seq_len=1 << 20))

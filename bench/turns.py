@@ -39,8 +39,8 @@ def call_end_times(job_id: int) -> list[float]:
     """End times (epoch s, sorted) of the job's answered calls."""
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     with session_scope() as s:
         rows = s.scalars(select(Attempt.ended_at).join(Sample, Sample.id == Attempt.sample_id)
@@ -56,8 +56,8 @@ def medians(job_id: int) -> dict[str, float]:
 
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     with session_scope() as s:
         rows = s.execute(select(Attempt.sample_id, Attempt.started_at, Attempt.ended_at,
@@ -95,10 +95,10 @@ def main() -> None:
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
 
-    from synthq.dataset import Row
-    from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
-    from synthq.samplecopy import insert_rows
+    from synthq.data.dataset import Row
+    from synthq.jobs.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.jobs.samplecopy import insert_rows
+    from synthq.store.db import session_scope
 
     ideal = args.limit / args.latency if args.latency > 0 else float("inf")
     calls = 3 * args.conversations

@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
 
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     target = args.inflight
     with Bench("worker_rss", redis_db=args.redis_db, keep_logs=args.keep_logs) as b:

@@ -1,6 +1,6 @@
 """Alembic environment: the URL comes from synthq's settings (or the caller).
 
-Every upgrade runs in one transaction, SQLite's included (synthq.migrate): a kill
+Every upgrade runs in one transaction, SQLite's included (synthq.store.migrate): a kill
 leaves the database at its old revision, never half-way through a migration.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from alembic import context
 
-from synthq.config import get_settings
-from synthq.migrate import migration_engine
-from synthq.models import Base
+from synthq.spec.config import get_settings
+from synthq.store.migrate import migration_engine
+from synthq.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -28,7 +28,7 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    # synthq.migrate.upgrade passes its connection, already in its transaction
+    # synthq.store.migrate.upgrade passes its connection, already in its transaction
     # (Alembic then leaves the commit to it).
     connection = config.attributes.get("connection")
     if connection is not None:

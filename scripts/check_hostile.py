@@ -140,8 +140,8 @@ def check_requeue(tmp: Path) -> tuple[bool, str]:
     import httpx
     from sqlalchemy import update
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Sample
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample
 
     (tmp / "requeue").mkdir(exist_ok=True)
     with chaos.cluster(tmp=tmp / "requeue") as c:

@@ -12,7 +12,7 @@ It walks the Click command Typer builds (``typer.main.get_command``), so every c
 group, argument and option ``synthq --help`` shows is here, with the help text and
 default that ``--help`` prints (the same ``get_help_record``). A job setting's ``--help``
 is a one-line brief that points here, so the page adds the setting's whole explanation
-below it (:attr:`synthq.jobspec.Setting.help`, the API schema's description too).
+below it (:attr:`synthq.spec.jobspec.Setting.help`, the API schema's description too).
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ _DEFAULT = re.compile(r" \[default: [^]]*\]")
 
 
 def _setting_help(param: Any) -> str:
-    """The whole explanation of a job setting's option (``synthq.jobspec.BY_NAME``), where
+    """The whole explanation of a job setting's option (``synthq.spec.jobspec.BY_NAME``), where
     it says more than the brief ``--help`` shows; "" for any other option. The option is
     the setting's only if its help is one the setting gives (synthq.cli.options._help):
     another command's option of the same name (``synthq simulate --model``) is not."""
-    from synthq.jobspec import BY_NAME
+    from synthq.spec.jobspec import BY_NAME
 
     s = BY_NAME.get(param.name or "")
     if s is None or not s.help or not getattr(param, "help", None):

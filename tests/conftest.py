@@ -135,7 +135,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture(scope="session")
 def pg_session_url() -> Iterator[str]:
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     with fresh_pg_database(pg_database()) as url:
         upgrade(url)
@@ -223,10 +223,10 @@ def workers(pg: str, redis_url: str, tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture
 def job_factory(pg: str) -> Callable[..., Any]:
     """``job_factory(prompts=[...], servers=[url], **JobSpec fields)`` → EnqueueReport."""
-    from synthq.dataset import Row
-    from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
-    from synthq.samplecopy import insert_rows
+    from synthq.data.dataset import Row
+    from synthq.jobs.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.jobs.samplecopy import insert_rows
+    from synthq.store.db import session_scope
 
     counter = iter(range(1, 10**6))
 
@@ -255,15 +255,15 @@ def sample_factory(job_factory: Callable[..., Any]) -> Callable[..., int]:
     """``sample_factory(state="failed", attempts=3, **columns)`` → a sample id."""
     from sqlalchemy import update
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Sample
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample
 
     counter = iter(range(10**6))
 
     def make(state: str = "pending", *, job_id: int | None = None, **columns: Any) -> int:
         if job_id is None:
             job_id = job_factory([]).job_id
-        from synthq.dataset import content_key
+        from synthq.data.dataset import content_key
 
         now = utcnow()
         with session_scope() as s:

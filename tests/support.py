@@ -208,10 +208,10 @@ TEST_ENV = {
 
 
 def _reset_process_state() -> None:
-    from synthq import broker, jobview
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines
-    from synthq.executor import reset_default_executor
+    from synthq.queue import broker, jobview
+    from synthq.serving.executor import reset_default_executor
+    from synthq.spec.config import get_settings
+    from synthq.store.db import dispose_engines
 
     reset_default_executor()
     get_settings.cache_clear()
@@ -358,7 +358,7 @@ def fresh_pg_database(name: str) -> Iterator[str]:
     try:
         yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     finally:
-        from synthq.db import dispose_engines
+        from synthq.store.db import dispose_engines
 
         dispose_engines()
         with admin.connect() as conn:
@@ -406,8 +406,8 @@ def wait_for(predicate: Callable[[], Any], timeout: float,
 
 
 def counts(job_id: int) -> dict[str, int]:
-    from synthq.counts import state_counts
-    from synthq.db import session_scope
+    from synthq.store.counts import state_counts
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         return state_counts(s, job_id)
@@ -423,8 +423,8 @@ def wait_worker_live(n: int = 1, timeout: float = 30) -> None:
     """Wait until ``n`` generation workers have registered (``workers`` rows)."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Worker
+    from synthq.store.db import session_scope
+    from synthq.store.models import Worker
 
     def live() -> bool:
         with session_scope() as s:
@@ -449,7 +449,7 @@ def sqlite_rows(db: Path, query: str) -> list[tuple[Any, ...]]:
 
 
 def capture_rows(job_id: int, server: str) -> None:
-    """Real ``captures`` rows for the job through synthq.capture.states: its first four
+    """Real ``captures`` rows for the job through synthq.queue.capture_states: its first four
     samples tokenized (done, with input_ids), then one capture done (4,096 bytes, 8
     tokens), one failed as ``capture_mismatch``, one waiting to retry after a timeout,
     one pending; the other done samples have none yet."""
@@ -458,9 +458,9 @@ def capture_rows(job_id: int, server: str) -> None:
     import numpy as np
     from sqlalchemy import select, update
 
-    from synthq.capture import states as capture_states
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Sample
+    from synthq.queue import capture_states as capture_states
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample
 
     now = utcnow()
     with session_scope() as s:

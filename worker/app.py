@@ -18,7 +18,7 @@ from celery import Celery, signals
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from synthq.broker import (
+from synthq.queue.broker import (
     CAPTURE_ROUTE,
     CONTROL_ROUTE,
     GENERATE_ROUTE,
@@ -29,7 +29,7 @@ from synthq.broker import (
     redis_options,
     transport_options,
 )
-from synthq.config import get_settings
+from synthq.spec.config import get_settings
 
 __all__ = ["app", "GENERATE_ROUTE", "CONTROL_ROUTE", "TOKENIZE_ROUTE", "TRAIN_ROUTE"]
 
@@ -222,7 +222,7 @@ def _setup_logs(logger: Any = None, **_: Any) -> None:
 @signals.before_task_publish.connect
 def _mark_tick(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
     """A tick sent from this process (beat's) is worth running for ``tick_ttl`` seconds,
-    timed by Redis (synthq.broker.mark_tick); the worker runs it only while its key is
+    timed by Redis (synthq.queue.broker.mark_tick); the worker runs it only while its key is
     there. No clock of a worker or of beat's machine decides it (issue 41)."""
     if sender != TICK_TASK or not headers or not headers.get("id"):
         return
@@ -239,7 +239,7 @@ def _mark_tick(sender: Any = None, headers: dict[str, Any] | None = None, **_: A
 def _quiet_beat(**_: Any) -> None:
     """Beat sends only the dispatch tick: no task-sent event for it (Flower's list is
     for generation and tokenization). Beat is a service process (the dispatch lock)."""
-    from synthq.db import service_process
+    from synthq.store.db import service_process
 
     app.conf.task_send_sent_event = False
     service_process()
@@ -250,7 +250,7 @@ def _service_worker(options: dict[str, Any] | None = None, **_: Any) -> None:
     """A generation worker's sessions get the statement, lock and idle-transaction limits
     and the answer deadline (``db_statement_timeout``); a training worker's do not (its
     export and checkpoints may hold long statements)."""
-    from synthq.db import service_process
+    from synthq.store.db import service_process
 
     queues = (options or {}).get("queues") or []
     if isinstance(queues, str):

@@ -1,7 +1,7 @@
 """What the worker and beat log: passwords masked, the idle dispatch tick quiet.
 
 * Every record that reaches a handler has the passwords of database and broker
-  URLs masked (:func:`synthq.db.safe_url`, the one redaction function).
+  URLs masked (:func:`synthq.store.db.safe_url`, the one redaction function).
 * The dispatch tick runs every second: Celery's "received", "succeeded" and
   beat's "Sending due task" lines about it are DEBUG unless it queued
   something (about 86,000 INFO lines a day otherwise).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from synthq.db import safe_url
+from synthq.store.db import safe_url
 
 __all__ = ["RedactFilter", "QuietHttpxFilter", "QuietTickFilter", "setup"]
 

@@ -12,13 +12,13 @@ from typing import Any
 from celery import signals
 from sqlalchemy.exc import DBAPIError
 
-from synthq.broker import take_tick
-from synthq.config import get_settings
-from synthq.db import disk_full, safe_url
-from synthq.dispatch import Dispatched, adopt_stale, database_trouble, dispatch
-from synthq.executor import Executor
-from synthq.retokenize import retokenize_batch
-from synthq.tick import Effects, run_tick
+from synthq.app.tick import Effects, run_tick
+from synthq.jobs.retokenize import retokenize_batch
+from synthq.queue.broker import take_tick
+from synthq.queue.dispatch import Dispatched, adopt_stale, database_trouble, dispatch
+from synthq.serving.executor import Executor
+from synthq.spec.config import get_settings
+from synthq.store.db import disk_full, safe_url
 from worker.app import CAPTURE_ROUTE, GENERATE_ROUTE, TOKENIZE_ROUTE, TRAIN_ROUTE, app
 
 log = logging.getLogger(__name__)
@@ -228,9 +228,9 @@ def generate(items: list[list[Any]], server: str | None = None) -> dict[str, Any
 
 @app.task(name="synthq.dispatch", send_events=False)
 def dispatch_tick() -> int:
-    """Beat: the scheduler tick (synthq.tick: probe, sweep, adapt, dispatch, finish,
+    """Beat: the scheduler tick (synthq.app.tick: probe, sweep, adapt, dispatch, finish,
     training readiness). Logs only what it did; a tick sent too long ago (its Redis key
-    gone: synthq.broker.take_tick) does nothing, the next one does its work."""
+    gone: synthq.queue.broker.take_tick) does nothing, the next one does its work."""
     if not take_tick(dispatch_tick.request.id):
         return 0
     try:
@@ -246,7 +246,7 @@ def dispatch_tick() -> int:
 
 
 def _tick() -> int:
-    """The scheduler tick (synthq.tick) with this deployment's effects: the broker."""
+    """The scheduler tick (synthq.app.tick) with this deployment's effects: the broker."""
     done = run_tick(Effects(publish=publish, start_training=publish_train,
                             start_capture=publish_capture)).did
     for url in done.get("probe") or ():

@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse
 from api.deps import JobDep, SettingsDep
 from api.routes.jobs import ERRORS
 from api.schemas import ErrorBody, ExportPublic, ExportRequest
-from synthq import export_runs
+from synthq.jobs import export_runs
 
 router = APIRouter(tags=["exports"])
 

@@ -31,12 +31,14 @@ from api.schemas import (
     RowError,
     TrainingRunSummary,
 )
-from synthq import jobspec, query, service
-from synthq.db import safe_url, session_scope
-from synthq.enqueue import EnqueueReport, JobSpec
-from synthq.enums import JobState
-from synthq.errors import UserError
-from synthq.report import JobStatus, job_status
+from synthq.app import service
+from synthq.core.enums import JobState
+from synthq.core.errors import UserError
+from synthq.jobs.enqueue import EnqueueReport, JobSpec
+from synthq.spec import jobspec
+from synthq.store.db import safe_url, session_scope
+from synthq.views import query
+from synthq.views.report import JobStatus, job_status
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 
@@ -135,8 +137,8 @@ def _scrub(message: str, *paths: tuple[str, str]) -> str:
 
 def check_servers(servers: list[str]) -> None:
     """403 for a server outside SYNTHQ_ALLOWED_SERVERS (before anything is sent to it)."""
-    from synthq.config import get_settings
-    from synthq.secrets import refused_servers
+    from synthq.core.secrets import refused_servers
+    from synthq.spec.config import get_settings
 
     why = refused_servers(servers, get_settings().allowed_server_patterns)
     if why is not None:
@@ -144,7 +146,7 @@ def check_servers(servers: list[str]) -> None:
 
 
 def _check_model(spec: JobSpec) -> list[str]:
-    """The CLI's checks of the servers (synthq.service.preflight): a server that lists its
+    """The CLI's checks of the servers (synthq.app.service.preflight): a server that lists its
     models but not this one, or a capture server that does not answer, is a 422."""
     spec.check()
     check_servers(jobspec.urls(spec))  # before the probe: the API host fetches nothing else

@@ -9,8 +9,8 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 from api.deps import JobDep, SessionDep
 from api.routes.jobs import ERRORS
 from api.schemas import SamplePage
-from synthq import query
-from synthq.enums import SampleState
+from synthq.core.enums import SampleState
+from synthq.views import query
 
 router = APIRouter(tags=["samples"])
 

@@ -14,8 +14,8 @@ from sqlalchemy import text
 from api.auth import TokenDep
 from api.guard import RETRY_AFTER_S, outage
 from api.schemas import Health
-from synthq.config import get_settings
-from synthq.db import get_engine, safe_url
+from synthq.spec.config import get_settings
+from synthq.store.db import get_engine, safe_url
 
 log = logging.getLogger("synthq.api")
 
@@ -47,7 +47,7 @@ def ready() -> Response:
         checks["database"] = "unavailable"
     broker = get_settings().broker_url
     if broker:
-        from synthq.broker import ping
+        from synthq.queue.broker import ping
 
         try:
             ping(broker)

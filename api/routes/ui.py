@@ -1,7 +1,7 @@
 """The job page at /ui: server-rendered Jinja templates, no front-end build step.
 
-Pages read through :mod:`synthq.query` and :func:`synthq.report.job_status`;
-their forms change state through :mod:`synthq.service`, like the API routes.
+Pages read through :mod:`synthq.views.query` and :func:`synthq.views.report.job_status`;
+their forms change state through :mod:`synthq.app.service`, like the API routes.
 The token is typed once at /ui/login and kept as an HttpOnly, SameSite=Strict
 session cookie; every form carries a CSRF field.
 """
@@ -26,14 +26,15 @@ from api.auth import (
     session_of,
 )
 from api.deps import JobRef, SessionDep, SettingsDep, job_or_404
-from synthq import query, service
+from synthq.app import service
 from synthq.capture.progress import size
-from synthq.config import get_settings
-from synthq.db import safe_url, session_scope, utcnow
-from synthq.enums import JobState
-from synthq.errors import UserError
-from synthq.report import job_status
-from synthq.workers import live
+from synthq.core.enums import JobState
+from synthq.core.errors import UserError
+from synthq.queue.workers import live
+from synthq.spec.config import get_settings
+from synthq.store.db import safe_url, session_scope, utcnow
+from synthq.views import query
+from synthq.views.report import job_status
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parents[1] / "templates"))
@@ -105,7 +106,7 @@ def job_page(request: Request, job: JobRef, session: SessionDep,
 
 def _limit_charts(limits: dict[str, dict[str, object]]) -> list[dict[str, object]]:
     """Per server: its limit and reason, and SVG polylines (600×100) of the adaptive
-    limit and of tokens/s over the stored history (synthq.adaptive.HISTORY points)."""
+    limit and of tokens/s over the stored history (synthq.serving.adaptive.HISTORY points)."""
     charts = []
     for url, lim in limits.items():
         history = lim.get("history") or []

@@ -2,7 +2,7 @@
 
 Existing jobs are key version 1: their prompts stop before the last assistant
 turn. Jobs created from now on are version 2 (the prompt ends with the last
-user turn); synthq.enqueue sets it.
+user turn); synthq.jobs.enqueue sets it.
 
 Revision ID: 0006
 Revises: 0005

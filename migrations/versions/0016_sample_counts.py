@@ -16,7 +16,7 @@ Triggers keep them in the transaction of every change, whatever the code path
   *delta* row per (job, state, class) a statement changed. Appending never
   waits on another writer (no hot counter row, no lock-order deadlock between
   the dispatcher, the claim and the writer); a read sums the rows; the sweep
-  folds them back into one row per key (``synthq.states.compact_counts``).
+  folds them back into one row per key (``synthq.queue.states.compact_counts``).
 * SQLite (one writer at a time): row-level triggers add to one row per key.
 
 A job's counters go with the job (a trigger on ``jobs``); deleting samples of

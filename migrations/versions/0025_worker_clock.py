@@ -1,7 +1,7 @@
 """workers.clock_skew: how far a worker's wall clock is off the database's
 
 A worker whose clock ran 120 s behind looked dead at once and its samples were
-paid for twice. Every time synthq writes is the database's now (synthq.clock);
+paid for twice. Every time synthq writes is the database's now (synthq.core.clock);
 each worker still reports its wall clock's distance from the database's at its
 heartbeat, so that ``synthq status`` can name a machine whose clock is off.
 

@@ -2,7 +2,7 @@
 
 ``capture_stopped``: a capture server that fails every call the same way (no synthq
 connector, a connector writing other files) stops the stage after a few identical
-failures (synthq.streaks); the line naming the server and the cause is kept here
+failures (synthq.queue.streaks); the line naming the server and the cause is kept here
 until ``synthq capture JOB --retry-failed`` clears it.
 
 ``capture_files``: capture server URL → its engine-files folder, the only place

@@ -1,6 +1,6 @@
 """captures.lease_expires_at is captures.expires_at, as on samples (0026)
 
-Captures are a kind of leased work like samples (synthq.ledger): one name for the
+Captures are a kind of leased work like samples (synthq.queue.ledger): one name for the
 column that holds a claim's lease, read by one expiry. ``RENAME COLUMN`` on
 PostgreSQL and SQLite (3.25 and later): no table is rebuilt.
 

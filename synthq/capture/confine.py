@@ -40,7 +40,7 @@ import stat
 import threading
 from pathlib import Path
 
-from synthq.errors import BadRequest, CaptureMismatch, UserError
+from synthq.core.errors import BadRequest, CaptureMismatch, UserError
 
 __all__ = ["check_folder", "accept", "Folder", "EngineFile", "Pins", "local"]
 

@@ -7,9 +7,9 @@ from datetime import datetime
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from synthq.capture import states
-from synthq.enums import CaptureState, JobState
-from synthq.models import Capture, Job
+from synthq.core.enums import CaptureState, JobState
+from synthq.queue import capture_states as states
+from synthq.store.models import Capture, Job
 
 __all__ = ["due_jobs"]
 
@@ -20,13 +20,13 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     Newly done samples get their pending capture here, so a capture stage follows
     generation by one tick.
     """
-    from synthq.config import get_settings
-    from synthq.workers import live
+    from synthq.queue.workers import live
+    from synthq.spec.config import get_settings
 
     due: list[int] = []
     # A killed capture process's captures hold its servers' room until someone frees
     # them; no stage runs to do it while they do (the room looks full). The tick's sweep
-    # stage (synthq.dispatch.sweep) has freed them before this step; a caller outside the
+    # stage (synthq.queue.dispatch.sweep) has freed them before this step; a caller outside the
     # tick gets the same expiry here, so that the room it judges is the true one.
     alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout,
                                   gone=False)]  # as the sweep: its calls may still run

@@ -19,7 +19,7 @@ A file counts only once it is in the store and its row says so (the row's
 Every wait (the file whole, the stock connector's ``.lock``) ends at the capture's
 deadline; the lock is opened without blocking and looked at first (a FIFO is refused).
 
-A sample of several examples (``--examples per-turn``, synthq.examples) is captured
+A sample of several examples (``--examples per-turn``, synthq.data.examples) is captured
 one request per example, each its own prompt: :func:`ingest_parts` checks each
 file against its example's ids and stores them end to end as one file, whose rows
 align with the sample's concatenated ``input_ids`` and ``loss_mask``.
@@ -40,7 +40,7 @@ import numpy as np
 from synthq.capture import confine, files
 from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
-from synthq.errors import BadRequest, CaptureIncomplete, CaptureMismatch
+from synthq.core.errors import BadRequest, CaptureIncomplete, CaptureMismatch
 
 __all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard",
            "largest_file", "MAX_HIDDEN"]
@@ -129,7 +129,7 @@ def ingest_parts(paths: Sequence[confine.EngineFile | Path], pieces: list[np.nda
                                                   np.float32(scale).astype("<f4").tobytes())
     meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
                     sha256_hidden_states=hashlib.sha256(states.data).hexdigest())
-    if len(pieces) > 1:  # where each example's rows start (synthq.examples.split's cuts)
+    if len(pieces) > 1:  # where each example's rows start (synthq.data.examples.split's cuts)
         meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
     stored = store.put(files.dumps(out, meta_out))
     return Ingested(stored, len(want), states.shape[2], dtype)

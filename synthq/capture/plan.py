@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from synthq.eagle3 import aux_layer_ids
-from synthq.errors import UserError
+from synthq.core.eagle3 import aux_layer_ids
+from synthq.core.errors import UserError
 
 __all__ = ["AUTO", "DTYPES", "Plan", "drafter_layers", "target_config", "layers_for",
            "check_space", "auto_dtype"]
@@ -31,7 +31,7 @@ AUTO = "auto"
 
 
 def drafter_layers(num_layers: int) -> list[int]:
-    """The drafter's three features (synthq.eagle3's rule) and the last layer's output
+    """The drafter's three features (synthq.core.eagle3's rule) and the last layer's output
     (index N, before the final norm), from which training recomputes the target's own
     distribution with its norm and ``lm_head``."""
     return [*aux_layer_ids(num_layers), num_layers]

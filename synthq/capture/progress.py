@@ -1,7 +1,7 @@
 """A job's capture stage as a status shows it: captures per state, failures with their
 reason, bytes on disk against what is left to write and the store's free space.
 
-The reads are plain SQL (:mod:`synthq.sqlread`), as the rest of a status's, so that
+The reads are plain SQL (:mod:`synthq.store.sqlread`), as the rest of a status's, so that
 ``synthq status`` (its fast path too), ``GET /api/jobs/{id}``, the job page and
 ``/metrics`` show the same figures from one definition; this module loads neither
 SQLAlchemy nor the models. :func:`plan` is the stage's disk plan
@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 
 from synthq.capture.plan import AUTO, DTYPES, Plan, auto_dtype, layers_for, target_config
 from synthq.capture.store import Store
-from synthq.defaults import store_root
-from synthq.enums import CaptureState, SampleState
-from synthq.errors import UserError
-from synthq.jobspec import default
-from synthq.secrets import safe_url
-from synthq.sqlread import Reader, read_json
+from synthq.core.defaults import store_root
+from synthq.core.enums import CaptureState, SampleState
+from synthq.core.errors import UserError
+from synthq.core.secrets import safe_url
+from synthq.spec.jobspec import default
+from synthq.store.sqlread import Reader, read_json
 
-#: ``store_root`` is synthq.defaults' (a low module: config reads it too); named here for
+#: ``store_root`` is synthq.core.defaults' (a low module: config reads it too); named here for
 #: the capture stage's readers.
 __all__ = ["CaptureProgress", "CaptureCounts", "capture_progress", "counts", "plan",
            "store_root"]
@@ -40,7 +40,7 @@ class _CaptureJob(NamedTuple):
     capture_dtype: str
     train_target: str | None
     tokenizer: str | None
-    #: Why synthq stopped the stage (synthq.streaks); None: it runs.
+    #: Why synthq stopped the stage (synthq.queue.streaks); None: it runs.
     capture_stopped: str | None = None
 
 
@@ -103,7 +103,7 @@ def counts(reader: Reader, job_id: int) -> CaptureCounts:
 
 def plan(reader: Reader, job_id: int, job: Any, *, free: int) -> Plan:
     """What the job's captures not yet done will take on disk (``job``: its capture
-    columns, a :class:`synthq.models.Job` or a row of them). Raises :class:`UserError`
+    columns, a :class:`synthq.store.models.Job` or a row of them). Raises :class:`UserError`
     when the layers are unknown (no ``capture_layers``, no target config)."""
     layers = layers_for(job)
     [(samples, tokens)] = reader.rows(
@@ -159,7 +159,7 @@ class CaptureProgress:
     #: Free space where the store lives.
     free_bytes: int | None
     #: Why synthq stopped the stage: a server failed several captures in a row the same
-    #: way (synthq.streaks); None: it runs.
+    #: way (synthq.queue.streaks); None: it runs.
     stopped: str | None = None
 
     @property

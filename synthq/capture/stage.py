@@ -3,7 +3,7 @@
 One :class:`Stage` runs in one process (``synthq capture JOB``, the embedded
 ``synthq run`` once generation ends, or a Celery ``capture`` task). Several may
 run at once against the same job and servers: each claim is taken under the
-server's lock (synthq.capture.states), so the running captures on a server
+server's lock (synthq.queue.capture_states), so the running captures on a server
 never exceed the job's ``capture_limit``. The process heart-beats as a worker
 with no generation capacity; when it dies its running captures go back to
 pending at the next sweep (or at once, for the embedded SQLite file, whose
@@ -17,11 +17,11 @@ their files are stored end to end as the sample's one file (synthq.capture.inges
 
 A server that fails ``stop_after`` captures in a row the same way (``bad_request``,
 ``capture_mismatch``: it is misconfigured, and each call costs it a prefill) stops
-the stage (synthq.streaks): one line naming the server and the cause, kept in
+the stage (synthq.queue.streaks): one line naming the server and the cause, kept in
 ``jobs.capture_stopped`` until ``synthq capture JOB --retry-failed``.
 
 A server that stops serving (a restart: its cold start takes minutes) is seen as
-generation sees it (synthq.dispatch.says_down): after ``TRIP_AFTER`` calls in a row
+generation sees it (synthq.queue.dispatch.says_down): after ``TRIP_AFTER`` calls in a row
 refused, timed out or answered 5xx, it gets one capture at a time, a probe every
 ``PROBE_INTERVAL`` seconds, and a capture whose call it never answered (refused, timed
 out: its server computed nothing) is not charged, so a restart fails no capture; an
@@ -54,9 +54,7 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
-from synthq import ledger, workers
-from synthq import states as job_states
-from synthq.capture import confine, ingest, states
+from synthq.capture import confine, ingest
 from synthq.capture.deadline import bounded
 from synthq.capture.deadline import client as watched_client
 from synthq.capture.plan import Plan, check_space, layers_for, target_config
@@ -64,12 +62,9 @@ from synthq.capture.progress import CaptureCounts, counts
 from synthq.capture.progress import plan as progress_plan
 from synthq.capture.protocol import NAME_KEY
 from synthq.capture.store import Store
-from synthq.config import get_settings
-from synthq.db import session_scope, utcnow
-from synthq.defaults import store_root
-from synthq.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
-from synthq.enums import CaptureState
-from synthq.errors import (
+from synthq.core.defaults import store_root
+from synthq.core.enums import CaptureState
+from synthq.core.errors import (
     BadRequest,
     CaptureIncomplete,
     ConnectionFailed,
@@ -79,11 +74,17 @@ from synthq.errors import (
     TimeoutError_,
     UserError,
 )
-from synthq.examples import split
-from synthq.inference import status_error
-from synthq.models import Capture, Job, Sample
-from synthq.sqlread import reader_of
-from synthq.streaks import CAPTURE_CLASSES, Streaks
+from synthq.data.examples import split
+from synthq.queue import capture_states as states
+from synthq.queue import ledger, workers
+from synthq.queue import states as job_states
+from synthq.queue.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
+from synthq.queue.streaks import CAPTURE_CLASSES, Streaks
+from synthq.serving.inference import status_error
+from synthq.spec.config import get_settings
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Capture, Job, Sample
+from synthq.store.sqlread import reader_of
 
 __all__ = ["Engine", "Stage", "Summary", "check_answer", "describe", "plan", "store",
            "summary"]

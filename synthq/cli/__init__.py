@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -193,7 +193,7 @@ def escape(text: str) -> str:
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` as one unwrapped line (no markup read in it, passwords in URLs
     masked); the exit to raise."""
-    from synthq.db import safe_url
+    from synthq.store.db import safe_url
 
     err.print(f"[bold red]error:[/] {escape(safe_url(message))}", soft_wrap=True)
     return typer.Exit(code)
@@ -201,7 +201,7 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def warn(message: str) -> None:
     """Print ``message`` as one warning line on stderr (no markup read in it)."""
-    from synthq.db import safe_url
+    from synthq.store.db import safe_url
 
     err.print(f"[yellow]warning:[/] {escape(safe_url(message))}", soft_wrap=True,
               highlight=False)
@@ -219,7 +219,7 @@ def _check_settings(ctx: typer.Context) -> None:
             return
     from pydantic import ValidationError
 
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     try:
         get_settings()
@@ -232,9 +232,9 @@ def _check_settings(ctx: typer.Context) -> None:
 
 def ensure_db() -> None:
     """SQLite is migrated on the fly; PostgreSQL must be at head (``synthq db upgrade``)."""
-    from synthq.config import get_settings
-    from synthq.db import get_engine, safe_url
-    from synthq.migrate import HEAD, current_revision, upgrade
+    from synthq.spec.config import get_settings
+    from synthq.store.db import get_engine, safe_url
+    from synthq.store.migrate import HEAD, current_revision, upgrade
 
     settings = get_settings()
     try:
@@ -268,8 +268,8 @@ JobArg = Annotated[str, typer.Argument(help="Job name or id.")]
 
 
 def with_job(ref: str, fn):  # type: ignore[no-untyped-def]
-    from synthq.db import session_scope
-    from synthq.enqueue import find_job
+    from synthq.jobs.enqueue import find_job
+    from synthq.store.db import session_scope
 
     try:
         ensure_db()

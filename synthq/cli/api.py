@@ -33,7 +33,7 @@ def api(
         os.environ["SYNTHQ_API_DEV"] = "1"
     if not 0 < port < 65536:
         raise fail("--port must be 1..65535")
-    from synthq.secrets import check_secret
+    from synthq.core.secrets import check_secret
 
     if not _dev(dev):
         try:
@@ -78,8 +78,8 @@ def flower(
 
     Example: `FLOWER_BASIC_AUTH=admin:$(openssl rand -hex 12) synthq flower --address 0.0.0.0`
     """
-    from synthq.config import get_settings
-    from synthq.secrets import check_secret
+    from synthq.core.secrets import check_secret
+    from synthq.spec.config import get_settings
 
     if get_settings().embedded:
         raise fail("SYNTHQ_BROKER_URL is not set: Flower watches a Redis broker's workers")

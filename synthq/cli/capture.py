@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 import typer
 
-from synthq import jobspec
 from synthq.cli import JobArg, JsonOpt, app, console, ensure_db, fail, warn
 from synthq.cli.options import api_values, with_settings
-from synthq.errors import UserError
+from synthq.core.errors import UserError
+from synthq.spec import jobspec
 
 
 @app.command()
@@ -43,13 +43,13 @@ def capture(
 
     Example: `synthq capture my-job --server http://capture:8000/v1 --target /models/target`
     """
-    from synthq import service
+    from synthq.app import service
     from synthq.capture import stage as capture_stage
-    from synthq.capture import states as capture_states
-    from synthq.config import get_settings
-    from synthq.db import session_scope, utcnow
-    from synthq.enqueue import find_job
-    from synthq.models import Job
+    from synthq.jobs.enqueue import find_job
+    from synthq.queue import capture_states as capture_states
+    from synthq.spec.config import get_settings
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Job
 
     try:
         ensure_db()
@@ -60,7 +60,7 @@ def capture(
             # Checked, probed and stored as the API's PUT /api/jobs/{id}/capture does.
             service.set_capture(s, row, given)
             if retry_failed:
-                from synthq import states as job_states
+                from synthq.queue import states as job_states
 
                 job_states.set_capture_stopped(s, job_id, None, now=utcnow())
                 capture_states.requeue_failed(s, job_id, now=utcnow())
@@ -75,7 +75,7 @@ def capture(
         run = capture_stage.Stage(job_id, say=lambda line: console.print(line, highlight=False),
                                   reclaim_all=config.is_sqlite)
         if config.is_sqlite:
-            from synthq.embedded import exclusive
+            from synthq.app.embedded import exclusive
 
             with exclusive(config.data_dir):
                 left = run.run()
@@ -96,10 +96,10 @@ def _print(plan_line: str | None, left: Any, as_json: bool, job_id: int) -> None
         from dataclasses import asdict
 
         from synthq.capture.progress import capture_progress
-        from synthq.config import get_settings
-        from synthq.db import session_scope
-        from synthq.defaults import store_root
-        from synthq.sqlread import reader_of
+        from synthq.core.defaults import store_root
+        from synthq.spec.config import get_settings
+        from synthq.store.db import session_scope
+        from synthq.store.sqlread import reader_of
 
         settings = get_settings()
         with session_scope() as s:

@@ -10,7 +10,6 @@ from typing import Annotated, Any
 
 import typer
 
-from synthq import jobspec
 from synthq.cli import (
     JobArg,
     JsonOpt,
@@ -21,7 +20,8 @@ from synthq.cli import (
     with_job,
 )
 from synthq.cli.options import api_values, with_settings
-from synthq.errors import UserError
+from synthq.core.errors import UserError
+from synthq.spec import jobspec
 
 
 @app.command()
@@ -69,7 +69,7 @@ def export(
         TimeElapsedColumn,
     )
 
-    from synthq.export import FEATURE_FORMATS, check_options, export_job
+    from synthq.jobs.export import FEATURE_FORMATS, check_options, export_job
 
     try:
         check_options(fmt, shard_size, features=True)
@@ -121,8 +121,8 @@ def _export_errors(out: str) -> Iterator[None]:
 
 def _export_features(job_id: int, out: str, fmt: str, *, target: str | None,
                      draft_vocab_size: int, overwrite: bool, as_json: bool) -> None:
-    """`synthq export --format speculators|specforge`: synthq.export_features."""
-    from synthq.export_features import export_features
+    """`synthq export --format speculators|specforge`: synthq.training.export_features."""
+    from synthq.training.export_features import export_features
 
     with _export_errors(out):
         manifest = export_features(job_id, Path(out), fmt=fmt, target=target,
@@ -155,9 +155,9 @@ def retokenize(
     """
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-    from synthq import retokenize as rt
-    from synthq.config import get_settings
-    from synthq.db import session_scope
+    from synthq.jobs import retokenize as rt
+    from synthq.spec.config import get_settings
+    from synthq.store.db import session_scope
 
     if batch_size < 1:
         raise fail("--batch-size must be at least 1")
@@ -182,7 +182,7 @@ def retokenize(
             console.print(f"{result.done:,} done, {result.failed:,} failed, "
                           f"{result.skipped:,} skipped")
             return
-        from synthq.broker import TOKENIZE_ROUTE, send
+        from synthq.queue.broker import TOKENIZE_ROUTE, send
 
         sent = False
         last_stale, moved_at = -1, time.monotonic()

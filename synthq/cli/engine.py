@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from synthq.cli import JsonOpt, app, console, ensure_db, err, fail
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 
 @app.command("serve-check")
@@ -31,10 +31,10 @@ def serve_check(
     "RUN/final", "num_speculative_tokens": 4}'` (a `--drafter dflash` run: `"method":
     "dflash"`), then `synthq serve-check 3 -s http://127.0.0.1:8000/v1 -m TARGET`
     """
-    from synthq.clock import utcnow
-    from synthq.db import session_scope
-    from synthq.models import TrainingRun
-    from synthq.training import states as run_states
+    from synthq.core.clock import utcnow
+    from synthq.queue import run_states as run_states
+    from synthq.store.db import session_scope
+    from synthq.store.models import TrainingRun
     from synthq.training.served import describe, held_out_prompts, measure, wait_serving
 
     if concurrency < 1:

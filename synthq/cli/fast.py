@@ -6,9 +6,9 @@ CPU of a bare Typer app. When the settings are the embedded defaults (no
 ``SYNTHQ_DATABASE_URL``) and the SQLite file exists at the current schema,
 these commands read it with the standard library's ``sqlite3``:
 
-* the job list through :func:`synthq.counts.job_list`, and a job's status
-  through :func:`synthq.report.job_status`: the functions the ordinary path
-  calls, whose reads are plain SQL (:mod:`synthq.sqlread`), so the same
+* the job list through :func:`synthq.store.counts.job_list`, and a job's status
+  through :func:`synthq.views.report.job_status`: the functions the ordinary path
+  calls, whose reads are plain SQL (:mod:`synthq.store.sqlread`), so the same
   figures come from the same code.
 
 On PostgreSQL (``SYNTHQ_DATABASE_URL``, and only settings this module checks
@@ -30,12 +30,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from synthq.defaults import DATA_DIR, StatusSettings
+from synthq.core.defaults import DATA_DIR, StatusSettings
 
 if TYPE_CHECKING:
     import sqlite3
 
-    from synthq.report import JobStatus
+    from synthq.views.report import JobStatus
 
 __all__ = ["eligible", "job_rows", "job_status"]
 
@@ -74,7 +74,7 @@ class _PgSettings(NamedTuple):
 
 def _pg_settings() -> _PgSettings | None:
     """The PostgreSQL path's settings when every ``SYNTHQ_`` setting is one it checks the
-    way :mod:`synthq.config` does, and valid; else None (the ordinary path says why).
+    way :mod:`synthq.spec.config` does, and valid; else None (the ordinary path says why).
 
     ``synthq status --json`` on PostgreSQL took 6-14 s on a loaded machine: nearly all of
     it importing SQLAlchemy, pydantic-settings and the models (1.2 s of CPU) to run a
@@ -89,8 +89,8 @@ def _pg_settings() -> _PgSettings | None:
             break
     else:
         return None
-    from synthq.defaults import GPU_HOUR_PRICE, WORKER_TIMEOUT
-    from synthq.secrets import check_secret, check_url
+    from synthq.core.defaults import GPU_HOUR_PRICE, WORKER_TIMEOUT
+    from synthq.core.secrets import check_secret, check_url
 
     broker = env.get("SYNTHQ_BROKER_URL", "").strip()
     try:
@@ -114,7 +114,7 @@ def _connect(mode: str) -> sqlite3.Connection | None:
     the settings are the defaults and its schema is the current one; else None."""
     import sqlite3
 
-    from synthq.migrate import HEAD
+    from synthq.store.migrate import HEAD
 
     path = _sqlite_path()
     if path is None or not path.is_file():
@@ -138,8 +138,8 @@ def job_rows() -> list[dict[str, Any]] | None:
     """Every job with its counts per state, as `synthq jobs --json` prints them; or None."""
     import sqlite3
 
-    from synthq.counts import job_list
-    from synthq.sqlread import SqliteReader
+    from synthq.store.counts import job_list
+    from synthq.store.sqlread import SqliteReader
 
     conn = _connect("ro")
     if conn is None:
@@ -157,14 +157,14 @@ def job_status(ref: str | None, *, now: datetime | None = None) -> JobStatus | N
 
     One transaction that starts with ``BEGIN IMMEDIATE``, as the ordinary path's
     do on SQLite (synthq.db): the cost report may store its fold of busy time
-    (synthq.cost.fold_busy), and then writes it the same way. ``now``: for tests.
+    (synthq.store.cost.fold_busy), and then writes it the same way. ``now``: for tests.
     """
     import sqlite3
 
-    from synthq.defaults import StatusSettings
-    from synthq.report import find_job_row
-    from synthq.report import job_status as status_of
-    from synthq.sqlread import SqliteReader
+    from synthq.core.defaults import StatusSettings
+    from synthq.store.sqlread import SqliteReader
+    from synthq.views.report import find_job_row
+    from synthq.views.report import job_status as status_of
 
     pg = _pg_settings()
     if pg is not None:
@@ -193,12 +193,12 @@ def job_status(ref: str | None, *, now: datetime | None = None) -> JobStatus | N
 
 # -- PostgreSQL, through psycopg alone ---------------------------------------------------
 
-#: ``:name`` parameters of :mod:`synthq.sqlread`'s SQL (no ``::`` casts are used there).
+#: ``:name`` parameters of :mod:`synthq.store.sqlread`'s SQL (no ``::`` casts are used there).
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
 class PsycopgReader:
-    """:class:`synthq.sqlread.Reader` over a plain psycopg connection (PostgreSQL)."""
+    """:class:`synthq.store.sqlread.Reader` over a plain psycopg connection (PostgreSQL)."""
 
     dialect = "postgresql"
 
@@ -218,16 +218,16 @@ class PsycopgReader:
 
 def _pg_job_status(pg: _PgSettings, ref: str | None, *, now: datetime | None) -> JobStatus | None:
     """:func:`job_status` on PostgreSQL: one psycopg connection, one transaction, the
-    database's clock (synthq.clock); None for anything the ordinary path must word."""
+    database's clock (synthq.core.clock); None for anything the ordinary path must word."""
     import time
     from datetime import UTC, timedelta
 
     import psycopg
 
-    from synthq import clock
-    from synthq.migrate import HEAD
-    from synthq.report import find_job_row
-    from synthq.report import job_status as status_of
+    from synthq.core import clock
+    from synthq.store.migrate import HEAD
+    from synthq.views.report import find_job_row
+    from synthq.views.report import job_status as status_of
 
     try:
         conn = psycopg.connect(pg.url, connect_timeout=10)

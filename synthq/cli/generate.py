@@ -22,12 +22,12 @@ from synthq.cli import (
 )
 from synthq.cli.options import DatasetOpt, changed, job_spec, with_settings
 from synthq.cli.render import job_progress, print_status
-from synthq.errors import DiskFull, UserError
+from synthq.core.errors import DiskFull, UserError
 
 
 def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ignore[no-untyped-def]
-    from synthq.enqueue import enqueue
-    from synthq.service import preflight
+    from synthq.app.service import preflight
+    from synthq.jobs.enqueue import enqueue
 
     spec.check()
     ensure_db()
@@ -44,9 +44,9 @@ def _enqueue(spec, dataset: str, quiet: bool, id_field: str | None):  # type: ig
             report = enqueue(spec, dataset, id_field=id_field, progress=lambda r: st.update(
                 f"read {r.rows:,} rows, {r.inserted:,} new"))
     if any(c.startswith("servers ") for c in report.updated_settings):
-        from synthq import service
-        from synthq.db import session_scope
-        from synthq.enqueue import find_job
+        from synthq.app import service
+        from synthq.jobs.enqueue import find_job
+        from synthq.store.db import session_scope
 
         with session_scope() as s:
             moved = service.requeue_left_servers(s, find_job(s, report.job_id))
@@ -60,7 +60,7 @@ def _hub_only(dataset: str) -> bool:
     """True when ``dataset`` is no local path, so only the Hub can answer (slowly)."""
     from pathlib import Path
 
-    from synthq.dataset.read import looks_like_path
+    from synthq.data.dataset.read import looks_like_path
 
     return not Path(dataset).expanduser().exists() and not looks_like_path(dataset)
 
@@ -73,9 +73,9 @@ def _check_broker(start: bool) -> None:
     import redis
     from kombu.exceptions import KombuError
 
-    from synthq.broker import kick_dispatch, ping
-    from synthq.config import get_settings
-    from synthq.secrets import safe_url
+    from synthq.core.secrets import safe_url
+    from synthq.queue.broker import kick_dispatch, ping
+    from synthq.spec.config import get_settings
 
     url = get_settings().broker_url
     try:
@@ -121,7 +121,7 @@ def enqueue(dataset: DatasetOpt, settings: dict[str, Any], as_json: JsonOpt = Fa
         print(report.to_json())
     else:
         _print_report(report)
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     if not get_settings().embedded:
         _check_broker(start=report.inserted > 0)
@@ -144,8 +144,8 @@ def run(
 
     Each option in full: the docs' CLI reference (docs/cli.md).
     """
-    from synthq.config import get_settings
-    from synthq.embedded import exclusive, run_job
+    from synthq.app.embedded import exclusive, run_job
+    from synthq.spec.config import get_settings
 
     config = get_settings()
     job, server, model = settings["name"], settings["servers"], settings["model"]
@@ -181,7 +181,7 @@ def run(
     except UserError as exc:
         raise fail(str(exc)) from None
     except Exception as exc:
-        from synthq.db import database_location, disk_full
+        from synthq.store.db import database_location, disk_full
 
         if not disk_full(exc):  # a full disk while enqueueing: the same one line
             raise
@@ -218,9 +218,9 @@ def _check_resume_flags(settings: dict[str, Any]) -> None:
 
 def _stored_job(ref: str, *, quiet: bool) -> int:
     """The id of stored job ``ref`` (`synthq run --job NAME`), resumable or a UserError."""
-    from synthq.db import session_scope
-    from synthq.enqueue import find_job
-    from synthq.enums import JobState
+    from synthq.core.enums import JobState
+    from synthq.jobs.enqueue import find_job
+    from synthq.store.db import session_scope
 
     ensure_db()
     with session_scope() as s:

@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 import typer
 
-from synthq import jobspec
 from synthq.cli import (
     JobArg,
     app,
@@ -17,7 +16,8 @@ from synthq.cli import (
     with_job,
 )
 from synthq.cli.options import with_settings
-from synthq.errors import UserError
+from synthq.core.errors import UserError
+from synthq.spec import jobspec
 
 
 @app.command()
@@ -51,12 +51,13 @@ def requeue(
     """
     from sqlalchemy import func, select
 
-    from synthq import service, states
+    from synthq.app import service
     from synthq.cli.options import api_values
-    from synthq.db import utcnow
-    from synthq.enqueue import JobSpec
-    from synthq.health import check_model
-    from synthq.models import Sample
+    from synthq.jobs.enqueue import JobSpec
+    from synthq.queue import states
+    from synthq.serving.health import check_model
+    from synthq.store.db import utcnow
+    from synthq.store.models import Sample
 
     try:
         service.check_classes(error_class or [])
@@ -108,8 +109,8 @@ def requeue(
 
 
 def _set_job_state(ref: str, target: str) -> None:
-    from synthq import service
-    from synthq.enums import JobState
+    from synthq.app import service
+    from synthq.core.enums import JobState
 
     before = with_job(ref, lambda s, j: service.set_job_state(s, j, JobState(target)))
     console.print(f"job {escape(ref)}: {before} → {target}")

@@ -1,10 +1,10 @@
-"""The CLI's options for the job settings, made from their declaration (synthq.jobspec).
+"""The CLI's options for the job settings, made from their declaration (synthq.spec.jobspec).
 
 :func:`with_settings` adds one Typer option per declared setting to a command
 (`enqueue`, `run`, `requeue`): its flags, type, default, choices and help come
-from the :class:`synthq.jobspec.Setting`, so a setting added there shows up
+from the :class:`synthq.spec.jobspec.Setting`, so a setting added there shows up
 here without a line of its own. :func:`job_spec` turns the options' values
-into the JobSpec (through :func:`synthq.enqueue.build_spec`, as the API does).
+into the JobSpec (through :func:`synthq.jobs.enqueue.build_spec`, as the API does).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Annotated, Any
 
 import typer
 
-from synthq import jobspec
 from synthq.cli import json_option
-from synthq.jobspec import Setting
+from synthq.spec import jobspec
+from synthq.spec.jobspec import Setting
 
 DatasetOpt = Annotated[str, typer.Option("--dataset", "-d", help="JSONL/Parquet file or "
                        "folder, or a Hugging Face dataset id (`name[:split]`).")]
@@ -163,6 +163,6 @@ def changed(values: dict[str, Any]) -> list[str]:
 
 def job_spec(values: dict[str, Any], dataset: str):  # type: ignore[no-untyped-def]
     """The JobSpec of the settings' options, for ``dataset``."""
-    from synthq.enqueue import build_spec
+    from synthq.jobs.enqueue import build_spec
 
     return build_spec(api_values(values), source=dataset)

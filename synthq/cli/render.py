@@ -7,10 +7,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from synthq.cli import console, escape
-from synthq.enums import FINISHED, SampleState
+from synthq.core.enums import FINISHED, SampleState
 
 if TYPE_CHECKING:
-    from synthq.report import JobStatus
+    from synthq.views.report import JobStatus
 
 
 def _progress() -> Any:
@@ -158,7 +158,7 @@ def print_status(status: JobStatus, *, stopped: bool = False) -> None:
 
 def _no_worker_hint(status: JobStatus, stopped: bool) -> None:
     """Why nothing runs, and the command that runs it: embedded jobs have no worker."""
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     left = f"{status.open:,} samples left"
     if stopped:
@@ -180,7 +180,7 @@ def _duration(seconds: float) -> str:
 
 
 def cost_line(cost: dict[str, Any]) -> str:
-    """One line of the cost report (synthq.cost): busy GPU time, tokens, dollars."""
+    """One line of the cost report (synthq.store.cost): busy GPU time, tokens, dollars."""
     parts = [f"cost: {_duration(cost['busy_s'])} busy × {cost['gpus']} GPU "
              f"= {cost['gpu_hours']:.3f} GPU-h, {cost['tokens']:,} tokens generated, "
              f"{cost['tokens_per_s']:,.0f} tok/s while busy"]

@@ -22,9 +22,9 @@ from synthq.cli import (
 
 def _celery(args: list[str]) -> None:
     from synthq.cli import ensure_db
-    from synthq.config import get_settings
-    from synthq.db import safe_url
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
+    from synthq.spec.config import get_settings
+    from synthq.store.db import safe_url
 
     settings = get_settings()
     if settings.embedded:
@@ -95,7 +95,7 @@ def beat(ctx: typer.Context) -> None:
 
     Example: `SYNTHQ_BROKER_URL=redis://localhost:6379/0 synthq beat`
     """
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     _celery(["beat", "-l", "INFO", "--schedule", str(settings.data_dir / "celerybeat-schedule"),
@@ -108,14 +108,14 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
 
     Example: `SYNTHQ_DATABASE_URL=postgresql://synthq@db/synthq synthq db upgrade`
     """
-    from synthq.config import get_settings
-    from synthq.migrate import upgrade
+    from synthq.spec.config import get_settings
+    from synthq.store.migrate import upgrade
 
     url = get_settings().database_url
     try:
         upgrade(url, revision)
     except Exception as exc:  # noqa: BLE001 - show the cause, not a traceback
-        from synthq.db import safe_url
+        from synthq.store.db import safe_url
 
         raise fail(safe_url(f"migration failed on {url}: {exc}")) from None
     console.print(f"database at {revision}")
@@ -259,7 +259,7 @@ def tiny_prompts(
     import json
     from pathlib import Path
 
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
     from synthq.testing.tiny import write_prompt_set
 
     try:
@@ -288,7 +288,7 @@ def real_target(
     import json
     from pathlib import Path
 
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
     from synthq.testing.real import cached_real_target, copy_target
 
     out = Path(directory)

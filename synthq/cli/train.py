@@ -22,7 +22,7 @@ from synthq.cli import (
     fail,
     with_job,
 )
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -115,9 +115,9 @@ def train(
 
     Each option in full: the docs' CLI reference (docs/cli.md).
     """
-    from synthq import states
-    from synthq.config import get_settings
-    from synthq.db import utcnow
+    from synthq.queue import states
+    from synthq.spec.config import get_settings
+    from synthq.store.db import utcnow
     from synthq.training.config import parse_when
     from synthq.training.runs import check_target, check_trainable, check_vocabulary, new_run
 
@@ -145,8 +145,8 @@ def train(
     def go(s, j) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         from sqlalchemy import select
 
-        from synthq.models import TrainingRun
-        from synthq.training.states import OPEN
+        from synthq.queue.run_states import OPEN
+        from synthq.store.models import TrainingRun
 
         chosen = target or j.train_target
         if threshold is not None:
@@ -161,7 +161,7 @@ def train(
             TrainingRun.job_id == j.id, TrainingRun.state.in_(OPEN),
             TrainingRun.target == chosen).order_by(TrainingRun.id.desc()).limit(1))
         if unfinished is not None and restart:
-            from synthq.training.states import cancel
+            from synthq.queue.run_states import cancel
 
             cancel(s, unfinished.id, now=utcnow())
         elif unfinished is not None:
@@ -188,7 +188,7 @@ def train(
         return
     run_id = info["run"]
     if not get_settings().embedded:
-        from synthq.broker import TRAIN_ROUTE, send
+        from synthq.queue.broker import TRAIN_ROUTE, send
 
         send("synthq.train", [(run_id,)], TRAIN_ROUTE)
         if as_json:
@@ -320,7 +320,7 @@ class _EvalBar:
 
 
 def _runs(ref: str | None, by_run: bool = False) -> list[dict[str, Any]]:
-    from synthq.db import session_scope
+    from synthq.store.db import session_scope
     from synthq.training.runs import list_runs
 
     if ref is None or by_run:

@@ -16,7 +16,7 @@ from synthq.cli import (
     fail,
     with_job,
 )
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 
 @app.command()
@@ -49,8 +49,8 @@ def jobs(as_json: JsonOpt = False) -> None:
 
 
 def _job_rows() -> list[dict[str, Any]]:
-    from synthq.counts import job_list
-    from synthq.db import session_scope
+    from synthq.store.counts import job_list
+    from synthq.store.db import session_scope
 
     try:
         ensure_db()
@@ -74,7 +74,7 @@ def status(
     Example: `synthq status my-job --watch`
     """
     from synthq.cli.render import job_progress, print_status  # not for --json
-    from synthq.report import job_status
+    from synthq.views.report import job_status
 
     if not watch:
         from synthq.cli import fast
@@ -115,7 +115,7 @@ def _watch_every_job(interval: float) -> None:
     per job with samples open (new jobs get theirs as they come) until none has; then
     each watched job's summary (or the newest job's, when none was open)."""
     from synthq.cli.render import jobs_progress, print_status
-    from synthq.report import job_status
+    from synthq.views.report import job_status
 
     watched: dict[int, str] = {}
     newest: str | None = None
@@ -153,8 +153,8 @@ def _job_ref(job: str | None) -> str:
         return job
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     try:
         ensure_db()
@@ -180,8 +180,8 @@ def show_sample(
 
     from rich.table import Table
 
-    from synthq.db import session_scope
-    from synthq.query import sample_detail
+    from synthq.store.db import session_scope
+    from synthq.views.query import sample_detail
 
     try:
         ensure_db()
@@ -191,7 +191,7 @@ def show_sample(
         detail = sample_detail(s, sample_id)
     if detail is None:
         raise fail(f"no sample {sample_id}")
-    # The record GET /api/samples/{id} answers (synthq.query.SampleDetail), URLs masked.
+    # The record GET /api/samples/{id} answers (synthq.views.query.SampleDetail), URLs masked.
     data = asdict(detail)
     if as_json:
         print(json.dumps(data, default=_iso))
@@ -224,7 +224,7 @@ def show_sample(
         console.print(f"finish_reason={data['finish_reason']} tokens: prompt "
                       f"{data['prompt_tokens']}, completion {data['completion_tokens']}")
     if data["num_tokens"] is not None and data["examples"]:
-        # Per-turn examples (synthq.examples): their ids lie one after another.
+        # Per-turn examples (synthq.data.examples): their ids lie one after another.
         console.print(f"examples: {len(data['examples'])}, one per regenerated turn, "
                       f"{data['num_tokens']} tokens and {data['num_supervised']} supervised "
                       f"in all (tokenize_version {data['tokenize_version']})")
@@ -278,10 +278,10 @@ def _calls(data: dict) -> str:  # type: ignore[type-arg]
 
 def _print_turns(data: dict) -> None:  # type: ignore[type-arg]
     """A conversation regenerated turn by turn: each turn's regenerated answer in place
-    of the dataset's (``synthq.turns``), turns not generated yet marked so."""
+    of the dataset's (``synthq.data.turns``), turns not generated yet marked so."""
     from rich.markup import escape
 
-    from synthq.turns import turn_positions
+    from synthq.data.turns import turn_positions
 
     prompt, answers = data["prompt"] or [], data["turns"] or []
     positions = turn_positions(prompt)

@@ -104,7 +104,7 @@ def _template_cluster(bindir: Path, as_root: bool) -> Path:
     if _template is None:
         pg = PrivatePostgres(bindir=bindir, template=False)
         try:
-            from synthq.migrate import upgrade
+            from synthq.store.migrate import upgrade
 
             upgrade(pg.url)
             pg.stop()
@@ -273,7 +273,7 @@ class Cluster:
         self.redis: PrivateRedis | None = None
         try:
             self.pg = PrivatePostgres()
-            from synthq.migrate import upgrade
+            from synthq.store.migrate import upgrade
 
             upgrade(self.pg.url)
             self.redis = PrivateRedis(self.tmp)
@@ -331,8 +331,8 @@ class Cluster:
         """Wait until ``n`` generation workers have a ``workers`` row."""
         from sqlalchemy import func, select
 
-        from synthq.db import session_scope
-        from synthq.models import Worker
+        from synthq.store.db import session_scope
+        from synthq.store.models import Worker
 
         def live() -> bool:
             with session_scope() as s:
@@ -368,10 +368,10 @@ class Cluster:
 
 
 def reset_process_state() -> None:
-    from synthq import jobview
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines
-    from synthq.executor import reset_default_executor
+    from synthq.queue import jobview
+    from synthq.serving.executor import reset_default_executor
+    from synthq.spec.config import get_settings
+    from synthq.store.db import dispose_engines
 
     reset_default_executor()
     get_settings.cache_clear()
@@ -388,10 +388,10 @@ def prompts(n: int, tag: str) -> list[str]:
 
 def create_job(prompt_texts: Sequence[str], servers: Sequence[str], **fields: Any) -> int:
     """A job with one user-message sample per prompt; returns its id."""
-    from synthq.dataset import Row
-    from synthq.db import session_scope
-    from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
-    from synthq.samplecopy import insert_rows
+    from synthq.data.dataset import Row
+    from synthq.jobs.enqueue import EnqueueReport, JobSpec, get_or_create_job
+    from synthq.jobs.samplecopy import insert_rows
+    from synthq.store.db import session_scope
 
     fields.setdefault("name", "chaos")
     fields.setdefault("model", "sim-model")
@@ -409,8 +409,8 @@ def create_job(prompt_texts: Sequence[str], servers: Sequence[str], **fields: An
 
 
 def counts(job_id: int) -> dict[str, int]:
-    from synthq.counts import state_counts
-    from synthq.db import session_scope
+    from synthq.store.counts import state_counts
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         return dict(state_counts(s, job_id))
@@ -421,9 +421,9 @@ def holders() -> str:
     timeout shows beside the logs (a test's failure names the culprit)."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope, utcnow
-    from synthq.dispatch import server_is_down
-    from synthq.models import Sample, Worker
+    from synthq.queue.dispatch import server_is_down
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample, Worker
 
     try:
         with session_scope() as s:
@@ -454,8 +454,8 @@ def holders() -> str:
 def ok_calls_per_sample(job_id: int) -> dict[int, int]:
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     with session_scope() as s:
         return {int(i): int(n) for i, n in s.execute(
@@ -468,8 +468,8 @@ def oldest_queued(job_id: int, since: Any = None) -> float:
     """Seconds the longest-queued sample has waited (counted from ``since`` if later)."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Sample
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample
 
     with session_scope() as s:
         first = s.scalar(select(func.min(Sample.queued_at)).where(
@@ -538,7 +538,7 @@ def database_outage(cluster: Cluster, *, outage: float = 30.0, n: int = 100,
     Recovery: from PostgreSQL's return until work resumed, i.e. more samples
     done than the answers the worker held in memory through the outage.
     """
-    from synthq.db import dispose_engines
+    from synthq.store.db import dispose_engines
 
     assert cluster.pg is not None
     started = time.monotonic()
@@ -577,8 +577,8 @@ def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 
     """
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     started = time.monotonic()
     # The victim's free slots (64 against the 32 its threads run) would otherwise claim
@@ -674,8 +674,8 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
     done_s = time.monotonic() - term
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt
 
     with session_scope() as s:
         interrupted = s.scalar(select(func.count()).select_from(Attempt)
@@ -691,8 +691,8 @@ def hanging_server(cluster: Cluster, *, n: int = 60, limit: int = 8) -> Result:
     one (stall timeout 1 s). Recovery: the job's duration (the issue saw 618 s)."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt
 
     started = time.monotonic()
     good = cluster.simulator("--latency", "0.05", "--capacity", "64")
@@ -731,8 +731,8 @@ def broker_wipe(cluster: Cluster, *, n: int = 300, limit: int = 32, down: float 
     """
     from sqlalchemy import select
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Sample
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Sample
 
     assert cluster.redis is not None
     started = time.monotonic()
@@ -787,9 +787,9 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
     Recovery: the job's duration."""
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.dispatch import server_is_down
-    from synthq.models import Attempt, Sample
+    from synthq.queue.dispatch import server_is_down
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
 
     started = time.monotonic()
     sim = cluster.simulator("--latency", "0", "--capacity", "64")
@@ -855,8 +855,8 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
     """
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Sample
 
     started = time.monotonic()
     sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
@@ -931,8 +931,8 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
     """
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample, Worker
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample, Worker
 
     started = time.monotonic()
     # One sample a message: the other worker's 2 threads take a few, the victim the rest.
@@ -990,8 +990,8 @@ def _hold_dispatch_lock(url: str) -> Any:
     stays in its transaction: once stranded it is a dead session holding the lock."""
     import psycopg
 
-    from synthq.db import pg_connect_args
-    from synthq.dispatch import _LOCK_KEY
+    from synthq.queue.dispatch import _LOCK_KEY
+    from synthq.store.db import pg_connect_args
 
     conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
                            **pg_connect_args(service=True))  # type: ignore[arg-type]
@@ -1044,10 +1044,10 @@ STRANDED_HEARTBEAT_LIMITS = {**PG_HALF_OPEN_LIMITS, "SYNTHQ_WORKER_TIMEOUT": "3"
 
 def _heartbeat_ports() -> set[int]:
     """The client ports of the workers' heartbeat sessions (``application_name``
-    ``synthq-heartbeat``, synthq.heartbeat), as PostgreSQL sees them."""
+    ``synthq-heartbeat``, synthq.queue.heartbeat), as PostgreSQL sees them."""
     from sqlalchemy import text
 
-    from synthq.db import session_scope
+    from synthq.store.db import session_scope
 
     with session_scope() as s:
         return {int(p) for (p,) in s.execute(text(
@@ -1070,8 +1070,8 @@ def stranded_heartbeat(cluster: Cluster, *, n: int = 300, limit: int = 16, worke
     ``heartbeat_only``), ``swept`` (calls the sweep logged lost), ``stranded``."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
     from synthq.testing.halfopen import StrandingProxy
 
     assert cluster.pg is not None

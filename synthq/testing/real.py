@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 __all__ = ["WHEEL", "GGUF", "gguf_path", "build_real_target", "cached_real_target",
            "cache_root", "copy_target", "SYSTEM_TURN", "check_masks"]

@@ -86,7 +86,7 @@ def write_prompt_set(directory: Path, *, train: int = 600, held_out: int = 40,
     file that any command wrote (``synthq testing doc-prompts`` is the real target's)."""
     space = sum(TOP - n + 1 for n in range(3, MAX_COUNT + 1))  # 1,611 distinct prompts
     if train + held_out > space:
-        from synthq.errors import UserError
+        from synthq.core.errors import UserError
 
         raise UserError(f"the language has {space:,} distinct prompts: --train plus "
                         f"--held-out may not exceed it, got {train + held_out:,}")

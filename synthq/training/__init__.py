@@ -12,7 +12,7 @@ torch is imported by :mod:`.model`, :mod:`.dflash`, :mod:`.dflash_loss`,
     readiness (beat) ──▶ training_runs row (pending) ──▶ train queue
     synthq train ──────┘                                      │
                                                               ▼
-    export (synthq.export) → draft vocab → target hidden states (online or cached)
+    export (synthq.jobs.export) → draft vocab → target hidden states (online or cached)
       → EAGLE-3 drafter, training-time test → checkpoints → vLLM llama_eagle3 layout
       → or a DFlash drafter, blocks at random anchors → vLLM qwen3_dflash layout
 """

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.data import Example, FeatureCache
 from synthq.training.norm import apply_norm, norm_style
 
@@ -118,9 +118,9 @@ def captured_paths(job_id: int, layers: list[int]) -> dict[str, tuple[Path, int]
     from sqlalchemy import select
 
     from synthq.capture.stage import store
-    from synthq.db import session_scope
-    from synthq.enums import CaptureState
-    from synthq.models import Capture, Sample
+    from synthq.core.enums import CaptureState
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture, Sample
 
     root = store()
     out: dict[str, tuple[Path, int]] = {}

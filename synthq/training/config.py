@@ -2,7 +2,7 @@
 
 Each setting's range (or choices) is declared once, beside it in :class:`TrainConfig`
 (:func:`_bounded`, :func:`_choice`); :data:`BOUNDS` makes a
-:class:`synthq.jobspec.Setting` of each, and :meth:`TrainConfig.check` refuses a value
+:class:`synthq.spec.jobspec.Setting` of each, and :meth:`TrainConfig.check` refuses a value
 out of it with the one line that refuses a generation setting (``--epochs is out of
 range: ...``). ``synthq train`` checks before it touches the database or torch; the
 readiness check and every run check the stored settings again.
@@ -17,9 +17,9 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from synthq import jobspec
-from synthq.errors import UserError
-from synthq.jobspec import MAX_TOKENS, Setting
+from synthq.core.errors import UserError
+from synthq.spec import jobspec
+from synthq.spec.jobspec import MAX_TOKENS, Setting
 
 __all__ = ["TrainConfig", "When", "parse_when", "DEFAULT_WHEN", "SUPERVISE", "BOUNDS",
            "MAX_COUNT", "MAX_DRAFT_TOKENS", "MAX_SEED"]
@@ -138,7 +138,7 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-#: Each setting of :class:`TrainConfig` as a :class:`synthq.jobspec.Setting` (its type,
+#: Each setting of :class:`TrainConfig` as a :class:`synthq.spec.jobspec.Setting` (its type,
 #: default, range or choices), by name: what :meth:`TrainConfig.check` holds a value to.
 BOUNDS: dict[str, Setting] = {
     f.name: Setting(f.name, type(f.default), f.default, required=True, **f.metadata["bounds"])

@@ -1,4 +1,4 @@
-"""A run's data: the job's examples (through synthq.export), the draft vocabulary,
+"""A run's data: the job's examples (through synthq.jobs.export), the draft vocabulary,
 batches, and the target's features computed online or cached per sample.
 
 The one-position shift: the target's logits at position j predict token j+1,
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.model import aux_layer_ids
 
 __all__ = ["Example", "load_examples", "draft_vocab", "draft_vocab_of", "count_supervised",

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.config import TrainConfig
 from synthq.training.dflash import DFlashConfig, DFlashDrafter
 from synthq.training.model import DraftConfig, Eagle3Drafter

@@ -1,6 +1,6 @@
 """One training run, start to end: :func:`execute_run` (the ``train`` task and ``synthq train``).
 
-Steps: claim the run (CAS) → export the job's examples (synthq.export; kept in
+Steps: claim the run (CAS) → export the job's examples (synthq.jobs.export; kept in
 OUT/data so a resumed run trains on the same snapshot) → a held-out split
 (``eval_fraction``, never trained on) → draft vocabulary → target → drafter
 (from the last checkpoint if any) → training-time test steps → checkpoints
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from sqlalchemy import select
 
-from synthq.config import get_settings
-from synthq.db import session_scope, utcnow
-from synthq.errors import UserError
-from synthq.models import Job, TrainingRun
-from synthq.training import states
+from synthq.core.errors import UserError
+from synthq.queue import run_states as states
+from synthq.spec.config import get_settings
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, TrainingRun
 from synthq.training.checkpoint import (
     STEP_PREFIX,
     latest_state,
@@ -183,7 +183,7 @@ def _dead_local_holder(session: Any, run_id: int) -> str | None:
     (another host's worker, a live process, a worker name of another form)."""
     held = session.scalar(select(TrainingRun.worker).where(
         TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
-    from synthq.workers import gone_here
+    from synthq.queue.workers import gone_here
 
     host, _, pid = (held or "").rpartition(":")
     return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
@@ -409,7 +409,7 @@ def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
 
 def _prepare_data(ctx: _Ctx, run: _Run) -> Path:
     """The job's examples exported into OUT/data once (reused when resuming)."""
-    from synthq.export import export_job
+    from synthq.jobs.export import export_job
 
     data = run.out / "data"
     if ctx.rank == 0 and not (data / "manifest.json").is_file():

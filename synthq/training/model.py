@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from synthq.eagle3 import aux_layer_ids
+from synthq.core.eagle3 import aux_layer_ids
 
 __all__ = ["DraftConfig", "Eagle3Drafter", "aux_layer_ids", "sglang_layer_ids", "StepCache",
            "step_attn_mask"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 __all__ = ["STYLES", "norm_style", "apply_norm"]
 

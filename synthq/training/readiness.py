@@ -27,15 +27,15 @@ from datetime import datetime, timedelta
 from sqlalchemy import exists, select, text
 from sqlalchemy.orm import Session
 
-from synthq import locks
-from synthq.config import get_settings
-from synthq.counts import state_counts
-from synthq.db import session_scope, utcnow
-from synthq.enums import RunState
-from synthq.errors import UserError
-from synthq.models import Job, TrainingRun
-from synthq.states import INFLIGHT, JobState, SampleState
-from synthq.training import states
+from synthq.core import locks
+from synthq.core.enums import RunState
+from synthq.core.errors import UserError
+from synthq.queue import run_states as states
+from synthq.queue.states import INFLIGHT, JobState, SampleState
+from synthq.spec.config import get_settings
+from synthq.store.counts import state_counts
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, TrainingRun
 from synthq.training.config import TrainConfig, parse_when
 from synthq.training.runs import new_run
 

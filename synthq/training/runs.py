@@ -9,11 +9,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from synthq.config import get_settings
-from synthq.db import utcnow
-from synthq.errors import UserError
-from synthq.models import Job, TrainingRun
-from synthq.training import states
+from synthq.core.errors import UserError
+from synthq.queue import run_states as states
+from synthq.spec.config import get_settings
+from synthq.store.db import utcnow
+from synthq.store.models import Job, TrainingRun
 from synthq.training.config import TrainConfig
 
 __all__ = ["RunRecord", "new_run", "default_output_dir", "run_record", "run_dict", "list_runs",
@@ -60,8 +60,8 @@ def check_vocabulary(session: Session, job: Job, target: str) -> None:
     read; a Hugging Face id is left to the training worker."""
     import json
 
-    from synthq.models import Sample
-    from synthq.packing import unpack_ids
+    from synthq.core.packing import unpack_ids
+    from synthq.store.models import Sample
 
     config = Path(target).expanduser() / "config.json"
     if not config.is_file():

@@ -26,7 +26,7 @@ def _reset_api() -> None:
 def allowed_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The API accepts no server URL unless SYNTHQ_ALLOWED_SERVERS lists its host: the
     tests' servers (the simulator, unreachable ports) are all on this machine."""
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     monkeypatch.setenv("SYNTHQ_ALLOWED_SERVERS", "127.0.0.1,localhost")
     get_settings.cache_clear()
@@ -80,10 +80,10 @@ def settle(job_id: int, max_rounds: int = 20) -> None:
     """Dispatch and process in this process (the production path), ignoring backoff waits."""
     from sqlalchemy import select, update
 
-    from synthq.db import session_scope
-    from synthq.dispatch import Dispatched, dispatch
-    from synthq.executor import process_sample
-    from synthq.models import Sample
+    from synthq.queue.dispatch import Dispatched, dispatch
+    from synthq.serving.executor import process_sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Sample
 
     for _ in range(max_rounds):
         batch: list[Dispatched] = []

@@ -61,8 +61,8 @@ def test_every_route_is_in_the_schema_or_known(client: Any) -> None:
 
 def test_the_page_cookie_is_httponly_strict_and_forms_need_csrf(
         client: Any, sample_factory: Any) -> None:
-    from synthq.counts import state_counts
-    from synthq.db import session_scope
+    from synthq.store.counts import state_counts
+    from synthq.store.db import session_scope
 
     sid = sample_factory("failed", error_class="timeout")
     r = client.post("/ui/login", data={"token": "wrong"}, headers={"Authorization": ""})
@@ -127,7 +127,7 @@ def test_synthq_api_refuses_the_placeholder(pg: str) -> None:
 
 
 def test_settings_refuse_placeholder_passwords(monkeypatch: pytest.MonkeyPatch) -> None:
-    from synthq.config import Settings
+    from synthq.spec.config import Settings
 
     with pytest.raises(ValueError, match="placeholder"):
         Settings(database_url="postgresql://synthq:change-me-postgres-password@db/synthq")

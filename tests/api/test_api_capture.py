@@ -24,8 +24,8 @@ def _body(sim_url: str, capture: list[str], **extra: Any) -> dict[str, Any]:
 
 def test_the_api_takes_capture_servers_checked_as_the_cli_does(
         client: Any, simulator: Any, tmp_path: Path) -> None:
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     sim = simulator("--latency", "0")
     data = tmp_path / "data"
@@ -80,8 +80,8 @@ def test_the_api_takes_capture_servers_checked_as_the_cli_does(
     assert 'data-class="capture_mismatch"' in page and "4.1 kB" in page
     assert "the engine&#39;s token ids are not the sample&#39;s" in page
     # A stage synthq stopped (issue 30 item 2) says why in the record and on the page.
-    from synthq import states as job_states
-    from synthq.db import utcnow
+    from synthq.queue import states as job_states
+    from synthq.store.db import utcnow
 
     line = f"capture stopped: server {sim.url} failed 5 captures in a row with bad_request: x"
     with session_scope() as s:
@@ -96,9 +96,9 @@ def test_the_api_sets_the_declared_capture_settings_checked_as_the_cli_does(
     """PUT /api/jobs/{id}/capture takes every setting jobspec.CAPTURE declares, with the
     same checks and messages as `synthq capture`; an omitted one is kept; train_target is
     confined to the data directory like the tokenizer."""
-    from synthq import jobspec
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.spec import jobspec
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     sim = simulator("--latency", "0")
     data = tmp_path / "data"
@@ -142,8 +142,8 @@ def test_the_api_sets_capture_servers_and_engine_files_as_synthq_capture_does(
     /api/jobs/{id}/capture changes them through the function `synthq capture` uses (a
     server must answer, 403 outside SYNTHQ_ALLOWED_SERVERS, folders merged and "" removes
     one); an engine-files folder is confined to the data directory; URLs are not echoed."""
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     sim = simulator("--latency", "0")
     data = tmp_path / "data"

@@ -55,7 +55,7 @@ def test_200_identical_reads_cost_one_query_set(api_env: str, job_factory: Any) 
     from sqlalchemy import event
 
     from api.app import create_app
-    from synthq.db import get_engine
+    from synthq.store.db import get_engine
 
     job = job_factory(["a", "b"]).job_id
     app = create_app()

@@ -64,7 +64,7 @@ def test_a_folder_linking_out_of_the_data_dir_is_refused(client: Any, tmp_path: 
 
 def test_upload_limits_count_what_is_read(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from api.config import api_settings
-    from synthq.dataset import read as dataset
+    from synthq.data.dataset import read as dataset
 
     monkeypatch.setenv("SYNTHQ_API_UPLOAD_MAX_BYTES", "100000")
     api_settings.cache_clear()
@@ -252,7 +252,7 @@ def test_the_api_checks_the_model_like_the_cli(client: Any,
 
 
 def test_exports_are_capped_and_a_dead_one_is_failed(tmp_path: Path, pg: str) -> None:
-    from synthq import export_runs
+    from synthq.jobs import export_runs
 
     root = tmp_path / "exports"
     root.mkdir()
@@ -326,8 +326,8 @@ def test_an_exhausted_pool_is_503_not_500(api_env: str, monkeypatch: pytest.Monk
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines, get_engine
+    from synthq.spec.config import get_settings
+    from synthq.store.db import dispose_engines, get_engine
 
     monkeypatch.setenv("SYNTHQ_DB_POOL_SIZE", "1")
     monkeypatch.setenv("SYNTHQ_DB_MAX_OVERFLOW", "0")
@@ -352,8 +352,8 @@ def test_expired_logins_are_pruned_by_session_checks(client: Any) -> None:
     from sqlalchemy import func, select
 
     from api import auth
-    from synthq.db import session_scope, utcnow
-    from synthq.models import ApiSession
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import ApiSession
 
     def expired(tag: str) -> None:
         then = utcnow() - timedelta(hours=2)

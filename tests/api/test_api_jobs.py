@@ -191,7 +191,7 @@ def test_auto_limit_and_cost_in_the_api_metrics_and_job_page(
         client: Any, simulator: Callable[..., Any], job_factory: Callable[..., Any]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from synthq.adaptive import tick
+    from synthq.serving.adaptive import tick
 
     sim = simulator("--latency", "0.05", "--vllm-metrics")
     report = job_factory([f"q{i}" for i in range(6)], servers=[sim.url], inflight_limit=64,
@@ -279,8 +279,8 @@ def test_upload_with_regenerate_all_keeps_tool_conversations_whole(client: Any) 
 def test_create_with_stream_false_stores_the_setting(client: Any, tmp_path: Path) -> None:
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -307,8 +307,8 @@ def test_a_new_job_asks_the_workers_for_a_tick_at_once(redis_url: str, client: A
     import redis
     from support import free_port
 
-    from synthq import broker
-    from synthq.config import get_settings
+    from synthq.queue import broker
+    from synthq.spec.config import get_settings
 
     body = json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()
 

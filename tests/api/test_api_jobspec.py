@@ -1,4 +1,4 @@
-"""The API checks job settings as the CLI does (synthq.jobspec), on create and on requeue
+"""The API checks job settings as the CLI does (synthq.spec.jobspec), on create and on requeue
 alike: a value out of its bounds is a 422 with the option named, and nothing is stored."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from synthq.db import session_scope
-from synthq.models import Job, Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_requeue_refuses_a_value_out_of_bounds(
 ])
 def test_create_refuses_what_requeue_refuses(
         client: Any, api_env: str, tmp_path: Any, field: str, value: Any, flag: str) -> None:
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     data = get_settings().data_dir
     data.mkdir(parents=True, exist_ok=True)

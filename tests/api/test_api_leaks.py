@@ -70,7 +70,7 @@ def test_hostile_chat_template_is_refused_fast_and_the_tokenizer_is_confined(
             detail = r.json()["detail"]
             assert "\n" not in detail and "synthq's limit" in detail, (name, detail)
             # The tokenizer's load is most of it (seconds on a loaded machine): the
-            # render itself stops at synthq.sandbox.PROBE_SECONDS.
+            # render itself stops at synthq.data.sandbox.PROBE_SECONDS.
             assert took < 45, (name, took)
         names = [j["name"] for j in c.get("/api/jobs").json()]
         assert not set(hostile) & set(names), names
@@ -152,7 +152,7 @@ def test_servers_outside_the_allow_list_are_refused_and_get_no_key(
         api_server: Callable[..., Any], recorders: Callable[[], _Recorder],
         job_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         ) -> None:
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     allowed, other = recorders(), recorders()
     data = tmp_path / "data"

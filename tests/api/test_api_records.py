@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from support import capture_rows, run_cli
 
-from synthq.db import session_scope, utcnow
+from synthq.store.db import session_scope, utcnow
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_training_run_is_one_record_in_the_api_and_in_runs_json(
         client: Any, job_factory: Callable[..., Any]) -> None:
-    from synthq.models import TrainingRun
-    from synthq.training import states
+    from synthq.queue import run_states as states
+    from synthq.store.models import TrainingRun
 
     report = job_factory([])
     with session_scope() as s:
@@ -36,7 +36,7 @@ def test_a_training_run_is_one_record_in_the_api_and_in_runs_json(
 
 def test_a_capture_stage_is_one_record_in_status_and_capture_json(
         client: Any, job_factory: Callable[..., Any]) -> None:
-    from synthq.models import Job
+    from synthq.store.models import Job
 
     url = "http://127.0.0.1:9/v1"
     report = job_factory([f"p{i}" for i in range(5)], servers=[url])

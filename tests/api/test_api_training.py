@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from conftest import TOKEN
 
-from synthq.db import session_scope, utcnow
+from synthq.store.db import session_scope, utcnow
 
 pytestmark = pytest.mark.integration
 
 
 def test_job_page_shows_eval_acceptance_beside_the_estimate(
         client: Any, job_factory: Callable[..., Any]) -> None:
-    from synthq.training import states
+    from synthq.queue import run_states as states
 
     job_id = job_factory([]).job_id
     assert client.post("/ui/login", data={"token": TOKEN}).status_code == 200  # the cookie
@@ -25,7 +25,7 @@ def test_job_page_shows_eval_acceptance_beside_the_estimate(
     with session_scope() as s:
         run_id = states.create(s, job_id=job_id, trigger="manual", target="/m", settings={},
                                output_dir="/tmp/run{run}", now=utcnow())
-        from synthq.models import TrainingRun
+        from synthq.store.models import TrainingRun
 
         run = s.get(TrainingRun, run_id)
         assert run is not None
@@ -40,8 +40,8 @@ def test_job_page_shows_eval_acceptance_beside_the_estimate(
 
 def test_served_acceptance_is_on_the_page_and_in_the_api_beside_synthqs_own(
         client: Any, job_factory: Callable[..., Any]) -> None:
-    from synthq.models import TrainingRun
-    from synthq.training import states
+    from synthq.queue import run_states as states
+    from synthq.store.models import TrainingRun
 
     job_id = job_factory([]).job_id
     with session_scope() as s:

@@ -5,7 +5,7 @@ worker and beat on the true time. Before the fix its heartbeats looked dead at o
 and its leases expired as it took them: the sweep reclaimed its samples while it kept
 working (answers paid twice, more calls in flight than the limit); ahead, its
 retries were due in everyone's future. Every time synthq writes is the database's
-now (:mod:`synthq.clock`), and ``synthq status`` names the skewed worker.
+now (:mod:`synthq.core.clock`), and ``synthq status`` names the skewed worker.
 
 Needs Debian's ``faketime`` package (``.ci/run`` installs it).
 """
@@ -67,7 +67,7 @@ def test_worker_120s_ahead_runs_the_ticks(pg: str, redis_url: str, tmp_path: Pat
     """The only worker's clock is 120 s ahead: the enqueue kick's tick and beat's ticks
     dispatch all the same. Before: Celery checked each tick's 5 s ``expires`` against the
     worker's clock and discarded every one ("Discarding revoked task"): 0 of 4 dispatched."""
-    from synthq.broker import kick_dispatch
+    from synthq.queue.broker import kick_dispatch
 
     sim = simulator("--latency", "0.05")
     worker = _skewed_worker(tmp_path, "+120s", "ahead")
@@ -103,8 +103,8 @@ def test_first_heartbeat_of_a_worker_600s_ahead_is_not_in_the_future(
     died before its second beat looked alive for 10 minutes."""
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import Worker
+    from synthq.store.db import session_scope
+    from synthq.store.models import Worker
 
     worker = _skewed_worker(tmp_path, "+600s", "far")
     try:

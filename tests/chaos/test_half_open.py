@@ -107,7 +107,7 @@ def test_undelivered_messages_are_claimed_from_sql(workers: Any, simulator: Call
     (300 s here), each answered once."""
     from support import counts, wait_for, wait_worker_live
 
-    from synthq.dispatch import Dispatched, dispatch
+    from synthq.queue.dispatch import Dispatched, dispatch
 
     monkeypatch.setenv("SYNTHQ_QUEUED_TIMEOUT", "300")
     sim = simulator("--latency", "0.1")

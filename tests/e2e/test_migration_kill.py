@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 _WRITE = r"^\s*(CREATE|ALTER|DROP|INSERT|UPDATE|DELETE)\b"
 
 #: The migrating process: reads ``URL K`` lines, forks a child per line that runs
-#: synthq.migrate.upgrade(URL) and kills itself with SIGKILL after its K-th write
+#: synthq.store.migrate.upgrade(URL) and kills itself with SIGKILL after its K-th write
 #: statement (K=0: it runs to the end and prints how many writes it made), and prints
 #: the child's fate (``killed``, ``exit N``) and, for K=0, the count.
 ZYGOTE = rf"""
@@ -39,8 +39,8 @@ import os, re, signal, sys
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 import alembic.command, alembic.migration, alembic.operations, alembic.script  # noqa
-import synthq.config, synthq.models  # noqa
-from synthq.migrate import upgrade
+import synthq.spec.config, synthq.store.models  # noqa
+from synthq.store.migrate import upgrade
 
 WRITE = re.compile({_WRITE!r}, re.I)
 
@@ -149,7 +149,7 @@ def schema(db: Path) -> list[tuple[str, str]]:
 
 def test_a_new_database_killed_at_any_statement_is_left_empty_and_rerun_completes(
         migrator: Migrator, tmp_path: Path) -> None:
-    from synthq.migrate import HEAD, upgrade
+    from synthq.store.migrate import HEAD, upgrade
 
     probe = tmp_path / "probe.db"
     wal_file(probe)
@@ -225,7 +225,7 @@ def _rows(db: Path) -> dict[str, Any]:
 
 def test_an_old_database_killed_mid_upgrade_keeps_its_revision_and_rows(
         migrator: Migrator, tmp_path: Path) -> None:
-    from synthq.migrate import HEAD, upgrade
+    from synthq.store.migrate import HEAD, upgrade
 
     template = tmp_path / "old.db"
     upgrade(f"sqlite:///{template}", OLD, from_models=False)
@@ -263,7 +263,7 @@ RUN_KILLED = rf"""
 import os, re, runpy, signal, sys
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-import synthq.migrate
+import synthq.store.migrate
 
 WRITE = re.compile({_WRITE!r}, re.I)
 state = {{"on": False, "n": 0}}
@@ -276,7 +276,7 @@ def count(conn, cursor, statement, *args):
         if state["n"] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-real = synthq.migrate.upgrade
+real = synthq.store.migrate.upgrade
 
 def upgrade(*args, **kwargs):
     state["on"] = True
@@ -285,7 +285,7 @@ def upgrade(*args, **kwargs):
     finally:
         state["on"] = False
 
-synthq.migrate.upgrade = upgrade
+synthq.store.migrate.upgrade = upgrade
 sys.argv = ["synthq", *sys.argv[1:]]
 runpy.run_module("synthq.cli", run_name="__main__")
 """

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import func, select
 from support import counts, redis_for_tests, wait_for, wait_worker_live
 
-from synthq.db import session_scope
-from synthq.models import Attempt, Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -54,7 +54,7 @@ def test_three_workers_never_exceed_server_limit(workers: Any, simulator: Callab
 def test_duplicate_delivery_writes_once(workers: Any, simulator: Callable[..., Any],
                                         job_factory: Callable[..., Any]) -> None:
     """The same generate message delivered twice: one call, one write; the second is a no-op."""
-    from synthq.dispatch import Dispatched, dispatch
+    from synthq.queue.dispatch import Dispatched, dispatch
     from worker.tasks import publish
 
     sim = simulator("--latency", "0.3")
@@ -178,9 +178,9 @@ def test_every_turn_regenerated_through_celery_workers(
     regenerated history; turns of different conversations interleave."""
     import json
 
-    from synthq.dataset import Row
+    from synthq.data.dataset import Row
+    from synthq.data.turns import history
     from synthq.testing.simulator import conversation_tag
-    from synthq.turns import history
 
     sim = simulator("--latency", "0.1", "--history-answers")
     n = 20

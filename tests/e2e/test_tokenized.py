@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import select
 from support import REPO, child_env, counts, wait_for
 
-from synthq.db import session_scope
-from synthq.models import Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Sample
 
 pytestmark = pytest.mark.e2e
 

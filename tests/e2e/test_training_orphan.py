@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from support import REPO, Proc, child_env, wait_for
 
-from synthq.db import session_scope, utcnow
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, TrainingRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -47,8 +47,8 @@ def _status(job_id: int) -> dict[str, Any]:
 def test_orphaned_run_is_sent_again_by_a_training_worker_and_beat_alone(
         pg: str, redis_url: str, job_factory: Callable[..., Any], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from synthq.config import get_settings
-    from synthq.training import states
+    from synthq.queue import run_states as states
+    from synthq.spec.config import get_settings
     from synthq.training.config import TrainConfig
     from synthq.training.runs import new_run
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from support import REPO, Proc, child_env, sqlite_rows, wait_for
 
+from synthq.data.turns import history
 from synthq.testing.simulator import conversation_tag
-from synthq.turns import history
 
 pytestmark = pytest.mark.e2e
 

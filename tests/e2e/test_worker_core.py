@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 from support import counts, wait_for, wait_worker_live
 
-from synthq.db import session_scope
-from synthq.models import Attempt, Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 

@@ -270,7 +270,7 @@ def test_vllm_killed_and_restarted_mid_stage_fails_no_capture(
     beyond one per sample are at most those in flight plus the ones before it tripped."""
     import time
 
-    from synthq.dispatch import TRIP_AFTER
+    from synthq.queue.dispatch import TRIP_AFTER
 
     data = _copy(generated, tmp_path)
     layers = ",".join(str(i) for i in CAPTURE_LAYERS)

@@ -121,10 +121,10 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
     """Workers against vLLM with the in-flight limit read from its gauges."""
     from sqlalchemy import select
 
-    from synthq.adaptive import _scrape
-    from synthq.db import session_scope
-    from synthq.models import Job, Sample, Server
-    from synthq.report import job_status
+    from synthq.serving.adaptive import _scrape
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job, Sample, Server
+    from synthq.views.report import job_status
 
     pairs = prompts(40, seed=5)
     report = job_factory([count_prompt(*p) for p in pairs], servers=[engine.url],
@@ -156,9 +156,9 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
 
 
 def job_status_done(job_id: int) -> bool:
-    from synthq.db import session_scope
-    from synthq.models import Job
-    from synthq.report import job_status
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
+    from synthq.views.report import job_status
 
     with session_scope() as s:
         return job_status(s, s.get_one(Job, job_id), cost=False).finished
@@ -174,8 +174,8 @@ def test_vllm_killed_and_restarted_mid_job_loses_nothing(engine: Any, workers: A
 
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Attempt, Sample
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Attempt, Sample
 
     if engine.server is None:
         pytest.skip("SYNTHQ_ENGINE_URL: a server started outside the tests cannot be killed")

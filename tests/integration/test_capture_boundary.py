@@ -1,5 +1,5 @@
 """Capture inside the system: a capture server's error answer is classed by the one
-HTTP boundary (synthq.inference.status_error), Retry-After included, and every failure
+HTTP boundary (synthq.serving.inference.status_error), Retry-After included, and every failure
 class, ``worker_error`` and ``lost`` among them, is one a requeue accepts."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ URL = "http://capture.invalid/v1"
 
 
 def _capture_job(job_factory: Any, n: int) -> int:
-    from synthq.db import session_scope
-    from synthq.models import Job, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job, Sample
 
     report = job_factory([f"prompt {i}" for i in range(n)], servers=["http://127.0.0.1:9/v1"])
     with session_scope() as s:
@@ -46,8 +46,8 @@ def _busy_engine(request: httpx.Request) -> httpx.Response:
 
 def test_a_capture_honours_the_servers_retry_after(job_factory: Any) -> None:
     from synthq.capture.stage import Stage
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Capture
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Capture
 
     job_id = _capture_job(job_factory, 2)
     stage = Stage(job_id, seconds=1.0)
@@ -70,8 +70,8 @@ def test_a_capture_honours_the_servers_retry_after(job_factory: Any) -> None:
 
 @pytest.mark.parametrize("error_class", ["worker_error", "lost"])
 def test_requeue_takes_every_failure_class(sample_factory: Any, error_class: str) -> None:
-    from synthq.db import session_scope
-    from synthq.models import Job, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job, Sample
 
     sid = sample_factory("failed", error_class=error_class, error_message="x", attempts=5)
     with session_scope() as s:

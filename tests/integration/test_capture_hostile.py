@@ -28,8 +28,8 @@ LAYERS = [2, 4, 5, 8]
 
 def _job(job_factory: Any, n: int, url: str, *, limit: int = 1, **fields: Any) -> int:
     """``n`` done samples of a job whose capture server is ``url``."""
-    from synthq.db import session_scope
-    from synthq.models import Job, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job, Sample
 
     report = job_factory([f"prompt {i}" for i in range(n)], **fields)
     with session_scope() as s:
@@ -44,8 +44,8 @@ def _job(job_factory: Any, n: int, url: str, *, limit: int = 1, **fields: Any) -
 
 
 def _states(job_id: int) -> dict[str, int]:
-    from synthq.db import session_scope
-    from synthq.models import Capture
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture
 
     with session_scope() as s:
         return {str(k): v for k, v in s.execute(
@@ -84,7 +84,7 @@ def _run(job_id: int, seconds: float, within: float, server: HostileServer) -> A
 
 @pytest.fixture
 def short_capture_timeouts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     monkeypatch.setenv("SYNTHQ_CAPTURE_TIMEOUT", "1")
     monkeypatch.setenv("SYNTHQ_CAPTURE_FILE_TIMEOUT", "1")
@@ -192,8 +192,8 @@ def test_a_path_through_a_file_fails_in_one_line(job_factory: Any, tmp_path: Pat
     finally:
         server.close()
     assert left.done == 0 and left.failures == {"bad_request": 3}, left
-    from synthq.db import session_scope
-    from synthq.models import Capture
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture
 
     with session_scope() as s:
         messages = list(s.scalars(select(Capture.error_message).where(

@@ -97,8 +97,8 @@ def holding(tmp_path: Path) -> Iterator[HoldingServer]:
 def test_a_resend_while_the_first_attempt_runs_names_a_new_file(
         job_factory: Any, holding: HoldingServer) -> None:
     from synthq.capture.stage import Stage
-    from synthq.db import session_scope
-    from synthq.models import Capture, Job, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture, Job, Sample
 
     report = job_factory(["one prompt"])
     with session_scope() as s:

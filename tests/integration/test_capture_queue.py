@@ -118,8 +118,8 @@ def fake_engine(tmp_path: Path) -> Iterator[FakeCaptureServer]:
 
 
 def _done_samples(job_factory: Any, n: int, engine_url: str, limit: int) -> int:
-    from synthq.db import session_scope
-    from synthq.models import Job, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job, Sample
 
     report = job_factory([f"prompt {i}" for i in range(n)], servers=["http://127.0.0.1:9/v1"])
     with session_scope() as s:
@@ -136,8 +136,8 @@ def _done_samples(job_factory: Any, n: int, engine_url: str, limit: int) -> int:
 
 
 def _states(job_id: int) -> dict[str, int]:
-    from synthq.db import session_scope
-    from synthq.models import Capture
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture
 
     with session_scope() as s:
         return {str(k): v for k, v in s.execute(
@@ -146,8 +146,8 @@ def _states(job_id: int) -> dict[str, int]:
 
 
 def _check_store(job_id: int, store: Path) -> int:
-    from synthq.db import session_scope
-    from synthq.models import Capture, Sample
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture, Sample
 
     with session_scope() as s:
         rows = s.execute(select(Capture.path, Capture.sha256, Sample.input_ids)
@@ -183,7 +183,7 @@ def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
     # The exact limit held across both processes, kill and reclaim included.
     assert fake_engine.most <= limit, fake_engine.most
     # Every capture counted as done has its whole, checked file.
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
     # Sent twice: only what the victim held at the kill (at most the limit).
@@ -210,9 +210,9 @@ def test_a_dead_capture_process_does_not_hold_its_servers_room(
     """A capture process killed with its servers' room full (limit 3, 3 running): the
     tick frees its captures and finds the job due, though no stage runs to free them
     (it had stalled the stage for good: the surviving worker was never sent a task)."""
-    from synthq.capture import states as capture_states
     from synthq.capture.due import due_jobs
-    from synthq.db import session_scope, utcnow
+    from synthq.queue import capture_states as capture_states
+    from synthq.store.db import session_scope, utcnow
 
     url = "http://127.0.0.1:9/v1"
     job_id = _done_samples(job_factory, 6, url, limit=3)
@@ -238,9 +238,9 @@ def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
     from support import run_cli
 
     from synthq.capture.stage import Stage
-    from synthq.db import session_scope
-    from synthq.models import Job
-    from synthq.report import job_status
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
+    from synthq.views.report import job_status
 
     fake_engine.answer_path = fake_engine.engine_dir / "cmpl-request-id.safetensors"
     n, limit = 40, 2
@@ -277,9 +277,9 @@ def test_a_per_turn_sample_is_captured_one_prompt_per_example(
     holds their states end to end: its rows align with the sample's concatenated ids
     and mask, each example's from its own offset (what training reads)."""
     from synthq.capture.stage import Stage
-    from synthq.config import get_settings
-    from synthq.db import session_scope
-    from synthq.models import Capture, Sample
+    from synthq.spec.config import get_settings
+    from synthq.store.db import session_scope
+    from synthq.store.models import Capture, Sample
     from synthq.training.captured import captured_paths
 
     job_id = _done_samples(job_factory, 3, fake_engine.url, 2)
@@ -317,8 +317,8 @@ def test_stock_connector_files_are_taken_only_from_the_declared_folder(
     not the sample's are refused, and nothing but the request's own file is read or
     deleted. Without the folder such files are refused as before."""
     from synthq.capture.stage import Stage
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     fake_engine.stock_naming = True
     n = 6
@@ -340,7 +340,7 @@ def test_stock_connector_files_are_taken_only_from_the_declared_folder(
     assert victim.read_text() == "not yours"
     if case == "declared":
         assert left.done == n and left.failures == {}, left
-        from synthq.config import get_settings
+        from synthq.spec.config import get_settings
 
         assert _check_store(job_id, get_settings().data_dir / "hidden-states") == n
         assert list(fake_engine.engine_dir.iterdir()) == []  # each taken, then deleted
@@ -358,7 +358,7 @@ def test_stock_connector_files_are_taken_only_from_the_declared_folder(
 def test_the_engine_files_folder_is_checked(pg: str, tmp_path: Path) -> None:
     """A declared folder must be an absolute, existing, real directory."""
     from synthq.capture.confine import check_folder
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
 
     (tmp_path / "real").mkdir()
     (tmp_path / "via").symlink_to(tmp_path / "real")

@@ -1,4 +1,4 @@
-"""``--capture-server``, a declared job setting (synthq.jobspec): `synthq enqueue` and
+"""``--capture-server``, a declared job setting (synthq.spec.jobspec): `synthq enqueue` and
 `synthq run` refuse one that does not answer in one line with exit 2 and store nothing,
 store one that answers (the simulator's /v1/models), and `synthq status` (text and
 --json) shows the capture stage from the job's real ``captures`` rows in PostgreSQL."""
@@ -20,8 +20,8 @@ DEAD = "http://127.0.0.1:9/v1"  # nothing listens on port 9
 
 
 def _jobs() -> int:
-    from synthq.db import session_scope
-    from synthq.models import Job
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
 
     with session_scope() as s:
         return int(s.scalar(select(func.count()).select_from(Job)) or 0)
@@ -51,9 +51,9 @@ def test_a_capture_server_that_does_not_answer_is_refused_and_nothing_stored(
 
 def test_a_capture_server_that_answers_is_stored_and_status_shows_the_stage(
         pg: str, simulator: Any, tmp_path: Path) -> None:
-    from synthq import states
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Job
+    from synthq.queue import states
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Job
 
     sim = simulator("--latency", "0")
     secret = sim.url.replace("http://", "http://user:hunter2pw@")

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import update
 from support import REPO, child_env, run_cli
 
-from synthq.db import session_scope
-from synthq.models import Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Sample
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The CLI's job settings (made from synthq.jobspec): bad values refused in one line with
+"""The CLI's job settings (made from synthq.spec.jobspec): bad values refused in one line with
 exit 2 on create and requeue alike, and --help that says what each option takes."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_kv_transfer_params_is_refused_in_one_line_by_run_enqueue_and_requeue(
 
 
 def test_sampling_may_not_carry_kv_transfer_params() -> None:
-    from synthq.enqueue import JobSpec
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
+    from synthq.jobs.enqueue import JobSpec
 
     spec = JobSpec(name="j", model="m", servers=["http://127.0.0.1:9/v1"],
                    sampling={"kv_transfer_params": {"synthq_name": "x"}})
@@ -170,8 +170,8 @@ for flag, value in json.loads(sys.argv[1]):
         r = runner.invoke(cli, ["train", "j", "--target", "tgt", "--when", when, flag, value])
         refused.append([flag, r.exit_code, r.stderr.strip().splitlines()])
 from sqlalchemy import func, select
-from synthq.db import session_scope
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope
+from synthq.store.models import Job, TrainingRun
 with session_scope() as s:
     job = s.scalars(select(Job)).one()
     stored = [job.train_when, job.train_target, job.train_settings,

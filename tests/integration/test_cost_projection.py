@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from synthq.cost import job_cost
-from synthq.dataset import Row
-from synthq.db import session_scope, utcnow
-from synthq.models import Attempt, Job, Sample
+from synthq.data.dataset import Row
+from synthq.store.cost import job_cost
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Attempt, Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def test_busy_time_folded_once_a_minute_equals_the_union_of_every_call(
     """The busy time a status reads (a fold plus the calls ended since) equals the
     union of all the job's call intervals, as the fold moves past calls that overlap,
     a call running across it, and calls added after it."""
-    from synthq.cost import busy_intervals, measure
+    from synthq.store.cost import busy_intervals, measure
 
     report = job_factory(["a", "b", "c", "d", "e"])
     t0 = utcnow()

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 from sqlalchemy import delete, func, select, text, update
 
-from synthq import states
-from synthq.counts import call_counts, state_counts
-from synthq.dataset import Row
-from synthq.db import session_scope, utcnow
-from synthq.dispatch import Dispatched, dispatch
-from synthq.enqueue import EnqueueReport, JobSpec, get_or_create_job
-from synthq.enums import JobState
-from synthq.models import Attempt, CallCount, Job, Sample, SampleCount
-from synthq.report import job_status
-from synthq.retokenize import stale_query
-from synthq.samplecopy import insert_rows
+from synthq.core.enums import JobState
+from synthq.data.dataset import Row
+from synthq.jobs.enqueue import EnqueueReport, JobSpec, get_or_create_job
+from synthq.jobs.retokenize import stale_query
+from synthq.jobs.samplecopy import insert_rows
+from synthq.queue import states
+from synthq.queue.dispatch import Dispatched, dispatch
+from synthq.store.counts import call_counts, state_counts
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Attempt, CallCount, Job, Sample, SampleCount
+from synthq.views.report import job_status
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path,
     else:
         from support import TEST_ENV, _reset_process_state
 
-        from synthq.migrate import upgrade
+        from synthq.store.migrate import upgrade
 
         url = f"sqlite:///{tmp_path / 'counters.db'}"
         upgrade(url)
@@ -51,7 +51,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path,
             monkeypatch.setenv(key, value)
         _reset_process_state()
     monkeypatch.setenv("SYNTHQ_BROKER_URL", "")  # capacity: the test says how much
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     get_settings.cache_clear()
     yield request.param
@@ -255,7 +255,7 @@ def at_0015(request: pytest.FixtureRequest, tmp_path: Path,
     with its rows: rows written by today's models need today's columns.)"""
     from support import TEST_ENV, _reset_process_state, fresh_pg_database, pg_database
 
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     with contextlib.ExitStack() as stack:
         if request.param == "postgresql":
@@ -277,8 +277,8 @@ def test_the_migration_backfills_the_counters(at_0015: str) -> None:
     """Jobs that existed before migration 0016 get their counters filled by it."""
     from alembic import command
 
-    from synthq.db import dispose_engines
-    from synthq.migrate import alembic_config, upgrade
+    from synthq.store.db import dispose_engines
+    from synthq.store.migrate import alembic_config, upgrade
 
     a = _job("a", 30)
     _work(a, 20)

@@ -18,12 +18,12 @@ import pytest
 from sqlalchemy import select, update
 from support import run_cli
 
-from synthq.db import session_scope
-from synthq.embedded import run_job
-from synthq.enqueue import JobSpec, enqueue, get_or_create_job
-from synthq.export import export_job
-from synthq.models import Job, Sample
-from synthq.samplecopy import insert_rows
+from synthq.app.embedded import run_job
+from synthq.jobs.enqueue import JobSpec, enqueue, get_or_create_job
+from synthq.jobs.export import export_job
+from synthq.jobs.samplecopy import insert_rows
+from synthq.store.db import session_scope
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -97,8 +97,8 @@ def test_an_old_job_keeps_its_rule_and_says_so(pg: str, tmp_path: Path) -> None:
             {"id": "demo-002", "prompt": "Plain question?"}]
     path = write_jsonl(tmp_path / "old.jsonl", rows)
     # A job as synthq made it before key versions: rule 1 prompts and keys.
-    from synthq.dataset import iter_rows
-    from synthq.enqueue import EnqueueReport
+    from synthq.data.dataset import iter_rows
+    from synthq.jobs.enqueue import EnqueueReport
 
     spec = JobSpec(name="old", model="m", servers=["http://127.0.0.1:9/v1"])
     with session_scope() as s:
@@ -128,7 +128,7 @@ def test_an_old_job_keeps_its_rule_and_says_so(pg: str, tmp_path: Path) -> None:
 def test_migration_makes_existing_jobs_key_version_1(tmp_path: Path) -> None:
     from sqlalchemy import create_engine, text
 
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     upgrade(url, "0005")
@@ -279,7 +279,7 @@ def test_jsonl_export_loads_into_specforge_features(
         pg: str, job_factory: Callable[..., Any], tmp_path: Path) -> None:
     import datasets
 
-    from synthq.dataset import Row
+    from synthq.data.dataset import Row
 
     rows = [Row(0, [msg("system", "s"), msg("user", "q0"), msg("assistant", "a"),
                     msg("user", "q1")], source_id="src-0"),

@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import func, insert, select, update
 from support import counts
 
-from synthq import states
-from synthq.db import session_scope, utcnow
-from synthq.dispatch import Dispatched, dispatch, sweep
-from synthq.models import Job, Sample
-from synthq.states import JobState
+from synthq.queue import states
+from synthq.queue.dispatch import Dispatched, dispatch, sweep
+from synthq.queue.states import JobState
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_samples_spread_over_servers(job_factory: Callable[..., Any]) -> None:
 
 def test_paused_job_is_not_dispatched_and_its_messages_are_released(
         job_factory: Callable[..., Any]) -> None:
-    from synthq.executor import process_sample
+    from synthq.serving.executor import process_sample
 
     report = job_factory(["x", "y"], servers=["http://10.255.0.5:8000/v1"])
     batch: list[Dispatched] = []
@@ -151,7 +151,7 @@ def test_requeue_failed_by_class(sample_factory: Callable[..., int],
 
 
 def test_down_server_gets_one_probe_at_a_time(job_factory: Callable[..., Any]) -> None:
-    from synthq.models import Attempt
+    from synthq.store.models import Attempt
 
     up, down = "http://10.255.0.6:8000/v1", "http://10.255.0.7:8000/v1"
     job_factory([f"p{i}" for i in range(40)], servers=[up, down], inflight_limit=8)
@@ -187,7 +187,7 @@ def test_unhealthy_server_gets_nothing_until_its_probe_passes(
         job_factory: Callable[..., Any], simulator: Callable[..., Any]) -> None:
     from support import free_port
 
-    from synthq import health
+    from synthq.serving import health
 
     sim = simulator("--latency", "0")
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -198,7 +198,7 @@ def test_unhealthy_server_gets_nothing_until_its_probe_passes(
     dispatch(batch.extend)
     assert queued_on(dead) == 0 and queued_on(sim.url) == 5
     with session_scope() as s:  # the dead server comes back (its probe passes)
-        from synthq.models import Server
+        from synthq.store.models import Server
 
         s.execute(update(Server).where(Server.url == dead).values(healthy=True))
     dispatch(batch.extend)
@@ -206,7 +206,7 @@ def test_unhealthy_server_gets_nothing_until_its_probe_passes(
 
 
 def test_health_url() -> None:
-    from synthq.health import health_url
+    from synthq.serving.health import health_url
 
     assert health_url("http://vllm:8000/v1") == "http://vllm:8000/health"
     assert health_url("http://vllm:8000/v1/") == "http://vllm:8000/health"
@@ -217,7 +217,7 @@ def test_a_local_refill_claims_its_own_share_within_the_limit(
         job_factory: Callable[..., Any]) -> None:
     """dispatch(local=...): the worker's free slots are claimed for it in the dispatch's
     transaction (running, under its name), the rest published; the limit still holds."""
-    from synthq.dispatch import LocalClaim
+    from synthq.queue.dispatch import LocalClaim
 
     servers = ["http://10.255.0.7:8000/v1", "http://10.255.0.8:8000/v1"]
     report = job_factory([f"p{i}" for i in range(100)], servers=servers, inflight_limit=6)
@@ -245,7 +245,7 @@ def test_only_the_live_workers_free_slots_are_queued(job_factory: Callable[..., 
     """Without an explicit capacity, a dispatch queues at most the live workers'
     capacity minus what is already queued or running; a silent worker counts for none.
     (A broker is configured: ``redis_url``; in embedded mode the runner passes its own.)"""
-    from synthq import workers
+    from synthq.queue import workers
 
     server = "http://10.255.0.9:8000/v1"
     job_factory([f"p{i}" for i in range(50)], servers=[server], inflight_limit=40)
@@ -269,8 +269,8 @@ def test_a_refills_one_statement_reads_each_servers_latest_calls_as_the_per_serv
     and the probe's timing read them."""
     import random
 
-    from synthq.dispatch import _latest_calls, _load
-    from synthq.models import Attempt
+    from synthq.queue.dispatch import _latest_calls, _load
+    from synthq.store.models import Attempt
 
     urls = [f"http://10.255.1.{i}:8000/v1" for i in range(4)]
     report = job_factory(["p0"], servers=urls[:1], inflight_limit=4)

@@ -5,7 +5,7 @@ a temporary table and ``ON CONFLICT DO NOTHING`` once a batch meets a key the
 job holds), SQLite by ``INSERT … ON CONFLICT DO NOTHING``; the prompt's JSON
 and the content key are built from parts (``ContentKeys``). Whatever the path,
 every column a new sample is written with, the report and the skip reasons
-must be the same, and every key must be :func:`synthq.dataset.content_key`'s.
+must be the same, and every key must be :func:`synthq.data.dataset.content_key`'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from synthq import samplecopy
-from synthq.dataset import content_key
-from synthq.db import session_scope
-from synthq.enqueue import JobSpec, enqueue
-from synthq.models import Job, Sample
+from synthq.data.dataset import content_key
+from synthq.jobs import samplecopy
+from synthq.jobs.enqueue import JobSpec, enqueue
+from synthq.store.db import session_scope
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -106,9 +106,9 @@ def test_postgres_copy_and_sqlite_insert_write_the_same_samples(
     monkeypatch.setattr(samplecopy, "BATCH_BYTES", size)
     on_postgres = _run(tmp_path / "pg")
 
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines
-    from synthq.migrate import upgrade
+    from synthq.spec.config import get_settings
+    from synthq.store.db import dispose_engines
+    from synthq.store.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'lite.db'}"
     monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)

@@ -13,12 +13,12 @@ import pytest
 from sqlalchemy import event, insert, update
 from support import run_cli
 
-from synthq import export as export_mod
-from synthq.db import get_engine, session_scope, utcnow
-from synthq.errors import UserError
-from synthq.export import export_job, tokenizer_fingerprint
-from synthq.models import Job, Sample
-from synthq.packing import pack_ids, pack_mask
+from synthq.core.errors import UserError
+from synthq.core.packing import pack_ids, pack_mask
+from synthq.jobs import export as export_mod
+from synthq.jobs.export import export_job, tokenizer_fingerprint
+from synthq.store.db import get_engine, session_scope, utcnow
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 

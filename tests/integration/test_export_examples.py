@@ -12,10 +12,10 @@ import chat_tokenizers as ct
 import pytest
 from sqlalchemy import update
 
-from synthq.db import session_scope
-from synthq.export import export_job
-from synthq.models import Job, Sample
-from synthq.packing import pack_ids, pack_mask
+from synthq.core.packing import pack_ids, pack_mask
+from synthq.jobs.export import export_job
+from synthq.store.db import session_scope
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from synthq.call import Outcome
-from synthq.db import session_scope
-from synthq.dispatch import Dispatched, dispatch
-from synthq.executor import process_sample
-from synthq.models import Attempt, Sample
+from synthq.queue.dispatch import Dispatched, dispatch
+from synthq.serving.call import Outcome
+from synthq.serving.executor import process_sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -104,10 +104,10 @@ def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
                                      job_factory: Callable[..., Any],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A retryable failure waits in SQL: next_attempt_at - now in [0, min(cap, base*2^(n-1))]."""
-    from synthq.db import utcnow
+    from synthq.store.db import utcnow
 
     # Three 500s in a row make the server down (one probe per PROBE_INTERVAL): not tested here.
-    monkeypatch.setattr("synthq.dispatch.PROBE_INTERVAL", 0.0)
+    monkeypatch.setattr("synthq.queue.dispatch.PROBE_INTERVAL", 0.0)
 
     sim = simulator("--latency", "0")
     report = job_factory(["x [[sim:error]]"], servers=[sim.url], max_attempts=10,
@@ -139,7 +139,7 @@ def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
 
 def test_retry_after_is_a_floor(simulator: Callable[..., Any],
                                 job_factory: Callable[..., Any]) -> None:
-    from synthq.db import utcnow
+    from synthq.store.db import utcnow
 
     sim = simulator("--latency", "0")  # 429s carry Retry-After: 1
     report = job_factory(["y [[sim:rate_limit]]"], servers=[sim.url], max_attempts=5,
@@ -159,7 +159,7 @@ def test_job_finishes_with_one_server_dead(simulator: Callable[..., Any],
     on the live one; the dead one fails its health probe and is sent nothing."""
     from support import free_port
 
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     sim = simulator("--latency", "0.05")
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -180,8 +180,8 @@ def test_server_without_health_endpoint_is_watched_passively(
     /health) still gets only one request at a time once its calls fail to connect."""
     from support import free_port
 
-    from synthq.embedded import run_job
-    from synthq.health import probe_due
+    from synthq.app.embedded import run_job
+    from synthq.serving.health import probe_due
 
     dead = f"http://127.0.0.1:{free_port()}/v1"
     # The server is down once its third failure is committed. A retry due sooner than
@@ -191,7 +191,7 @@ def test_server_without_health_endpoint_is_watched_passively(
     report = job_factory([f"q{i}" for i in range(3)], servers=[dead], inflight_limit=8,
                          max_attempts=2, backoff_base=0.5, backoff_cap=0.5)
     with pytest.MonkeyPatch.context() as patch:  # as if /health answered 404
-        patch.setattr("synthq.tick.probe_due", lambda urls: {})
+        patch.setattr("synthq.app.tick.probe_due", lambda urls: {})
         status = run_job(report.job_id)
     assert status.counts["failed"] == 3  # nothing to reach: every sample fails, bounded
     with session_scope() as s:
@@ -230,7 +230,7 @@ def test_response_over_max_bytes_fails_permanently(simulator: Callable[..., Any]
 
 def test_malformed_answers_do_not_mark_the_server_down(simulator: Callable[..., Any],
                                                        job_factory: Callable[..., Any]) -> None:
-    from synthq.dispatch import server_is_down
+    from synthq.queue.dispatch import server_is_down
 
     sim = simulator("--latency", "0")
     report = job_factory([f"junk {i} [[sim:html]]" for i in range(4)], servers=[sim.url],
@@ -258,14 +258,14 @@ def test_a_bug_in_the_worker_hands_the_sample_back(simulator: Callable[..., Any]
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected exception while running a sample: back to pending after its backoff
     (class worker_error), not stranded as running until its lease expires."""
-    import synthq.executor
+    import synthq.serving.executor
 
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
     sim = simulator("--latency", "0")
     report = job_factory(["boom"], servers=[sim.url])
-    monkeypatch.setattr(synthq.executor, "run_claimed", broken)
+    monkeypatch.setattr(synthq.serving.executor, "run_claimed", broken)
     batch: list[Dispatched] = []
     dispatch(batch.extend, job_ids=[report.job_id])
     assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY

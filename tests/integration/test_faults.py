@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from synthq.db import session_scope
-from synthq.models import Attempt, Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def test_overload_with_retry_after_is_ridden_out(simulator: Callable[..., Any],
     ignored Retry-After and spent the budget in a second: every sample failed. Now the
     server gets one probe per Retry-After, an overload answer is not charged to the
     budget, and every sample ends done."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     sim = simulator("--latency", "0")
     n, limit = 40, 8
@@ -51,16 +51,16 @@ def test_overload_is_charged_in_the_end(simulator: Callable[..., Any],
                                         job_factory: Callable[..., Any]) -> None:
     """A server that says "later" for ever still ends the sample: after
     OVERLOAD_CALLS_PER_ATTEMPT x max_attempts calls it fails as server_error."""
-    from synthq.errors import OVERLOAD_CALLS_PER_ATTEMPT
-    from synthq.executor import default_executor
+    from synthq.core.errors import OVERLOAD_CALLS_PER_ATTEMPT
+    from synthq.serving.executor import default_executor
 
     sim = simulator("--latency", "0")
     report = job_factory(["for ever busy"], servers=[sim.url], max_attempts=2)
     sim.http.post("/sim/overload", json={"seconds": 600, "status": 503, "retry_after": 0})
     from datetime import timedelta
 
-    from synthq import states
-    from synthq.db import utcnow
+    from synthq.queue import states
+    from synthq.store.db import utcnow
 
     with session_scope() as s:
         smp_id = s.scalar(select(Sample.id).where(Sample.job_id == report.job_id))
@@ -88,10 +88,10 @@ def test_a_call_ended_by_a_bug_has_its_attempts_row(simulator: Callable[..., Any
     """D: an unexpected error during the call (the `import httpx` race raised
     AttributeError once the server had answered) hands the sample back as worker_error;
     the call gets its attempts row, so samples.attempts matches the rows."""
-    from synthq.call import Outcome
-    from synthq.dispatch import Dispatched, dispatch
-    from synthq.executor import process_sample
-    from synthq.inference import InferenceClient
+    from synthq.queue.dispatch import Dispatched, dispatch
+    from synthq.serving.call import Outcome
+    from synthq.serving.executor import process_sample
+    from synthq.serving.inference import InferenceClient
 
     sim = simulator("--latency", "0")
     report = job_factory(["paid for"], servers=[sim.url])
@@ -122,8 +122,8 @@ def test_a_call_cut_by_the_sweep_is_lost_once(job_factory: Callable[..., Any],
     same call as lost again: 2 rows for 1 call. Now one."""
     from datetime import timedelta
 
-    from synthq import states
-    from synthq.db import utcnow
+    from synthq.queue import states
+    from synthq.store.db import utcnow
 
     report = job_factory(["stopped mid-call"], servers=["http://127.0.0.1:9/v1"])
     t0 = utcnow()
@@ -167,8 +167,8 @@ def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
 
     from sqlalchemy.exc import OperationalError
 
-    from synthq import jobview
-    from synthq.db import CLAIM_PATH_ATTEMPTS
+    from synthq.queue import jobview
+    from synthq.store.db import CLAIM_PATH_ATTEMPTS
 
     report = job_factory(["x"])
     real = jobview.session_scope
@@ -183,7 +183,7 @@ def test_the_job_read_on_the_claim_path_retries_as_long_as_the_claim(
             yield s
 
     monkeypatch.setattr(jobview, "session_scope", flaky)
-    monkeypatch.setattr("synthq.db.time.sleep", lambda _s: None)
+    monkeypatch.setattr("synthq.store.db.time.sleep", lambda _s: None)
     jobview._jobs.clear()
     assert jobview.get_job(report.job_id).id == report.job_id
     assert failures["left"] == 0 and CLAIM_PATH_ATTEMPTS > 10
@@ -198,11 +198,11 @@ def test_run_job_stops_at_once_on_a_full_sqlite_disk(simulator: Callable[..., An
     with room again the rerun finishes, redoing at most the calls in flight."""
     from sqlalchemy import Engine, event
 
-    from synthq.config import get_settings
-    from synthq.db import dispose_engines, get_engine
-    from synthq.embedded import run_job
-    from synthq.errors import DiskFull
-    from synthq.migrate import upgrade
+    from synthq.app.embedded import run_job
+    from synthq.core.errors import DiskFull
+    from synthq.spec.config import get_settings
+    from synthq.store.db import dispose_engines, get_engine
+    from synthq.store.migrate import upgrade
     from synthq.testing.chaos import create_job, prompts
 
     data = tmp_path / "data"
@@ -250,8 +250,8 @@ def test_bad_requests_in_a_row_on_a_server_pause_the_job(simulator: Callable[...
     failed one by one. After ``stop_after`` (5) identical bad_request failures in a row
     the job is paused, with one line naming the server and the cause; resumed after the
     fix, and requeued, it finishes."""
-    from synthq import states
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
+    from synthq.queue import states
 
     sim = simulator("--latency", "0.05")
     n, limit = 40, 2
@@ -268,8 +268,8 @@ def test_bad_requests_in_a_row_on_a_server_pause_the_job(simulator: Callable[...
                              "bad_request: HTTP 400"), reason
     assert f"synthq resume {status.name}" in reason
     sim.http.post("/sim/overload", json={"seconds": 0, "status": 400, "retry_after": None})
-    from synthq.db import utcnow
-    from synthq.enums import JobState
+    from synthq.core.enums import JobState
+    from synthq.store.db import utcnow
 
     with session_scope() as s:
         assert states.set_job_state(s, report.job_id, JobState.ACTIVE, now=utcnow())

@@ -212,12 +212,12 @@ def test_5_a_finished_job_gets_out_of_the_way(tmp_path: Path, sim: Simulator) ->
 
 
 def test_5_finished_jobs_no_longer_count_toward_a_server(pg: str) -> None:
-    from synthq import states
-    from synthq.db import session_scope, utcnow
-    from synthq.dispatch import active_servers
-    from synthq.enqueue import JobSpec, get_or_create_job
-    from synthq.enums import JobState
-    from synthq.models import Job
+    from synthq.core.enums import JobState
+    from synthq.jobs.enqueue import JobSpec, get_or_create_job
+    from synthq.queue import states
+    from synthq.queue.dispatch import active_servers
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Job
 
     with session_scope() as s:
         job, _, _ = get_or_create_job(s, JobSpec(name="old", model="m",

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from synthq import states
-from synthq.db import session_scope, utcnow
-from synthq.models import Attempt, Sample, Worker
+from synthq.queue import states
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Attempt, Sample, Worker
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def _row(smp: int) -> tuple[Any, ...]:
 
 @pytest.fixture
 def executor(pg: str) -> Iterator[Any]:
-    from synthq.executor import Executor
+    from synthq.serving.executor import Executor
 
     ex = Executor(capacity=4)
     yield ex
@@ -66,7 +66,7 @@ def test_a_late_answer_is_kept_once(executor: Any, simulator: Callable[..., Any]
     the sample is done with it, the sweep's ``lost`` row of that call is gone, and a
     later holder's result is refused. A later attempt that finished first keeps its own.
     Before, every such answer was thrown away (``lost``) and paid for again."""
-    from synthq.call import Outcome
+    from synthq.serving.call import Outcome
 
     sim = simulator("--latency", "1.0")
     report = job_factory(["late answer"], servers=[sim.url])
@@ -140,7 +140,7 @@ def proxied(pg: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     a stranded answer is given up after 3 + 2 s, a heartbeat's after 0.5 s)."""
     from support import _reset_process_state
 
-    from synthq.db import dispose_engines, service_process
+    from synthq.store.db import dispose_engines, service_process
     from synthq.testing.halfopen import StrandingProxy
 
     port = int(pg.rsplit(":", 1)[1].split("/", 1)[0])
@@ -165,7 +165,7 @@ def test_the_heartbeat_outlives_a_stranded_writer(proxied: Any) -> None:
     inside the workers' timeout (2.5 s), though the writer waits 5 s for its answer.
     Before, the heartbeat was a write of the writer and waited those 5 s: the sweep
     counted the worker dead."""
-    from synthq.executor import Executor
+    from synthq.serving.executor import Executor
 
     ex = Executor(capacity=4)
     try:
@@ -192,9 +192,9 @@ def test_a_worker_whose_heartbeat_is_late_starts_no_call(
     own limit (half of its timeout): once its last heartbeat is that old, the worker
     hands a batch back instead of calling, and its refill claims nothing; when the
     heartbeat is written again it calls again."""
-    from synthq.call import Outcome
-    from synthq.config import get_settings
-    from synthq.executor import Executor
+    from synthq.serving.call import Outcome
+    from synthq.serving.executor import Executor
+    from synthq.spec.config import get_settings
     from synthq.testing.chaos import _heartbeat_ports
 
     monkeypatch.setenv("SYNTHQ_HEARTBEAT_TIMEOUT", "3")
@@ -230,7 +230,7 @@ def test_a_dropped_connection_takes_its_server_session_and_locks_along(
     half-open now ends its server session too: the lock is free at once."""
     import psycopg
 
-    from synthq import db as dbmod
+    from synthq.store import db as dbmod
 
     sim = simulator("--latency", "0.1")
     report = job_factory(["locked"], servers=[sim.url])

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from synthq.db import session_scope
-from synthq.models import Attempt, Sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Sample
 from synthq.testing.hostile import GOOD_CHUNKS, MALFORMED, Hostile, Script
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_a_huge_error_body_costs_its_first_bytes(hostile: Callable[..., Hostile]
     """A 500 with a 3 GB body: before, ``aread()`` took it all (4.3 GB RSS). Now a message's
     worth is read and the connection dropped; the sample fails as server_error within its
     attempts."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     server = hostile(Script(error_status=500, error_bytes=3_000_000_000))
     report = job_factory(["pay me"], servers=[server.url], max_attempts=2)
@@ -86,7 +86,7 @@ def test_probe_bodies_that_never_end_are_cut(hostile: Callable[..., Hostile], tr
     ends within its deadline, having read at most its cap."""
     import httpx
 
-    from synthq import adaptive, health
+    from synthq.serving import adaptive, health
 
     server = hostile(Script(endless=("/health", "/v1/models", "/metrics"), trickle=trickle))
     client = httpx.Client()
@@ -116,7 +116,7 @@ def test_the_bounded_read_keeps_a_whole_small_body(hostile: Callable[..., Hostil
     """The caps cut only what passes them: a normal server's answers are read whole."""
     import httpx
 
-    from synthq import adaptive, health
+    from synthq.serving import adaptive, health
 
     server = hostile()
     with httpx.Client() as client:
@@ -136,7 +136,7 @@ def test_a_chunk_of_the_wrong_shape_is_a_server_error_within_its_attempts(
     at once for ever (262 calls for 10 samples at max_attempts 1), a traceback per call.
     Now the chunk is the server's fault: server_error, max_attempts calls, backoff, the
     run ends, and no traceback is logged."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     server = hostile(Script(chunks=[*MALFORMED[shape], *GOOD_CHUNKS]))
     report = job_factory(["first", "second"], servers=[server.url], max_attempts=2)
@@ -162,7 +162,7 @@ def test_a_document_of_the_wrong_shape_is_a_server_error(
         hostile: Callable[..., Hostile], job_factory: Callable[..., Any],
         document: dict[str, Any]) -> None:
     """The same for a non-streamed answer (``stream=False``)."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     server = hostile(Script(document=document))
     report = job_factory(["plain"], servers=[server.url], max_attempts=2, stream=False)
@@ -180,8 +180,8 @@ def test_any_unexpected_error_in_a_call_ends_within_its_attempts(
     """A bug that every call meets (here the client raises after the server answered):
     each call counts an attempt and backs off; after max_attempts the sample fails as
     worker_error, and the run ends. The traceback is logged once, then one line a call."""
-    from synthq.embedded import run_job
-    from synthq.inference import InferenceClient
+    from synthq.app.embedded import run_job
+    from synthq.serving.inference import InferenceClient
 
     server = hostile()
     real_chat = InferenceClient.chat
@@ -225,8 +225,8 @@ def test_a_row_with_too_many_turns_is_skipped_at_enqueue(job_factory: Callable[.
     """A 2,500-turn row made 2,500 calls with growing bodies. Over
     SYNTHQ_MAX_REGENERATED_TURNS (default 64) it is skipped with its reason; the other
     rows are enqueued."""
-    from synthq.config import get_settings
-    from synthq.dataset import Row
+    from synthq.data.dataset import Row
+    from synthq.spec.config import get_settings
 
     assert get_settings().max_regenerated_turns == 64
     rows = [Row(0, _conversation(3)), Row(1, _conversation(65)), Row(2, _conversation(64))]
@@ -249,9 +249,9 @@ def test_a_request_over_the_size_cap_fails_before_it_is_sent(
     """``--history-reasoning keep`` with a server whose reasoning is huge: every turn's
     request carries all the reasoning so far (82.8 MB by turn 24). Past
     SYNTHQ_MAX_REQUEST_BYTES the call fails as request_too_large, unsent."""
-    from synthq.config import get_settings
-    from synthq.dataset import Row
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
+    from synthq.data.dataset import Row
+    from synthq.spec.config import get_settings
 
     assert get_settings().max_request_bytes == 16 << 20
     cap = 3 << 20
@@ -292,12 +292,12 @@ def test_a_bad_usage_is_replaced_by_the_streamed_count(
     failed a good answer (with the SQL in its message); "1e9" counted as 10**9. Now a
     bad figure is replaced by what was streamed (two chunks of text: 2), with a warning,
     and the answer is done."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     chunks = [*GOOD_CHUNKS[:-1], {"choices": [], "usage": BAD_USAGE[usage]}]
     server = hostile(Script(chunks=chunks))
     report = job_factory(["count me"], servers=[server.url], max_tokens=64)
-    caplog.set_level(logging.WARNING, logger="synthq.inference")
+    caplog.set_level(logging.WARNING, logger="synthq.serving.inference")
     run_job(report.job_id)
     [smp] = samples(report.job_id)
     assert (smp.state, smp.response_content) == ("done", "hello hostile"), smp.error_message
@@ -314,7 +314,7 @@ def test_a_good_usage_is_kept(hostile: Callable[..., Hostile],
                               job_factory: Callable[..., Any]) -> None:
     """The checks keep a plausible figure as the server gave it (a chunk may carry
     several tokens)."""
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     chunks = [*GOOD_CHUNKS[:-1], {"choices": [], "usage": {"prompt_tokens": 9,
                                                            "completion_tokens": 40}}]
@@ -333,7 +333,7 @@ def test_a_database_refusal_never_puts_sql_in_the_message(
     sample's message held the UPDATE with its claim token, shown by the API and page."""
     from sqlalchemy import create_engine
 
-    from synthq.embedded import run_job
+    from synthq.app.embedded import run_job
 
     engine = create_engine(pg)
     with engine.begin() as conn:  # the database itself refuses this answer
@@ -343,7 +343,7 @@ def test_a_database_refusal_never_puts_sql_in_the_message(
     try:
         server = hostile()
         report = job_factory(["refused"], servers=[server.url])
-        caplog.set_level(logging.WARNING, logger="synthq.call")
+        caplog.set_level(logging.WARNING, logger="synthq.serving.call")
         run_job(report.job_id)
     finally:
         with engine.begin() as conn:
@@ -370,11 +370,11 @@ def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any
 
     from sqlalchemy import update
 
-    import synthq.call
-    from synthq import states
-    from synthq.call import Outcome
-    from synthq.db import utcnow
-    from synthq.executor import process_sample
+    import synthq.serving.call
+    from synthq.queue import states
+    from synthq.serving.call import Outcome
+    from synthq.serving.executor import process_sample
+    from synthq.store.db import utcnow
 
     report = job_factory(["stored"])
     with session_scope() as s:
@@ -388,7 +388,7 @@ def test_a_bug_on_a_stored_response_fails_at_once(job_factory: Callable[..., Any
     def broken(c: Any) -> Any:
         raise RuntimeError("a bug on the stored path")
 
-    monkeypatch.setattr(synthq.call, "_stored", broken)
+    monkeypatch.setattr(synthq.serving.call, "_stored", broken)
     assert process_sample(smp_id, "t1", job_id=report.job_id) is Outcome.FAILED
     [smp] = samples(report.job_id)
     assert (smp.state, smp.error_class, smp.response_content) == \

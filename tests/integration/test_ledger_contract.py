@@ -5,7 +5,7 @@ training runs) through each kind's own public functions, against real PostgreSQL
 The kinds do not agree everywhere yet. Where one lacks an operation or differs, the
 difference is a row of :data:`CONTRACT`, and the scenario asserts that row for that
 kind: the table is what each kind does today, the input of the refactor that gives
-leased work's policy one place beside :mod:`synthq.ledger`. A row that changes there
+leased work's policy one place beside :mod:`synthq.queue.ledger`. A row that changes there
 changes here, visibly.
 """
 
@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 
-from synthq import ledger
-from synthq import states as sample_states
-from synthq.capture import states as capture_states
-from synthq.db import session_scope, utcnow
-from synthq.enums import JobState
-from synthq.errors import BadRequest, TimeoutError_
-from synthq.models import Attempt, Capture, Sample, TrainingRun
-from synthq.training import states as run_states
+from synthq.core.enums import JobState
+from synthq.core.errors import BadRequest, TimeoutError_
+from synthq.queue import capture_states as capture_states
+from synthq.queue import ledger
+from synthq.queue import run_states as run_states
+from synthq.queue import states as sample_states
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Attempt, Capture, Sample, TrainingRun
 
 pytestmark = pytest.mark.integration
 
@@ -60,10 +60,10 @@ CONTRACT: dict[str, tuple[Any, Any, Any]] = {
     "retry": ("retry", "retry", None),
     "uncharged retry (charge=False)": (True, True, None),
     # Where a retry's due time is enforced: the claim itself, or the dispatcher's offer.
-    "due time kept by": ("dispatcher (synthq.dispatch)", "claim", None),
+    "due time kept by": ("dispatcher (queue.dispatch)", "claim", None),
     # Where retry-or-fail is decided: ledger.retry_delay, or inline in the caller.
-    "retry-or-fail decided by": ("ledger.retry_delay (synthq.call._failure, synthq.executor)",
-                                 "ledger.retry_delay (synthq.capture.stage)", None),
+    "retry-or-fail decided by": ("ledger.retry_delay (serving.call._failure, serving.executor)",
+                                 "ledger.retry_delay (capture.stage)", None),
     # The holder's hand-back (held → waiting, now, uncharged).
     "release": ("advance_turn (a turn done)", None, "release"),
     # The public requeue (failed → waiting, fresh budget); None: failed is final.

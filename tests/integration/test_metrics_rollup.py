@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select
 
-from synthq.db import get_engine, session_scope, utcnow
-from synthq.models import Attempt
-from synthq.query import _AttemptFigures, metrics_snapshot
+from synthq.store.db import get_engine, session_scope, utcnow
+from synthq.store.models import Attempt
+from synthq.views.query import _AttemptFigures, metrics_snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def _recount() -> tuple[dict[tuple[str, str], int], dict[str, int], int]:
 
 def test_metrics_count_a_late_commit_and_scan_only_new_rows(
         pg: str, sample_factory: Callable[..., int]) -> None:
-    from synthq import query
+    from synthq.views import query
 
     sid = sample_factory("done")
     with session_scope() as s:

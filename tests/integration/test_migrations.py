@@ -1,6 +1,6 @@
 """`alembic upgrade head` on an empty database equals the models, on both backends; and a
 new SQLite database, which synthq builds from the models in one step
-(synthq.migrate.build_at_head), equals one migrated through every revision."""
+(synthq.store.migrate.build_at_head), equals one migrated through every revision."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from synthq.migrate import upgrade
-from synthq.models import Base
+from synthq.store.migrate import upgrade
+from synthq.store.models import Base
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +102,6 @@ def test_head_constant_is_the_scripts_head() -> None:
     """Commands compare the database with migrate.HEAD; it must be the newest script."""
     from alembic.script import ScriptDirectory
 
-    from synthq.migrate import HEAD, alembic_config
+    from synthq.store.migrate import HEAD, alembic_config
 
     assert ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head() == HEAD

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import update
 from support import counts
 
-from synthq.db import session_scope, utcnow
-from synthq.dispatch import Dispatched, dispatch, sweep
-from synthq.models import Job
+from synthq.queue.dispatch import Dispatched, dispatch, sweep
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def test_a_huge_stored_value_leaves_the_sweep_and_the_other_jobs_moving(
     assert huge in by_job and odd in by_job
     assert counts(canary.job_id).get("queued") == 3, counts(canary.job_id)
 
-    from synthq.jobview import get_job, lease_seconds
+    from synthq.queue.jobview import get_job, lease_seconds
 
     assert math.isfinite(lease_seconds(get_job(bad.job_id)))
     assert lease_seconds(get_job(bad.job_id)) < 8 * 24 * 3600

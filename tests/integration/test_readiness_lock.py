@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from synthq.db import session_scope
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope
+from synthq.store.models import Job, TrainingRun
 
 pytestmark = [pytest.mark.integration]
 

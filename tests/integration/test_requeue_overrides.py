@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from synthq import service, states
-from synthq.db import session_scope, utcnow
-from synthq.errors import UserError
-from synthq.models import Job, Sample
+from synthq.app import service
+from synthq.core.errors import UserError
+from synthq.queue import states
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -96,8 +97,8 @@ def test_retokenize_keeps_a_samples_own_chat_template_kwargs(
     import chat_tokenizers as ct
     from transformers import AutoTokenizer
 
-    from synthq.packing import unpack_ids
-    from synthq.retokenize import retokenize_batch
+    from synthq.core.packing import unpack_ids
+    from synthq.jobs.retokenize import retokenize_batch
 
     path = ct._chatml(tmp_path, "persona", PERSONA_TEMPLATE)
     job_id = job_factory([], tokenizer=path, chat_template_kwargs={"persona": "JOBWIDE"}).job_id

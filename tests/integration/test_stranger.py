@@ -128,10 +128,10 @@ def test_piped_output_is_not_wrapped(tmp_path: Path) -> None:
 
 def test_a_rerun_with_the_right_server_redoes_its_404s(pg: str, job_factory: Any,
                                                        sample_factory: Any) -> None:
-    from synthq import service
-    from synthq.counts import state_counts
-    from synthq.db import session_scope
-    from synthq.enqueue import find_job
+    from synthq.app import service
+    from synthq.jobs.enqueue import find_job
+    from synthq.store.counts import state_counts
+    from synthq.store.db import session_scope
 
     report = job_factory([], servers=["http://h:8000/v1"])
     for server, cls in (("http://h:8000", "bad_request"), ("http://h:8000", "timeout"),
@@ -208,7 +208,8 @@ def test_status_reads_sqlite_without_sqlalchemy_and_says_the_same(tmp_path: Path
             "app(['status', 'd', '--json'], standalone_mode=False)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in\n"
             "             ('sqlalchemy', 'pydantic_settings', 'rich', 'httpx')\n"
-            "             or m in ('synthq.models', 'synthq.db', 'synthq.config')))")
+            "             or m in ('synthq.store.models', 'synthq.store.db',\n"
+            "                      'synthq.spec.config')))")
     result = run_default_python(code, tmp_path)
     assert result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
     assert json.loads(result.stdout.splitlines()[0])["name"] == "d"

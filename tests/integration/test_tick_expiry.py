@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration]
 def test_a_tick_runs_once_while_its_key_lives(redis_url: str) -> None:
     import redis
 
-    from synthq.broker import TICK_KEY, mark_tick, take_tick, tick_ttl
+    from synthq.queue.broker import TICK_KEY, mark_tick, take_tick, tick_ttl
 
     client = redis.Redis.from_url(redis_url)
     try:
@@ -42,7 +42,7 @@ def test_a_late_tick_does_nothing(pg: str, redis_url: str,
 
     ran: list[int] = []
     monkeypatch.setattr(tasks, "_tick", lambda: ran.append(1) or 7)
-    from synthq.broker import mark_tick
+    from synthq.queue.broker import mark_tick
 
     assert tasks.dispatch_tick.apply(task_id="late").result == 0
     mark_tick("fresh")
@@ -60,7 +60,7 @@ def test_beat_marks_its_ticks(redis_url: str) -> None:
 
     import redis
 
-    from synthq.broker import CONTROL_ROUTE, TICK_KEY, TICK_TASK
+    from synthq.queue.broker import CONTROL_ROUTE, TICK_KEY, TICK_TASK
     from worker.app import app
 
     client = redis.Redis.from_url(redis_url)

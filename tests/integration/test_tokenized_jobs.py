@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import select, update
 from support import counts
 
-from synthq.db import session_scope
-from synthq.dispatch import Dispatched, dispatch
-from synthq.embedded import run_job
-from synthq.executor import process_sample
-from synthq.models import Attempt, Job, Sample
-from synthq.packing import unpack_ids, unpack_mask
-from synthq.tokenize import ChatTokenizer, TokenizeSettings
+from synthq.app.embedded import run_job
+from synthq.core.packing import unpack_ids, unpack_mask
+from synthq.data.tokenize import ChatTokenizer, TokenizeSettings
+from synthq.queue.dispatch import Dispatched, dispatch
+from synthq.serving.executor import process_sample
+from synthq.store.db import session_scope
+from synthq.store.models import Attempt, Job, Sample
 
 pytestmark = pytest.mark.integration
 
@@ -53,8 +53,8 @@ def test_run_writes_examples_that_decode_to_the_answers(
 
 def test_tokenization_failure_keeps_the_response_and_requeue_does_not_regenerate(
         simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
-    from synthq import states
-    from synthq.db import utcnow
+    from synthq.queue import states
+    from synthq.store.db import utcnow
 
     sim = simulator("--latency", "0")
     # max_seq_len 4: the prompt alone is longer, so nothing is left to supervise.
@@ -69,7 +69,7 @@ def test_tokenization_failure_keeps_the_response_and_requeue_does_not_regenerate
         s.execute(update(Sample).values(state="failed"))
     with session_scope() as s:
         assert states.requeue(s, report.job_id, now=utcnow()) == 1
-    from synthq import jobview
+    from synthq.queue import jobview
 
     jobview._jobs.clear()
     run_job(report.job_id)
@@ -101,7 +101,7 @@ def test_stored_response_is_tokenized_without_a_call(
 
 def test_retokenize_in_process_changes_examples_without_calls(
         simulator: Callable[..., Any], job_factory: Callable[..., Any], qwen3_dir: str) -> None:
-    from synthq import retokenize as rt
+    from synthq.jobs import retokenize as rt
 
     sim = simulator("--latency", "0", "--response-tokens", "60")
     report = job_factory([f"q{i}" for i in range(12)], servers=[sim.url], tokenizer=qwen3_dir)
@@ -121,8 +121,8 @@ def test_retokenize_in_process_changes_examples_without_calls(
 
 def test_retokenize_rejects_a_broken_tokenizer(job_factory: Callable[..., Any],
                                                qwen3_dir: str, tmp_path: Path) -> None:
-    from synthq import retokenize as rt
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
+    from synthq.jobs import retokenize as rt
 
     report = job_factory(["x"], tokenizer=qwen3_dir)
     with session_scope() as s, pytest.raises(UserError, match="cannot load tokenizer"):
@@ -146,7 +146,7 @@ def test_server_token_ids_are_compared(simulator: Callable[..., Any],
     # The simulator's ids are not a real model's: a mismatch, counted, not fatal.
     assert smp.token_mismatch is True
     with session_scope() as s:
-        from synthq.report import job_status
+        from synthq.views.report import job_status
 
         assert job_status(s, s.get_one(Job, report.job_id)).token_mismatches == 1
     assert counts(report.job_id)["done"] == 1
@@ -170,7 +170,7 @@ def test_a_tokenizer_crash_fails_the_sample_once_and_keeps_the_response(
     assert "tokenizer exploded" in (smp.error_message or "")
     assert smp.response_content and sim.stats()["requests"] == 1
     # Fixed (here: the patch undone), retokenize repairs it without a call.
-    from synthq import retokenize as rt
+    from synthq.jobs import retokenize as rt
 
     with session_scope() as s:
         rt.configure(s, s.get_one(Job, report.job_id), {})
@@ -183,9 +183,9 @@ def test_every_turn_job_tokenizes_the_regenerated_conversation_with_its_tools(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     import json
 
-    from synthq import states
-    from synthq.dataset import Row
-    from synthq.db import utcnow
+    from synthq.data.dataset import Row
+    from synthq.queue import states
+    from synthq.store.db import utcnow
 
     tools_dir = ct.chatml_tools(tmp_path_factory.mktemp("tools"))
     sim = simulator("--latency", "0", "--record-requests")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from synthq.writer import Writer
+from synthq.serving.writer import Writer
 
 pytestmark = pytest.mark.integration
 
@@ -94,14 +94,14 @@ def test_a_waiter_that_gave_up_does_not_stop_the_writer(pg: str) -> None:
 def test_a_batchs_answers_are_one_merged_compare_and_set(
         pg: str, job_factory: Any) -> None:
     """Issue 32: the answers committed in one transaction are one ``UPDATE ... FROM
-    unnest(...)`` per shape (synthq.ledger.Move), with each row's own values and token:
+    unnest(...)`` per shape (synthq.queue.ledger.Move), with each row's own values and token:
     the winners are done with their own columns (text, bytes, JSON), a stale token loses
     and its row is untouched, and each call's attempt row says which."""
     from sqlalchemy import select, update
 
-    from synthq import ledger, states
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Attempt, Sample
+    from synthq.queue import ledger, states
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Attempt, Sample
 
     report = job_factory([f"q{i}" for i in range(6)], servers=["http://127.0.0.1:9/v1"])
     with session_scope() as s:

@@ -69,7 +69,7 @@ def tiny_target(tiny_target_dir: Path) -> Any:
 def greedy_job(sample_factory: Callable[..., int], job_factory: Callable[..., Any],
                tiny_target: Any) -> Callable[..., int]:
     """``greedy_job(n=24)`` → the id of a job whose n done samples are the target's greedy text."""
-    from synthq.packing import pack_ids, pack_mask
+    from synthq.core.packing import pack_ids, pack_mask
 
     def make(n: int = 24, *, seed: int = 0, examples: list[Any] | None = None,
              **job_fields: Any) -> int:

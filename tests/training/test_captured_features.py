@@ -82,7 +82,7 @@ def test_captured_features_refuse_other_token_ids(tiny_target: Any, tiny_target_
                   tmp_path / "c.safetensors")
     captured = CapturedFeatures({"7": (tmp_path / "c.safetensors", 0)},
                                 load_target_head(str(tiny_target_dir)))
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
 
     with pytest.raises(UserError, match="differ from its input_ids"):
         captured.read(ex)

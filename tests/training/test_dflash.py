@@ -142,8 +142,8 @@ def test_a_resumed_dflash_run_reproduces_the_uninterrupted_losses(
         greedy_job: Callable[..., int], tiny_target_dir: Path) -> None:
     from datetime import timedelta
 
-    from synthq.db import session_scope, utcnow
-    from synthq.models import TrainingRun
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import TrainingRun
     from synthq.training.loop import execute_run
 
     job_id = greedy_job(8)
@@ -207,7 +207,7 @@ def test_dflash_loss_on_captured_features_equals_the_offline_path(
 
 def test_dflash_settings_are_checked_and_checkpoints_name_their_vllm_method(
         tmp_path: Path) -> None:
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
     from synthq.training.config import TrainConfig
     from synthq.training.drafters import speculative_config, vllm_method
 

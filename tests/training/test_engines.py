@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from synthq.db import session_scope, utcnow
-from synthq.models import TrainingRun
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import TrainingRun
 
 torch = pytest.importorskip("torch")
 
@@ -210,7 +210,7 @@ def test_a_draft_vocabulary_equal_to_the_targets_has_no_d2t_as_vllm_loads_it(
 
 def test_cache_estimate_matches_the_files_and_short_disk_is_refused(
         tiny_target: Any, tmp_path: Path) -> None:
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
     from synthq.training.data import Example, FeatureCache, cache_bytes_per_token
 
     exs = [Example(str(i), np.array(a), np.array(m, dtype=np.uint8))

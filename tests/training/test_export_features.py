@@ -14,7 +14,7 @@ installs them pinned, without their dependencies, outside the clone):
 The store's files are made the way the capture stage makes them, without vLLM: a
 file in the engine's layout from transformers' own states (tests/engine shows the
 engine's equal transformers' to 1e-4), through ``synthq.capture.ingest`` into the
-store, its row marked done through ``synthq.capture.states``. The targets (a Llama and
+store, its row marked done through ``synthq.queue.capture_states``. The targets (a Llama and
 a Gemma) have final norm weights far from ones, so a wrong norm changes the argmax.
 """
 
@@ -32,8 +32,8 @@ import torch
 from training_support import VOCAB, capture_file
 
 from synthq.capture.plan import drafter_layers
-from synthq.errors import UserError
-from synthq.export_features import export_features
+from synthq.core.errors import UserError
+from synthq.training.export_features import export_features
 
 SAMPLES = 10
 
@@ -55,11 +55,11 @@ def _captured_job(job_factory: Callable[..., Any], sample_factory: Callable[...,
     from sqlalchemy import update
 
     from synthq.capture import ingest
-    from synthq.capture import states as capture_states
     from synthq.capture.stage import store
-    from synthq.db import session_scope, utcnow
-    from synthq.models import Job, Sample
-    from synthq.packing import pack_ids, pack_mask
+    from synthq.core.packing import pack_ids, pack_mask
+    from synthq.queue import capture_states as capture_states
+    from synthq.store.db import session_scope, utcnow
+    from synthq.store.models import Job, Sample
 
     job_id = job_factory([], tokenizer=str(target_dir)).job_id
     with session_scope() as s:
@@ -211,7 +211,7 @@ def test_specforge_reader_takes_every_example(
 def test_features_export_refuses_uncaptured_examples(
         norm_targets: dict[str, tuple[Path, Any]], job_factory: Callable[..., Any],
         sample_factory: Callable[..., int], tmp_path: Path) -> None:
-    from synthq.packing import pack_ids, pack_mask
+    from synthq.core.packing import pack_ids, pack_mask
 
     target_dir, target = norm_targets["weight"]
     job_id, _ = _captured_job(job_factory, sample_factory, target_dir, target, tmp_path)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.config import TrainConfig
 
 torch = pytest.importorskip("torch")

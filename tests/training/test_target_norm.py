@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from training_support import VOCAB, capture_file
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.captured import load_target_head
 from synthq.training.norm import norm_style
 

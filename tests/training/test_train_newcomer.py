@@ -111,8 +111,8 @@ def test_killed_and_interrupted_synthq_train_resumes_at_once(
 def _run(job_id: int) -> Any:
     from sqlalchemy import select
 
-    from synthq.db import session_scope
-    from synthq.models import TrainingRun
+    from synthq.store.db import session_scope
+    from synthq.store.models import TrainingRun
 
     with session_scope() as s:
         run = s.scalar(select(TrainingRun).where(TrainingRun.job_id == job_id)
@@ -126,8 +126,8 @@ def test_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_is_not(
         pg: str, greedy_job: Callable[..., int], tiny_target_dir: Path) -> None:
     import socket
 
-    from synthq.db import session_scope, utcnow
-    from synthq.training import states
+    from synthq.queue import run_states as states
+    from synthq.store.db import session_scope, utcnow
     from synthq.training.loop import _dead_local_holder
 
     run_id = start_run(greedy_job(2), tiny_target_dir)
@@ -158,7 +158,7 @@ def test_two_cpu_ranks_train_the_model_one_process_trains(
     import torch
     from safetensors.torch import load_file
 
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
     from synthq.training.loop import execute_run
 
     examples = greedy_examples(tiny_target, 8)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from support import REPO, Proc, child_env, wait_for
 
-from synthq.db import session_scope
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope
+from synthq.store.models import Job, TrainingRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def synthq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_killed_training_worker_resumes_from_its_last_checkpoint(
         pg: str, redis_url: str, greedy_job: Callable[..., int], tiny_target_dir: Path,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
     from synthq.training.config import TrainConfig
     from synthq.training.readiness import check_readiness
     from synthq.training.runs import new_run

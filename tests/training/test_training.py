@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from synthq.db import session_scope, utcnow
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Job, TrainingRun
 
 torch = pytest.importorskip("torch")
 
@@ -190,7 +190,7 @@ def test_readiness_starts_exactly_one_run(sample_factory: Callable[..., int],
                                           tiny_target_dir: Path) -> None:
     from sqlalchemy import update
 
-    from synthq.models import Sample
+    from synthq.store.models import Sample
     from synthq.training.readiness import check_readiness
 
     job_id = job_factory([]).job_id
@@ -219,7 +219,7 @@ def test_readiness_starts_exactly_one_run(sample_factory: Callable[..., int],
 
 
 def test_readiness_thresholds() -> None:
-    from synthq.errors import UserError
+    from synthq.core.errors import UserError
     from synthq.training.config import parse_when
 
     ready = parse_when("ready")
@@ -242,8 +242,8 @@ def test_stale_running_run_is_sent_again(greedy_job: Callable[..., int],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from datetime import timedelta
 
-    from synthq.config import get_settings
-    from synthq.training import states
+    from synthq.queue import run_states as states
+    from synthq.spec.config import get_settings
     from synthq.training.readiness import check_readiness
 
     monkeypatch.setenv("SYNTHQ_TRAIN_LEASE", "5")

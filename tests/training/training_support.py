@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from synthq.db import session_scope
-from synthq.models import Job, TrainingRun
+from synthq.store.db import session_scope
+from synthq.store.models import Job, TrainingRun
 
 VOCAB = 96
 

@@ -1,5 +1,5 @@
 """A small model of one server and the embedded loop, to run the adaptive controller
-(synthq.adaptive.decide) in closed loop in milliseconds.
+(synthq.serving.adaptive.decide) in closed loop in milliseconds.
 
 Each call is modelled on its own, as the project's simulator (synthq.testing.simulator)
 serves it: **slots** (at most N calls run, the rest wait in a FIFO queue; a call takes
@@ -7,7 +7,7 @@ serves it: **slots** (at most N calls run, the rest wait in a FIFO queue; a call
 stream gets ``rate`` tokens/s up to ``knee`` streams, past it the total falls as
 ``knee × rate × (knee / n) ** falloff``). The dispatcher keeps queued + running at the
 limit (a lowered limit drains as calls end); once a tick the controller gets the window
-that ``synthq.adaptive._window`` would build from the ``attempts`` rows: calls that
+that ``synthq.serving.adaptive._window`` would build from the ``attempts`` rows: calls that
 ended in the last 2 s, latency figures from those that started after the last change.
 
 Faults, as the chaos runs made them (:class:`Event`): a **slowdown** (every stream and
@@ -16,7 +16,7 @@ mid-answer, ``server_error``; new ones are refused, ``connection``), a **503** s
 (every call answered 503 at once); and ``error_rate``, a share of calls answered 500 at
 random. The dispatcher's own reactions are modelled too: a server whose last three calls
 failed that way is "down" and gets one call every 2 s until one succeeds
-(``synthq.dispatch.server_is_down``), and a dead server's failed health probe (every
+(``synthq.queue.dispatch.server_is_down``), and a dead server's failed health probe (every
 5 s) stops all sending until a probe passes.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from synthq.adaptive import TICK_SECONDS, CallRow, Window, decide, start_limit, summarize
+from synthq.serving.adaptive import TICK_SECONDS, CallRow, Window, decide, start_limit, summarize
 
 DT = 0.02
 
@@ -58,7 +58,7 @@ class Event:
         return self.start <= t < self.end
 
 
-#: Outcomes that make a server "down" (synthq.dispatch.says_down; the 5xx are HTTP 5xx).
+#: Outcomes that make a server "down" (synthq.queue.dispatch.says_down; the 5xx are HTTP 5xx).
 DOWN = ("connection", "server_error", "timeout", "stalled")
 PROBE_INTERVAL = 2.0
 HEALTH_EVERY = 5.0
@@ -175,7 +175,7 @@ def simulate(kind: str, size: int, *, falloff: float = 1.0, samples: int = 400,
 
 
 def window(calls: list[Call], now: float, limit: int, inflight: int, since: float) -> Window:
-    """What ``synthq.adaptive._window`` reads from these calls' ``attempts`` rows."""
+    """What ``synthq.serving.adaptive._window`` reads from these calls' ``attempts`` rows."""
     rows: list[CallRow] = [
         (c.start, c.end, "ok", c.end - c.start, (c.first or c.end) - c.start, c.tokens)
         if c.outcome == "ok" else (c.start, c.end, c.outcome, c.end - c.start, None, None)

@@ -13,7 +13,7 @@ import pytest
 from hostile_capture import HostileServer, Request
 
 from synthq.capture import stage
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 
 
 def _trickle_models(server: HostileServer, conn: socket.socket, req: Request) -> None:

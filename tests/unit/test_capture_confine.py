@@ -20,7 +20,7 @@ import pytest
 
 from synthq.capture import confine, files, ingest
 from synthq.capture.store import Store
-from synthq.errors import BadRequest, CaptureIncomplete, CaptureMismatch, SampleError
+from synthq.core.errors import BadRequest, CaptureIncomplete, CaptureMismatch, SampleError
 
 IDS = np.array([3, 1, 4, 1, 5], dtype="<i4")
 LAYERS = [2, 3, 4]
@@ -145,7 +145,7 @@ import sys
 from pathlib import Path
 import numpy as np
 from synthq.capture import ingest
-from synthq.errors import SampleError
+from synthq.core.errors import SampleError
 try:
     ingest.check(Path(sys.argv[1]), input_ids=np.array([3, 1, 4, 1, 5], dtype="<i4"),
                  layers=[2, 3, 4])

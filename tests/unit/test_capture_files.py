@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from synthq.capture import files, ingest
 from synthq.capture.store import Store
-from synthq.errors import CaptureIncomplete, CaptureMismatch
+from synthq.core.errors import CaptureIncomplete, CaptureMismatch
 
 IDS = np.array([0, 5, 17, 99, 128000], dtype="<i4")
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from synthq.capture.stage import server_key
-from synthq.config import get_settings
+from synthq.spec.config import get_settings
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from synthq.capture.stage import Outages
-from synthq.dispatch import PROBE_INTERVAL, TRIP_AFTER
+from synthq.queue.dispatch import PROBE_INTERVAL, TRIP_AFTER
 
 
 def test_a_down_server_is_probed_one_capture_at_a_time() -> None:

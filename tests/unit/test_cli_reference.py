@@ -65,8 +65,8 @@ def test_the_site_build_generates_it_and_no_copy_is_kept() -> None:
 
 def test_a_job_settings_whole_explanation_follows_its_brief() -> None:
     """--help shows a job setting's one-line brief and points to this page for the rest:
-    the page carries the setting's whole text (synthq.jobspec's help), under the brief."""
-    from synthq.jobspec import BY_NAME
+    the page carries the setting's whole text (synthq.spec.jobspec's help), under the brief."""
+    from synthq.spec.jobspec import BY_NAME
 
     page = _generator().render()
     run = page.split("### `synthq run`", 1)[1].split("\n### ", 1)[0]

@@ -1,4 +1,4 @@
-"""Unit tests for synthq.dataset: row forms, rejections, sources and keys."""
+"""Unit tests for synthq.data.dataset: row forms, rejections, sources and keys."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from synthq import dataset as ds
-from synthq.dataset import (
+from synthq.data import dataset as ds
+from synthq.data.dataset import (
     KEY_VERSION,
     MAX_ROW_CHARS,
     DatasetError,
@@ -29,7 +29,7 @@ from synthq.dataset import (
     row_tools,
     source_id,
 )
-from synthq.dataset import read as ds_read
+from synthq.data.dataset import read as ds_read
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
@@ -777,7 +777,7 @@ def test_a_hub_that_does_not_answer_fails_in_seconds(monkeypatch: pytest.MonkeyP
     import socket
     import time
 
-    from synthq.dataset import read as dataset
+    from synthq.data.dataset import read as dataset
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ FIRST_PARTY = {"synthq", "worker", "api", "__future__"}
 # synthq/testing/tiny.py builds the tiny target with torch (``synthq testing``).
 EXTRAS = {"api/": {"api"}, "synthq/training/": {"train"}, "synthq/testing/": {"train"},
           # captured features for the peers' trainers: torch/safetensors, datasets
-          "synthq/export_features.py": {"train", "hf"}}
+          "synthq/training/export_features.py": {"train", "hf"}}
 #: Imports behind a check that says which extra to install (module → the extra).
 GUARDED = {"datasets": "hf"}
 

@@ -1,4 +1,4 @@
-"""Training examples (synthq.examples) on real tokenizers: one per regenerated turn where
+"""Training examples (synthq.data.examples) on real tokenizers: one per regenerated turn where
 the template rewrites history, cut turns without an end marker, the choice at enqueue."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import chat_tokenizers as ct
 import numpy as np
 import pytest
 
-from synthq.errors import UserError
-from synthq.examples import build, choose, split, tokenize_sample
-from synthq.packing import unpack_ids, unpack_mask
-from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
+from synthq.core.errors import UserError
+from synthq.core.packing import unpack_ids, unpack_mask
+from synthq.data.examples import build, choose, split, tokenize_sample
+from synthq.data.tokenize import TokenizeSettings, get_chat_tokenizer
 
 
 def job(tokenizer: str, **settings: Any) -> Any:

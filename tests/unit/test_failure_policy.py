@@ -1,4 +1,4 @@
-"""Each failure class's policy is decided once (synthq.errors.POLICY), for every class, and
+"""Each failure class's policy is decided once (synthq.core.errors.POLICY), for every class, and
 the callers that act on it (the down rule, the adaptive controller, the streaks) read it
 there: a caller that keeps a list of its own and drifts fails here."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from synthq import adaptive, dispatch, errors, streaks
-from synthq.errors import POLICY, Down, FailureClass, Load, Stage
+from synthq.core import errors
+from synthq.core.errors import POLICY, Down, FailureClass, Load, Stage
+from synthq.queue import dispatch, streaks
+from synthq.serving import adaptive
 
 
 def concrete(root: type[errors.SampleError] = errors.SampleError) -> list[type[errors.SampleError]]:

@@ -13,8 +13,8 @@ import threading
 import httpx2
 import pytest
 
-from synthq import errors
-from synthq.inference import ChatRequest, InferenceClient
+from synthq.core import errors
+from synthq.serving.inference import ChatRequest, InferenceClient
 
 REQUEST = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
 
@@ -89,8 +89,8 @@ def test_connection_closed_before_the_headers_is_named() -> None:
 RACE = textwrap.dedent('''
     import asyncio, sys, threading
     import httpx2
-    import synthq.health, synthq.inference  # what a worker has imported before its calls
-    from synthq.inference import ChatRequest, InferenceClient
+    import synthq.serving.health, synthq.serving.inference  # a worker's imports before its calls
+    from synthq.serving.inference import ChatRequest, InferenceClient
 
     BODY = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}'
             b"\\n\\ndata: [DONE]\\n\\n")
@@ -118,7 +118,7 @@ RACE = textwrap.dedent('''
 def test_import_httpx_in_another_thread_during_calls() -> None:
     """D: a first `import httpx` in another thread while calls run showed openai a
     half-imported module (AttributeError; 8 to 25 of 300 calls lost here before).
-    Now httpx is loaded with synthq.inference, before any call."""
+    Now httpx is loaded with synthq.serving.inference, before any call."""
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True,
                              timeout=120)
@@ -145,12 +145,12 @@ def test_disk_full_is_recognised_and_not_retried(kind: str,
     with_db_retry raises DiskFull at once (before: retried as an outage)."""
     from sqlalchemy.exc import OperationalError
 
-    from synthq.db import disk_full, with_db_retry
+    from synthq.store.db import disk_full, with_db_retry
 
     assert disk_full(_full(kind))
     assert not disk_full(OperationalError("SELECT", {}, Exception("connection refused")))
     monkeypatch.setenv("SYNTHQ_DATABASE_URL", "sqlite:////data/volume/synthq.db")
-    from synthq.config import get_settings
+    from synthq.spec.config import get_settings
 
     get_settings.cache_clear()
     tries = []
@@ -173,7 +173,7 @@ def test_writer_holds_answers_through_a_full_disk(monkeypatch: pytest.MonkeyPatc
     in ``disk_full``), commits them when space returns; ``abandon()`` fails them at once."""
     import time
 
-    from synthq.writer import Writer
+    from synthq.serving.writer import Writer
 
     full = {"left": 3}
     committed: list[list[object]] = []

@@ -8,8 +8,14 @@ from typing import Any
 
 import pytest
 
-from synthq import netio
-from synthq.inference import MAX_USAGE_TOKENS, ChatRequest, _Accumulator, _ceiling, _checked_usage
+from synthq.core import netio
+from synthq.serving.inference import (
+    MAX_USAGE_TOKENS,
+    ChatRequest,
+    _Accumulator,
+    _ceiling,
+    _checked_usage,
+)
 
 
 def usage(value: Any, *, ids: list[int] | None = None, prompt_ids: list[int] | None = None,

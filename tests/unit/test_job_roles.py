@@ -1,4 +1,4 @@
-"""One declared job (synthq.jobspec): what each setting is to the job (its role, its
+"""One declared job (synthq.spec.jobspec): what each setting is to the job (its role, its
 column, whether it is exported) makes the "same work" key, the tokenization settings,
 the export manifest's settings and the operational columns; the capture stage's settings
 are declared there too, and `synthq capture`'s options, checks and the columns' defaults
@@ -11,12 +11,12 @@ import inspect
 
 import pytest
 
-from synthq import jobspec
-from synthq.errors import UserError
+from synthq.core.errors import UserError
+from synthq.spec import jobspec
 
 
 def test_the_same_work_key_is_the_generation_roles_columns() -> None:
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     last = JobSpec(name="j", model="m", servers=["http://h:1/v1"], max_tokens=7,
                    sampling={"temperature": 0.5}, extra_body={"seed": 1})
@@ -31,14 +31,14 @@ def test_the_same_work_key_is_the_generation_roles_columns() -> None:
 
 
 def test_tokenization_settings_are_the_tokenization_roles_columns() -> None:
-    from synthq.tokenize import TokenizeSettings
+    from synthq.data.tokenize import TokenizeSettings
 
     assert {f.name for f in dataclasses.fields(TokenizeSettings)} == set(jobspec.TOKENIZATION)
 
 
 def test_the_export_manifest_records_the_exported_settings() -> None:
-    from synthq import export
-    from synthq.models import Job
+    from synthq.jobs import export
+    from synthq.store.models import Job
 
     assert set(export.SETTINGS) == {*jobspec.EXPORTED, "tokenize_version"}
     columns = set(Job.__table__.c.keys())
@@ -49,7 +49,7 @@ def test_the_export_manifest_records_the_exported_settings() -> None:
 def test_capture_settings_make_the_capture_commands_options_and_the_columns_defaults() -> None:
     from synthq.capture.plan import AUTO, DTYPES
     from synthq.cli.capture import capture
-    from synthq.models import Job
+    from synthq.store.models import Job
 
     params = inspect.signature(capture).parameters
     for s in jobspec.CAPTURE:
@@ -73,9 +73,9 @@ def test_the_mask_default_is_one_rule_by_regenerate() -> None:
     default is read: the JobSpec, the tokenization settings and the column."""
     from types import SimpleNamespace
 
-    from synthq.enqueue import JobSpec
-    from synthq.models import Job
-    from synthq.tokenize import TokenizeSettings
+    from synthq.data.tokenize import TokenizeSettings
+    from synthq.jobs.enqueue import JobSpec
+    from synthq.store.models import Job
 
     for regenerate, mask in (("last", "last_turn"), ("all", "all_assistant_turns")):
         spec = JobSpec(name="j", model="m", servers=["http://h:1/v1"], regenerate=regenerate)
@@ -92,10 +92,10 @@ def test_the_mask_default_is_one_rule_by_regenerate() -> None:
 
 
 def test_retokenize_changes_the_settings_declared_retokenizable() -> None:
-    """`synthq retokenize`'s options and what synthq.retokenize.configure accepts are the
+    """`synthq retokenize`'s options and what synthq.jobs.retokenize.configure accepts are the
     settings declared ``retokenize=True``, not lists written again."""
     from synthq.cli.data import retokenize
-    from synthq.retokenize import configure
+    from synthq.jobs.retokenize import configure
 
     declared = {s.name for s in jobspec.SETTINGS if s.retokenize}
     assert set(jobspec.RETOKENIZABLE) == declared == {
@@ -123,7 +123,7 @@ def test_the_jobspec_is_the_declared_settings_and_what_is_made_from_them() -> No
     """A setting cannot be declared and not be on the JobSpec, nor the other way round:
     its fields are the declared settings' columns (the sampling keys in ``sampling``),
     the three of --inflight and the dataset, each typed and defaulted as declared."""
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     fields = {f.name: f for f in dataclasses.fields(JobSpec)}
     declared = {c: s for c, s in _own_columns().items() if s in jobspec.SETTINGS}
@@ -152,8 +152,8 @@ def test_the_jobs_columns_store_the_declared_settings() -> None:
     column (states.create_job inserts them)."""
     from sqlalchemy import JSON, Boolean, String
 
-    from synthq.enqueue import JobSpec
-    from synthq.models import Job
+    from synthq.jobs.enqueue import JobSpec
+    from synthq.store.models import Job
 
     columns = Job.__table__.c
     assert {f.name for f in dataclasses.fields(JobSpec)} <= set(columns.keys())

@@ -1,4 +1,4 @@
-"""The job settings are declared once (synthq.jobspec); the CLI's options, the API's
+"""The job settings are declared once (synthq.spec.jobspec); the CLI's options, the API's
 schema, the JobSpec's defaults and the overrides are made from that declaration."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from synthq import jobspec
-from synthq.enqueue import JobSpec, build_spec
-from synthq.errors import UserError
+from synthq.core.errors import UserError
+from synthq.jobs.enqueue import JobSpec, build_spec
+from synthq.spec import jobspec
 
 
 def test_every_front_end_has_every_setting_with_the_declared_default() -> None:
@@ -55,7 +55,7 @@ def test_overrides_apply_as_the_job_would() -> None:
         extra_body = {"seed": 1, "chat_template_kwargs": {"a": 1}}
         chat_template_kwargs = {"a": 1}
 
-    from synthq.jobview import effective
+    from synthq.queue.jobview import effective
 
     view = effective(Job(), {"max_tokens": 20, "top_p": 0.5, "extra_body": {"x": 2},
                              "chat_template_kwargs": {"b": 2}})
@@ -89,7 +89,7 @@ def test_the_apis_enqueue_result_is_the_report_with_every_field() -> None:
     from typing import get_type_hints
 
     from api.schemas import EnqueueResult
-    from synthq.enqueue import EnqueueReport
+    from synthq.jobs.enqueue import EnqueueReport
 
     hints = get_type_hints(EnqueueReport)
     fields = EnqueueResult.model_fields

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from synthq import errors, ledger, states
-from synthq.capture.states import CAPTURES
-from synthq.models import Attempt
-from synthq.states import SAMPLES
+from synthq.core import errors
+from synthq.queue import ledger, states
+from synthq.queue.capture_states import CAPTURES
+from synthq.queue.states import SAMPLES
+from synthq.store.models import Attempt
 
 
 def test_a_permanent_error_fails_at_once_whatever_the_budget() -> None:

@@ -54,8 +54,8 @@ def _target(tmp_path: Path, vocab: int) -> str:
 def _runs() -> int:
     from sqlalchemy import func, select
 
-    from synthq.db import session_scope
-    from synthq.models import TrainingRun
+    from synthq.store.db import session_scope
+    from synthq.store.models import TrainingRun
 
     with session_scope() as s:
         return s.scalar(select(func.count()).select_from(TrainingRun)) or 0
@@ -82,8 +82,8 @@ def test_train_names_what_train_takes_before_making_a_run(embedded: Path) -> Non
 def test_train_refuses_a_target_whose_vocabulary_the_ids_exceed(embedded: Path) -> None:
     from sqlalchemy import text
 
-    from synthq.db import session_scope
-    from synthq.packing import pack_ids
+    from synthq.core.packing import pack_ids
+    from synthq.store.db import session_scope
 
     _enqueue(embedded, "demo")
     with session_scope() as s:  # the demo's examples, as DeepSeek-V3's tokenizer made them

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from support import _reset_process_state
 
-from synthq.db import session_scope, utcnow
-from synthq.enqueue import JobSpec, find_job, get_or_create_job
-from synthq.report import job_status
-from synthq.training import states
+from synthq.jobs.enqueue import JobSpec, find_job, get_or_create_job
+from synthq.queue import run_states as states
+from synthq.store.db import session_scope, utcnow
 from synthq.training.config import TrainConfig
 from synthq.training.runs import new_run
+from synthq.views.report import job_status
 
 
 def test_status_names_a_run_under_a_dead_holder(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from synthq.cli import fast
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     for key in [k for k in os.environ if k.startswith("SYNTHQ_")]:
         monkeypatch.delenv(key)

@@ -12,7 +12,7 @@ import chat_tokenizers as ct
 import pytest
 from support import REPO
 
-from synthq.tokenize import (
+from synthq.data.tokenize import (
     ChatTokenizer,
     TokenizerSetupError,
     TokenizeSettings,
@@ -69,7 +69,7 @@ def test_the_template_alone_decides_before_the_tokenizer_loads(root: Path) -> No
 def test_the_precheck_loads_no_tokenizer_and_no_transformers() -> None:
     """What makes it fast: jinja2 on the template file, nothing else."""
     code = ("import sys, time; t = time.perf_counter()\n"
-            "from synthq.tokenize import TokenizeSettings, precheck_reasoning, "
+            "from synthq.data.tokenize import TokenizeSettings, precheck_reasoning, "
             "TokenizerSetupError\n"
             f"try:\n    precheck_reasoning(TokenizeSettings({ct.deepseek_v3()!r}, "
             "reasoning='keep'))\nexcept TokenizerSetupError:\n    print('refused')\n"

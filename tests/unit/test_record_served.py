@@ -1,5 +1,5 @@
 """``synthq serve-check`` stores the engine's figure through the training runs' one writer
-(synthq.training.states.record_served), on a done run only: a run requeued or cancelled
+(synthq.queue.run_states.record_served), on a done run only: a run requeued or cancelled
 while vLLM was measured keeps its state and gets no figure."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 from support import _reset_process_state
 
-from synthq.db import session_scope, utcnow
-from synthq.enqueue import JobSpec, get_or_create_job
-from synthq.models import TrainingRun
-from synthq.training import states
+from synthq.jobs.enqueue import JobSpec, get_or_create_job
+from synthq.queue import run_states as states
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import TrainingRun
 from synthq.training.config import TrainConfig
 from synthq.training.runs import new_run
 
 
 def test_the_served_figure_lands_on_a_done_run_only(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     for key in [k for k in os.environ if k.startswith("SYNTHQ_")]:
         monkeypatch.delenv(key)

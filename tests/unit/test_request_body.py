@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from synthq import jobspec
-from synthq.errors import UserError
-from synthq.inference import ChatRequest, InferenceClient
+from synthq.core.errors import UserError
+from synthq.serving.inference import ChatRequest, InferenceClient
+from synthq.spec import jobspec
 
 ANSWER = [
     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]},
@@ -99,7 +99,7 @@ def test_create_and_requeue_refuse_each_reserved_key_in_one_line(key: str) -> No
 def test_sampling_options_refuse_the_same_reserved_keys(key: str) -> None:
     """Sampling options are sent in the body as extra_body is: the one list
     (jobspec.RESERVED_BODY) refuses a key in either, each with its own words."""
-    from synthq.enqueue import JobSpec
+    from synthq.jobs.enqueue import JobSpec
 
     spec = JobSpec(name="j", model="m", servers=["http://127.0.0.1:9/v1"],
                    sampling={key: 1})

@@ -8,10 +8,10 @@ import random
 import httpx2
 import pytest
 
-from synthq import errors
-from synthq.config import Settings
-from synthq.inference import ChatRequest, ChatResult, InferenceClient, parse_retry_after
-from synthq.retry import backoff_delay
+from synthq.core import errors
+from synthq.core.retry import backoff_delay
+from synthq.serving.inference import ChatRequest, ChatResult, InferenceClient, parse_retry_after
+from synthq.spec.config import Settings
 
 
 def test_backoff_full_jitter_bounds() -> None:

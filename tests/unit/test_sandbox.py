@@ -1,4 +1,4 @@
-"""synthq.sandbox: a chat template renders under a size and time budget, in transformers'
+"""synthq.data.sandbox: a chat template renders under a size and time budget, in transformers'
 own apply_chat_template too, and a template that passed the probe at enqueue but is
 hostile on another row fails that sample only."""
 
@@ -72,7 +72,7 @@ CLOCK = {"loops", "idle", "lipsum_paragraphs", "lipsum_paragraph", "wordwrap",
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_each_hostile_template_stops_at_a_limit(name: str) -> None:
-    from synthq.sandbox import BoundedSandbox, TemplateLimitError, limits
+    from synthq.data.sandbox import BoundedSandbox, TemplateLimitError, limits
 
     template = BoundedSandbox(trim_blocks=True).from_string(HOSTILE[name])
     # A template of CLOCK is stopped by the clock alone: its budget is a small fraction of
@@ -85,7 +85,7 @@ def test_each_hostile_template_stops_at_a_limit(name: str) -> None:
 
 
 #: What a child that renders one template may reach (it starts at about 25 MiB; the
-#: budget is 32 MiB, synthq.sandbox.RENDER_BYTES).
+#: budget is 32 MiB, synthq.data.sandbox.RENDER_BYTES).
 PEAK_MIB = 150
 
 #: Compiles and renders argv[1] for argv[2] seconds in the bounded sandbox; prints the
@@ -94,7 +94,7 @@ PEAK_MIB = 150
 _CHILD = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-from synthq.sandbox import BoundedSandbox, limits
+from synthq.data.sandbox import BoundedSandbox, limits
 started = time.monotonic()
 try:
     template = BoundedSandbox(trim_blocks=True).from_string(sys.argv[1])
@@ -146,7 +146,7 @@ def test_real_templates_render_as_before() -> None:
     """The budget changes no output: the same text as jinja2's own sandbox."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from synthq.sandbox import BoundedSandbox
+    from synthq.data.sandbox import BoundedSandbox
 
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": "q " * 2000},
@@ -189,7 +189,7 @@ def test_sum_lipsum_and_the_formatter_behave_as_jinja2s() -> None:
     and fields check keep jinja2's results and errors."""
     from jinja2.sandbox import SecurityError
 
-    from synthq.sandbox import BoundedSandbox
+    from synthq.data.sandbox import BoundedSandbox
 
     env = BoundedSandbox()
 
@@ -216,8 +216,8 @@ def test_a_render_stopped_by_the_watchdog_leaves_its_thread_and_others_alone() -
     """A render stopped inside a filter's own loop (no tick there): refused with the
     clock's line, and the next render in that thread is whole; a thread rendering
     beside it all along is never touched."""
-    from synthq import sandbox
-    from synthq.sandbox import BoundedSandbox, TemplateLimitError, limits
+    from synthq.data import sandbox
+    from synthq.data.sandbox import BoundedSandbox, TemplateLimitError, limits
 
     env = BoundedSandbox()
     plain = env.from_string("{% for i in range(50) %}{{ i }}{% endfor %}")
@@ -248,10 +248,10 @@ def test_a_template_hostile_on_other_rows_fails_that_sample_only(tmp_path: Path)
     conversation of more than four messages: that sample fails as invalid_input, with
     one line, in seconds; the next sample is tokenized. And transformers' own
     apply_chat_template renders in the bounded sandbox (this fails if transformers stops
-    building its environment from the class name synthq.sandbox.install replaces)."""
-    from synthq import errors
-    from synthq.sandbox import TemplateLimitError
-    from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
+    building its environment from the class name synthq.data.sandbox.install replaces)."""
+    from synthq.core import errors
+    from synthq.data.sandbox import TemplateLimitError
+    from synthq.data.tokenize import TokenizeSettings, get_chat_tokenizer
 
     template = ("{% if messages | length > 4 %}{{ 'z' * 1000000000 }}{% endif %}"
                 + ct.QWEN3_TEMPLATE)

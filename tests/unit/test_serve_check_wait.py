@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.served import wait_serving
 
 

@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Writes that belong in synthq/states.py only.
+#: Writes that belong in synthq/queue/states.py only.
 FORBIDDEN = re.compile(
     r"update\(\s*(Sample|Attempt|Job)\b|insert\(\s*(Sample|Attempt)\b|delete\(\s*(Sample|Attempt)\b"
     r"|\.state\s*=[^=]|session\.add\(\s*(Sample|Attempt)\(")
 #: New samples are created by enqueue's bulk writer (a COPY, or an INSERT of pending and
 #: skipped rows); every change to a sample after that is states.py's.
-CREATES_SAMPLES = (Path("synthq/samplecopy.py"), re.compile(r"insert\(\s*Sample\b"))
+CREATES_SAMPLES = (Path("synthq/jobs/samplecopy.py"), re.compile(r"insert\(\s*Sample\b"))
 
 
 def offenders() -> list[str]:
     found = []
     for folder in ("synthq", "worker", "api"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "synthq" / "states.py":
+            if path == ROOT / "synthq" / "queue" / "states.py":
                 continue
             for no, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
@@ -55,7 +55,7 @@ def settings_writes(path: Path) -> list[str]:
     """Assignments to a Job column on ``j``/``job`` and ``setattr(job, ...)`` in a module."""
     import ast
 
-    from synthq.models import Job
+    from synthq.store.models import Job
 
     columns = set(Job.__mapper__.attrs.keys())
     found = []
@@ -92,7 +92,7 @@ def attribute_writes(tree: ast.AST, names: set[str] | frozenset[str], columns: s
 def test_job_settings_are_written_by_states_only(tmp_path: Path) -> None:
     found = [w for folder in ("synthq", "worker", "api")
              for path in sorted((ROOT / folder).rglob("*.py"))
-             if path != ROOT / "synthq" / "states.py" for w in settings_writes(path)]
+             if path != ROOT / "synthq" / "queue" / "states.py" for w in settings_writes(path)]
     assert found == []
     # The check can fail: the two writes it replaced.
     bad = tmp_path / "bad.py"
@@ -105,7 +105,7 @@ def test_job_settings_are_written_by_states_only(tmp_path: Path) -> None:
 
 
 def test_the_api_writes_through_service_only() -> None:
-    """The REST API's routes call synthq.service, never synthq.states itself."""
+    """The REST API's routes call synthq.app.service, never synthq.queue.states itself."""
     for path in sorted((ROOT / "api").rglob("*.py")):
         code = path.read_text()
         assert not re.search(r"from synthq import [^\n]*\bstates\b|synthq\.states\b|\bstates\.",
@@ -114,10 +114,10 @@ def test_the_api_writes_through_service_only() -> None:
 
 # -- captures and training runs: each kind's states module is the one writer of its rows ---
 
-#: The one writer of each kind's rows besides synthq.ledger, whose transitions take the
+#: The one writer of each kind's rows besides synthq.queue.ledger, whose transitions take the
 #: kind's model as a value and never name it.
-KIND_WRITERS = {"Capture": Path("synthq/capture/states.py"),
-                "TrainingRun": Path("synthq/training/states.py")}
+KIND_WRITERS = {"Capture": Path("synthq/queue/capture_states.py"),
+                "TrainingRun": Path("synthq/queue/run_states.py")}
 #: Writes outside the writer, known and owed to it (issue 42): (module, column). The test
 #: fails when one is gone too, so the entry goes with its fix.
 KNOWN_KIND_WRITES: set[tuple[str, str]] = set()
@@ -177,7 +177,7 @@ def row_writes(path: Path, model: Any, loaders: Collection[str] = ()) -> list[tu
 
 def kind_offenders() -> set[tuple[str, str]]:
     """(module, what) for each write to captures or training runs outside their writer."""
-    from synthq import models
+    from synthq.store import models
 
     found = set()
     for model_name, writer in KIND_WRITERS.items():
@@ -187,7 +187,7 @@ def kind_offenders() -> set[tuple[str, str]]:
         for folder in ("synthq", "worker", "api"):
             for path in sorted((ROOT / folder).rglob("*.py")):
                 rel = path.relative_to(ROOT)
-                if rel in (writer, Path("synthq/models.py")):
+                if rel in (writer, Path("synthq/store/models.py")):
                     continue
                 for no, line in enumerate(path.read_text().splitlines(), 1):
                     if statements.search(line.split("#", 1)[0]):
@@ -204,7 +204,7 @@ def test_only_their_states_modules_write_captures_and_training_runs() -> None:
 
 
 def test_the_kind_rule_can_fail(tmp_path: Path) -> None:
-    from synthq.models import Capture, TrainingRun
+    from synthq.store.models import Capture, TrainingRun
 
     assert _statement_writes("Capture").search("s.execute(update(Capture).values(x=1))")
     assert _statement_writes("TrainingRun").search("session.add(TrainingRun(job_id=1))")

@@ -28,15 +28,15 @@ from typing import Any
 import pytest
 from support import _reset_process_state
 
-from synthq import states
 from synthq.cli import fast
-from synthq.dataset import Row
-from synthq.db import session_scope, utcnow
-from synthq.dispatch import Dispatched, dispatch
-from synthq.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job
-from synthq.enums import JobState
-from synthq.report import job_status
-from synthq.samplecopy import insert_rows
+from synthq.core.enums import JobState
+from synthq.data.dataset import Row
+from synthq.jobs.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job
+from synthq.jobs.samplecopy import insert_rows
+from synthq.queue import states
+from synthq.queue.dispatch import Dispatched, dispatch
+from synthq.store.db import session_scope, utcnow
+from synthq.views.report import job_status
 
 A, B = "http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"
 CONVERSATION = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
@@ -57,7 +57,7 @@ def _use(monkeypatch: pytest.MonkeyPatch, db: Path) -> None:
 @pytest.fixture
 def built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, datetime]]:
     """The database with the rich job ``rich``, and the time it was built at."""
-    from synthq.migrate import upgrade
+    from synthq.store.migrate import upgrade
 
     db = tmp_path / "built.db"
     _use(monkeypatch, db)
@@ -78,9 +78,9 @@ def _attempt(d: Dispatched, outcome: str, start: datetime, seconds: float,
 def _build(now: datetime) -> None:
     from sqlalchemy import text
 
-    from synthq.adaptive import _save
-    from synthq.health import _record
-    from synthq.workers import heartbeat
+    from synthq.queue.workers import heartbeat
+    from synthq.serving.adaptive import _save
+    from synthq.serving.health import _record
 
     spec = JobSpec(name="rich", model="m", servers=[A, B], max_tokens=16, inflight_limit=40,
                    inflight_auto=True, min_inflight=2, gpus=2, gpu_hour_price=2.5,
@@ -243,7 +243,7 @@ def test_sqlite_times_are_written_as_sqlalchemy_writes_them(
         built: tuple[Path, datetime]) -> None:
     """Both paths compare times as SQLite text: a parameter must have the exact form of
     the values SQLAlchemy stored (a shared format; the comparison above cannot see it)."""
-    from synthq.sqlread import SQLITE_TIME, read_time
+    from synthq.store.sqlread import SQLITE_TIME, read_time
 
     src, _ = built
     with sqlite3.connect(src) as conn:
@@ -263,7 +263,7 @@ def test_postgres_fast_status_equals_the_ordinary_one(
 
     from sqlalchemy import create_engine, text
 
-    from synthq.db import dispose_engines
+    from synthq.store.db import dispose_engines
 
     now = utcnow()
     _build(now)

@@ -33,7 +33,7 @@ def embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def _make_job(tmp_path: Path, name: str, rows: int) -> None:
-    from synthq.enqueue import build_spec, enqueue
+    from synthq.jobs.enqueue import build_spec, enqueue
 
     data = tmp_path / f"{name}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{name} {i}"}) + "\n" for i in range(rows)))
@@ -47,7 +47,7 @@ def _finish(name: str) -> None:
     active: no tick runs here)."""
     from sqlalchemy import text
 
-    from synthq.db import session_scope, utcnow
+    from synthq.store.db import session_scope, utcnow
 
     with session_scope() as s:
         s.execute(text("UPDATE samples SET state = 'done', finished_at = :now WHERE job_id = "

@@ -1,9 +1,9 @@
-"""Identical failures in a row per server (synthq.streaks): what counts as identical,
+"""Identical failures in a row per server (synthq.queue.streaks): what counts as identical,
 what ends a run."""
 
 from __future__ import annotations
 
-from synthq.streaks import CAPTURE_CLASSES, Streaks, shape
+from synthq.queue.streaks import CAPTURE_CLASSES, Streaks, shape
 
 
 def test_the_shape_blanks_what_varies_per_call() -> None:

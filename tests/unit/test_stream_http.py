@@ -1,7 +1,7 @@
 """A call's HTTP as synthq sends and reads it, against a raw asyncio server that frames
 and splits the body as a hostile or merely unusual server would: the request sent to the
-connection pool without httpx's per-request layers (``synthq.inference._Direct``), and
-the chunked body unframed by synthq (:func:`synthq.netio.chunked_body`) instead of one
+connection pool without httpx's per-request layers (``synthq.serving.inference._Direct``), and
+the chunked body unframed by synthq (:func:`synthq.core.netio.chunked_body`) instead of one
 h11 event per chunk.
 
 Every good body must read as h11 reads it, whatever the chunk sizes, extensions,
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from synthq import errors, netio
-from synthq.inference import ChatRequest, InferenceClient
+from synthq.core import errors, netio
+from synthq.serving.inference import ChatRequest, InferenceClient
 
 TOKENS = ["Hel", "lo", ", ", "wör", "ld", "!"] * 3
 TEXT = "".join(TOKENS)

@@ -1,4 +1,4 @@
-"""The scheduler tick (synthq.tick): one order for the beat and the embedded loop, stages
+"""The scheduler tick (synthq.app.tick): one order for the beat and the embedded loop, stages
 that run on a wake or only on full ticks, guarded stages that never stop the dispatch."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from synthq import tick
-from synthq.tick import STAGES, Effects, Stage, run_tick
+from synthq.app import tick
+from synthq.app.tick import STAGES, Effects, Stage, run_tick
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,10 +82,10 @@ def test_the_beat_and_the_embedded_loop_both_run_the_one_tick() -> None:
     are not ticks: a worker's refill dispatch, the embedded start's reclaim-all sweep
     and its finish of a job it sees ending between two ticks.)"""
     stages = {"probe_due", "adapt", "tick", "check_readiness", "_train_tick", "_adapt_tick"}
-    for path in (REPO / "worker" / "tasks.py", REPO / "synthq" / "embedded.py"):
+    for path in (REPO / "worker" / "tasks.py", REPO / "synthq" / "app" / "embedded.py"):
         assert "run_tick" in _calls_to(path, {"run_tick"}), path
         assert not _calls_to(path, stages), path
     assert _calls_to(REPO / "worker" / "tasks.py", {"dispatch", "sweep", "finish_jobs"}) \
         == ["dispatch"]  # the refill
-    assert sorted(_calls_to(REPO / "synthq" / "embedded.py",
+    assert sorted(_calls_to(REPO / "synthq" / "app" / "embedded.py",
                             {"dispatch", "sweep", "finish_jobs"})) == ["finish_jobs", "sweep"]

@@ -18,7 +18,7 @@ def _rows(path: Path) -> list[dict]:  # type: ignore[type-arg]
 
 def test_tiny_prompts_writes_distinct_training_and_held_out_prompts(tmp_path: Path) -> None:
     from synthq.cli import app
-    from synthq.dataset import iter_rows
+    from synthq.data.dataset import iter_rows
 
     result = CliRunner().invoke(app, ["testing", "tiny-prompts", str(tmp_path / "p"),
                                       "--train", "300", "--held-out", "30"])

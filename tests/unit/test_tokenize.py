@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from synthq import errors
-from synthq.tokenize import ChatTokenizer, TokenizerSetupError, TokenizeSettings
+from synthq.core import errors
+from synthq.data.tokenize import ChatTokenizer, TokenizerSetupError, TokenizeSettings
 
 
 @pytest.fixture(scope="module")

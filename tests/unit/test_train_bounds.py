@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from synthq.errors import UserError
+from synthq.core.errors import UserError
 from synthq.training.config import BOUNDS, TrainConfig, parse_when
 
 

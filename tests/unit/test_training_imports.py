@@ -11,7 +11,7 @@ from support import REPO, child_env
 
 @pytest.mark.processes
 def test_cli_worker_and_readiness_do_not_import_torch() -> None:
-    code = ("import sys, synthq.cli, synthq.models, worker.tasks, synthq.training.readiness, "
+    code = ("import sys, synthq.cli, synthq.store.models, worker.tasks, synthq.training.readiness, "
             "synthq.training.runs, synthq.cli.train; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO,

@@ -1,4 +1,4 @@
-"""The history each regenerated turn is asked on (synthq.turns), as pure functions."""
+"""The history each regenerated turn is asked on (synthq.data.turns), as pure functions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from synthq.turns import cut_reason, history, regenerated, turn_positions
+from synthq.data.turns import cut_reason, history, regenerated, turn_positions
 
 
 def msg(role: str, content: str) -> dict[str, Any]:

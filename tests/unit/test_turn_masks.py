@@ -11,9 +11,9 @@ from typing import Any
 import chat_tokenizers as ct
 import pytest
 
-from synthq.examples import tokenize_sample
-from synthq.packing import unpack_ids, unpack_mask
-from synthq.tokenize import TokenizeSettings, get_chat_tokenizer
+from synthq.core.packing import unpack_ids, unpack_mask
+from synthq.data.examples import tokenize_sample
+from synthq.data.tokenize import TokenizeSettings, get_chat_tokenizer
 
 
 def job(tokenizer: str, **settings: Any) -> Any:

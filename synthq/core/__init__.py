@@ -1,0 +1,1 @@
+"""The foundation: errors, enums, the clock, backoff, locks, secrets, compact token forms."""

@@ -1,0 +1,1 @@
+"""Conversations and examples, pure: dataset rows, templates rendered, tokens, loss masks."""

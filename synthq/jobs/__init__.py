@@ -1,0 +1,1 @@
+"""A job's data in and out of SQL: samples enqueued, answers retokenized, training data exported."""

@@ -1,0 +1,1 @@
+"""The queue: the ledger of leased work, each kind's transitions, workers, dispatch, sweep."""

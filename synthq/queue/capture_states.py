@@ -1,0 +1,166 @@
+"""Every write to ``captures``: each transition a compare-and-set.
+
+Captures are one kind of leased work (:data:`CAPTURES`): the claim, the
+compare-and-set, the expiry and the requeue are :mod:`synthq.queue.ledger`'s.
+
+::
+
+    (done sample) ──add──▶ pending ──claim──▶ running ──done──▶ done
+                             ▲  ▲                │ │
+                             │  └──retry─────────┘ └──fail──▶ failed
+                             └──expire (lease, dead worker)──┘   │
+                             └──add (retokenized: new input_ids)──┘──requeue
+
+A capture's claim is taken under a lock per capture server (an advisory lock on
+PostgreSQL, :func:`synthq.core.locks.hold`; SQLite's write transactions are serialized
+already), so running
+captures on one server never exceed its job's ``capture_limit``, however many
+processes capture at once. Its samples' rows are never written here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Integer, String, func, insert, literal, or_, select, update
+from sqlalchemy.orm import Session
+
+from synthq.core import locks
+from synthq.core.enums import CaptureState, SampleState
+from synthq.core.errors import Lost
+from synthq.queue import ledger
+from synthq.store.models import Capture, Job, Sample, UTCDateTime
+
+__all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail", "expire",
+           "requeue_failed", "running_on"]
+
+#: Captures as a kind of leased work: claimed straight from pending, the lease in
+#: ``expires_at``.
+CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
+                       held=CaptureState.RUNNING, done=CaptureState.DONE,
+                       failed=CaptureState.FAILED, lease="expires_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    capture_id: int
+    sample_id: int
+    token: str
+    attempts: int
+
+
+def add_missing(session: Session, job_id: int, *, now: datetime) -> int:
+    """A pending capture for every done sample of the job that has none, and back to
+    pending for captures of an older tokenization (their ``input_ids`` changed)."""
+    has_row = select(Capture.id).where(Capture.sample_id == Sample.id).exists()
+    rows = select(
+        Sample.id, Sample.job_id, Sample.tokenize_version,
+        literal(CaptureState.PENDING.value, String(16)), literal(0, Integer()),
+        literal(now, UTCDateTime()), literal(now, UTCDateTime()),
+    ).where(Sample.job_id == job_id, Sample.state == SampleState.DONE,
+            Sample.input_ids.is_not(None), ~has_row)
+    added = _count(session, insert(Capture).from_select(
+        ["sample_id", "job_id", "tokenize_version", "state", "attempts", "created_at",
+         "updated_at"], rows))
+    current = select(Sample.tokenize_version).where(Sample.id == Capture.sample_id) \
+        .scalar_subquery()
+    restale = session.execute(update(Capture).where(
+        Capture.job_id == job_id,
+        Capture.state.in_([CaptureState.DONE, CaptureState.FAILED]),
+        Capture.tokenize_version.is_distinct_from(current)).values(
+        state=CaptureState.PENDING, tokenize_version=current, attempts=0, path=None,
+        sha256=None, bytes=None, error_class=None, error_message=None, next_attempt_at=None,
+        updated_at=now).execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]
+    return added + restale
+
+
+def _count(session: Session, statement: Any) -> int:
+    """Rows an INSERT/UPDATE changed (on the session's connection: a CursorResult)."""
+    result: Any = session.connection().execute(statement)
+    return int(result.rowcount or 0)
+
+
+def running_on(session: Session, server: str) -> int:
+    return session.scalar(select(func.count()).select_from(Capture).where(
+        Capture.server == server, Capture.state == CaptureState.RUNNING)) or 0
+
+
+def claim(session: Session, job_id: int, *, server: str, limit: int, most: int, worker: str,
+          token: str, lease: float, now: datetime) -> list[Claimed]:
+    """Up to ``most`` due pending captures of the job → running on ``server``, never
+    more than ``limit`` running there in all."""
+    locks.hold(session, f"capture:{server}")
+    room = min(most, limit - running_on(session, server))
+    if room <= 0:
+        return []
+    due = select(Capture.id).where(
+        Capture.job_id == job_id, Capture.state.in_(ledger.allowed(CAPTURES, "claim")),
+        or_(Capture.next_attempt_at.is_(None), Capture.next_attempt_at <= now),
+    ).order_by(Capture.id).limit(room)
+    if session.get_bind().dialect.name == "postgresql":
+        due = due.with_for_update(skip_locked=True)
+    ids = list(session.scalars(due))
+    if not ids:
+        return []
+    rows = ledger.claim(
+        session, CAPTURES, [Capture.id.in_(ids),
+                            Capture.state.in_(ledger.allowed(CAPTURES, "claim"))],
+        token=token, worker=worker, lease=now + timedelta(seconds=lease), now=now,
+        values=dict(server=server, attempts=Capture.attempts + 1, error_class=None,
+                    error_message=None),
+        returning=(Capture.id, Capture.sample_id, Capture.attempts))
+    return [Claimed(cid, sid, token, attempts) for cid, sid, attempts in rows]
+
+
+def done(session: Session, claimed: Claimed, *, now: datetime, path: str, sha256: str,
+         nbytes: int, num_tokens: int, layer_ids: Sequence[int], dtype: str, engine: str,
+         engine_model: str) -> bool:
+    """running → done, with the stored file."""
+    return ledger.move(session, CAPTURES, "finish", claimed.capture_id, claimed.token, now=now,
+                       path=path, sha256=sha256, bytes=nbytes, num_tokens=num_tokens,
+                       layer_ids=list(layer_ids), dtype=dtype, engine=engine,
+                       engine_model=engine_model)
+
+
+def retry(session: Session, claimed: Claimed, *, now: datetime, next_attempt_at: datetime,
+          error_class: str, error_message: str, charge: bool = True) -> bool:
+    """running → pending, due again at ``next_attempt_at``; ``charge=False`` gives the
+    call back to the capture's attempt budget (its server was down: nothing was computed)."""
+    extra = {} if charge else ledger.refund(CAPTURES)
+    return ledger.move(session, CAPTURES, "retry", claimed.capture_id, claimed.token, now=now,
+                       next_attempt_at=next_attempt_at, error_class=error_class,
+                       error_message=error_message[:2000], **extra)
+
+
+def fail(session: Session, claimed: Claimed, *, now: datetime, error_class: str,
+         error_message: str) -> bool:
+    """running → failed."""
+    return ledger.move(session, CAPTURES, "fail", claimed.capture_id, claimed.token, now=now,
+                       error_class=error_class, error_message=error_message[:2000])
+
+
+def expire(session: Session, *, now: datetime, live_workers: Sequence[str] | None = None,
+           job_ids: Sequence[int] | None = None, everything: bool = False) -> int:
+    """Running captures whose lease passed, whose worker stopped heart-beating (not in
+    ``live_workers``), or all of them (``everything``: the embedded run holds the
+    data directory, so nothing else can be capturing) → pending, or failed once
+    their attempts reach the job's ``max_attempts``."""
+    gone = Capture.expires_at < now
+    if live_workers is not None:
+        gone = gone | ledger.held_by_dead(CAPTURES, list(live_workers))
+    lost = dict(error_class=Lost.error_class,
+                error_message="the capture process stopped before it recorded the call")
+    return len(ledger.expire(
+        session, CAPTURES, now=now, gone=None if everything else gone,
+        scope=[Capture.job_id.in_(list(job_ids))] if job_ids is not None else [],
+        cap=Job.max_attempts, join=(Job, Job.id == Capture.job_id),
+        back=dict(next_attempt_at=now, **lost), failed=lost))
+
+
+def requeue_failed(session: Session, job_id: int, *, now: datetime) -> int:
+    """failed → pending with a fresh attempt budget, for every failed capture of the job."""
+    return ledger.requeue(session, CAPTURES, [Capture.job_id == job_id], now=now,
+                          next_attempt_at=None, error_class=None, error_message=None)

@@ -1,0 +1,530 @@
+"""The dispatcher and the lease sweep.
+
+The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
+hands them to a publisher (Celery's ``generate`` queue, or the embedded
+runner's thread pool), never letting queued + running on a server exceed its
+limit (docs/design.md, invariant 5), nor queueing more than the live workers' free
+slots. Several dispatchers may run at once (beat, and each worker's refill):
+on PostgreSQL a run computes the room under a transaction-scoped advisory
+lock, and ``FOR UPDATE SKIP LOCKED`` keeps two dispatchers from taking the
+same sample. On SQLite every write transaction is ``BEGIN IMMEDIATE``, which
+serializes them outright.
+
+Publishing happens after the commit. If the process dies in between, or the
+broker loses the message, the queued sample's deadline passes and the sweep
+returns it to ``pending``: the table is the truth, the broker carries hints.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import String, bindparam, func, literal, or_, select, true, union_all
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from synthq.core import locks
+from synthq.core.enums import INFLIGHT, JobState, SampleState
+from synthq.core.errors import Down, FailureClass
+from synthq.queue import capture_states as capture_states
+from synthq.queue import states, workers
+from synthq.queue.limits import current_limits, start_limit
+from synthq.spec.config import get_settings
+from synthq.store.db import session_scope, utcnow
+from synthq.store.models import Attempt, Job, Sample, Server, Worker
+
+__all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
+           "server_is_down", "says_down", "active_servers", "adopt_stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    sample_id: int
+    token: str
+    server: str
+    job_id: int
+
+
+#: Receives the samples one dispatcher run queued, after their commit.
+Publisher = Callable[[Sequence[Dispatched]], None]
+
+
+@dataclass(slots=True)
+class LocalClaim:
+    """A worker's refill that keeps what it queues (``dispatch(local=...)``).
+
+    Up to ``room`` of the samples a dispatch queues are claimed for ``worker`` in
+    the same transaction (queued → running, the same compare-and-set as a claim
+    from a message) and handed to ``start`` after the commit: a freed slot is
+    refilled without the broker round trip and a second transaction. The limit
+    stays exact: they were queued under the dispatcher's lock like any other.
+    """
+
+    worker: str
+    room: int
+    #: The lease, in seconds, of a running sample of this job (read through the
+    #: dispatch's session, which holds SQLite's write lock).
+    lease: Callable[[Session, int], float]
+    #: Runs the claimed samples (after the commit); must not raise.
+    start: Callable[[list[states.Claimed]], None]
+
+
+@dataclass(slots=True)
+class _Server:
+    url: str
+    limit: int
+    job_ids: list[int] = field(default_factory=list)
+    #: Its latest calls all failed to connect: one probe at a time.
+    down: bool = False
+    #: It failed its health probe (synthq.serving.health): nothing is sent to it.
+    unhealthy: bool = False
+    #: One of its jobs has other servers too: retries prefer those.
+    shared: bool = False
+
+    @property
+    def effective_limit(self) -> int:
+        if self.unhealthy:
+            return 0
+        return 1 if self.down else self.limit
+
+
+# The refill path's statements are built once, every value a bound parameter (lists
+# expanding): SQLAlchemy then reuses their cache keys and compiled forms. Building them
+# per dispatch was half of a refill dispatch's CPU.
+
+
+@functools.cache
+def _servers_statement(some: bool) -> Any:
+    query = select(Job.id, Job.servers, Job.inflight_limit, Job.inflight_auto,
+                   Job.min_inflight).where(Job.state == JobState.ACTIVE)
+    return query.where(Job.id.in_(bindparam("job_ids", expanding=True))) if some else query
+
+
+def _servers(session: Session, job_ids: Sequence[int] | None) -> list[_Server]:
+    servers: dict[str, _Server] = {}
+    auto: dict[str, tuple[int, int]] = {}
+    params = {"job_ids": list(job_ids)} if job_ids is not None else {}
+    for job_id, urls, limit, is_auto, floor in session.execute(
+            _servers_statement(job_ids is not None), params):
+        for url in urls:
+            entry = servers.setdefault(url, _Server(url, limit))
+            # Two jobs on one server: the stricter limit holds for both.
+            entry.limit = min(entry.limit, limit)
+            entry.job_ids.append(job_id)
+            entry.shared = entry.shared or len(urls) > 1
+            if is_auto:
+                old = auto.get(url)
+                auto[url] = (floor, limit) if old is None else (min(old[0], floor),
+                                                                min(old[1], limit))
+    if auto:
+        # --inflight auto: the server's adaptive limit (synthq.serving.adaptive), within the cap.
+        rows = current_limits(session, list(auto))
+        for url, (floor, cap) in auto.items():
+            row = rows.get(url)
+            adaptive = row.limit_target if row is not None and row.limit_target is not None \
+                else start_limit(min(floor, cap), cap)
+            servers[url].limit = min(servers[url].limit, adaptive)
+    return list(servers.values())
+
+
+def inflight_by_server(session: Session) -> dict[str, int]:
+    """Samples queued or running, per server."""
+    rows = session.execute(
+        select(Sample.server, func.count()).where(Sample.state.in_(INFLIGHT))
+        .group_by(Sample.server)
+    )
+    return {url: n for url, n in rows if url}
+
+
+@dataclass(slots=True)
+class _Load:
+    by_server: dict[str, int]
+    #: Samples queued or running in all: the workers' held slots.
+    held: int
+    #: The live workers' capacity (None when not asked for).
+    capacity: int | None
+    #: Servers whose last health probe failed (what synthq.serving.health.unhealthy lists).
+    sick: set[str]
+    #: Each server's latest TRIP_AFTER calls, newest first (:func:`_latest_calls`).
+    latest: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def _load(session: Session, urls: Sequence[str], *, capacity_since: datetime | None) -> _Load:
+    """The in-flight count per server, the servers that failed their probe, each
+    server's latest calls and (with ``capacity_since``) the live workers' capacity, in
+    one statement on PostgreSQL: a refill runs this for every few freed slots, and in a
+    busy worker each round trip is a wait for the GIL. Rows are tagged: 0 in flight,
+    1 unhealthy, 2 capacity, 3 a latest call (SQLite reads those per server: it has no
+    LATERAL)."""
+    lateral = session.get_bind().dialect.name == "postgresql"
+    params: dict[str, Any] = {"urls": list(urls)}
+    if capacity_since is not None:
+        params["since"] = capacity_since
+    if lateral:
+        params["latest_urls"] = list(urls)
+    load = _Load({}, 0, None, set())
+    calls: dict[str, list[tuple[int, Any]]] = {url: [] for url in urls}
+    for tag, url, n, *call in session.execute(
+            _load_statement(capacity_since is not None, lateral), params):
+        if tag == 0:
+            load.held += n
+            if url:
+                load.by_server[url] = n
+        elif tag == 1 and url is not None:
+            load.sick.add(url)
+        elif tag == 3:
+            calls[url].append((n, tuple(call)))  # n: the attempt's id
+        else:
+            load.capacity = int(n)
+    for url in urls:
+        load.latest[url] = ([c for _, c in sorted(calls[url], key=lambda r: -r[0])] if lateral
+                            else _latest_calls(session, url))
+    return load
+
+
+@functools.cache
+def _load_statement(capacity: bool, lateral: bool) -> Any:
+    no_text, no_time = literal(None, String), literal(None, Attempt.__table__.c["ended_at"].type)
+    parts = [
+        select(literal(0), Sample.server, func.count(), no_text, no_text, no_time)
+        .where(Sample.state.in_(INFLIGHT)).group_by(Sample.server),
+        select(literal(1), Server.url, literal(0), no_text, no_text, no_time)
+        .where(Server.url.in_(bindparam("urls", expanding=True)), Server.healthy.is_(False)),
+    ]
+    if capacity:
+        since = bindparam("since", type_=Worker.__table__.c["heartbeat_at"].type)
+        parts.append(select(literal(2), literal(None, String),
+                            func.coalesce(func.sum(Worker.capacity), 0), no_text, no_text,
+                            no_time)
+                     .where(Worker.heartbeat_at >= since))
+    if lateral:
+        server = Attempt.__table__.c["server"]
+        url = (func.unnest(bindparam("latest_urls", type_=ARRAY(server.type)))
+               .table_valued("url").render_derived(name="u", with_types=False))
+        calls = (select(Attempt.id, Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+                 .where(Attempt.server == url.c.url)
+                 .order_by(Attempt.id.desc()).limit(TRIP_AFTER).lateral("a"))
+        parts.append(select(literal(3), url.c.url, calls.c.id, calls.c.outcome,
+                            calls.c.error_message, calls.c.ended_at)
+                     .select_from(url.join(calls, true())))
+    return union_all(*parts)
+
+
+#: A server whose last this-many calls all failed to connect, stalled or timed out
+#: is treated as down.
+TRIP_AFTER = 3
+#: Outcomes that say "the server is not serving": refused, hanging, stalling
+#: (:attr:`Down.UNANSWERED <synthq.core.errors.Down.UNANSWERED>`).
+DOWN_OUTCOMES = frozenset(c for c in FailureClass if c.down is Down.UNANSWERED)
+#: Seconds between probes of a down server.
+PROBE_INTERVAL = 2.0
+#: Longest wait between probes that a server's Retry-After can ask for.
+PROBE_INTERVAL_MAX = 60.0
+#: How :func:`synthq.serving.inference._convert_status` names a Retry-After in the message.
+_RETRY_AFTER = re.compile(r"^HTTP \d+ \(Retry-After ([0-9.]+) s\)")
+
+
+def says_down(outcome: str | None, message: str | None) -> bool:
+    """A call that says the server is not serving: refused, hanging, stalling, or an
+    HTTP 5xx answer (overloaded: 503 from a bounded queue or a gateway). A broken
+    stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this: the
+    attempt row keeps no HTTP status, so its message (:func:`synthq.serving.inference.status_error`
+    writes ``HTTP <status>`` first) tells them apart. Each class's rule is its
+    :attr:`FailureClass.down`."""
+    failure = FailureClass.of(outcome)
+    if failure is None or failure.down is Down.NEVER:
+        return False
+    return failure.down is Down.UNANSWERED or (message or "").startswith("HTTP 5")
+
+
+def server_is_down(session: Session, url: str) -> bool:
+    """True when the server's latest calls all failed to connect, stalled, timed out or
+    were answered with an HTTP 5xx.
+
+    A down server gets one request at a time (a probe, at most every
+    PROBE_INTERVAL, or every Retry-After when its last answer said one) instead
+    of its whole limit: samples do not burn their attempts on it, and the first
+    probe that succeeds gives it its full limit back. A server that answers
+    ``/health`` but hangs or answers 503 to every generation is down too.
+    Derived from the attempts table, so every dispatcher agrees.
+    """
+    return _is_down_now(_latest_calls(session, url))
+
+
+def _latest_calls(session: Session, url: str) -> list[Any]:
+    """The server's latest TRIP_AFTER attempts (outcome, message, end), newest first:
+    one read answers both "is it down" and "is its probe due"."""
+    return list(session.execute(_latest_statement(), {"url": url}).all())
+
+
+@functools.cache
+def _latest_statement() -> Any:
+    return (select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
+            .where(Attempt.server == bindparam("url", type_=Attempt.__table__.c["server"].type))
+            .order_by(Attempt.id.desc()).limit(TRIP_AFTER))
+
+
+def _is_down_now(latest: Sequence[Any]) -> bool:
+    return len(latest) == TRIP_AFTER and all(says_down(o, m) for o, m, _ in latest)
+
+
+def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
+    if not latest or latest[0][2] is None:
+        return True
+    interval = PROBE_INTERVAL
+    said = _RETRY_AFTER.match(latest[0][1] or "")
+    if said:
+        interval = min(PROBE_INTERVAL_MAX, max(interval, float(said.group(1))))
+    return (now - latest[0][2]).total_seconds() >= interval
+
+
+#: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
+_LOCK_KEY = locks.DISPATCH
+
+
+def _preference(server: _Server) -> str | None:
+    """The first round's filter for a server (a :func:`_take_statement` kind); the second
+    round takes any due sample.
+
+    A probe of a down server takes a sample that has not failed yet ("fresh"), so
+    probing does not wear out one sample's attempts; with other servers on the job, a
+    sample that just failed on this server goes to another one first ("elsewhere").
+    """
+    if server.down:
+        return "fresh"
+    if server.shared:
+        return "elsewhere"
+    return None
+
+
+@functools.cache
+def _take_statement(kind: str | None) -> Any:
+    """Up to ``:room`` due samples of ``:job_ids`` (locked, others' locks skipped), in
+    the order they fell due; ``kind`` is :func:`_preference`'s filter."""
+    extra: list[Any] = []
+    if kind == "fresh":
+        extra = [Sample.attempts == 0]
+    elif kind == "elsewhere":
+        url = bindparam("url", type_=Sample.__table__.c["last_server"].type)
+        extra = [or_(Sample.last_server.is_(None), Sample.last_server != url)]
+    return (select(Sample.id)
+            .where(Sample.job_id.in_(bindparam("job_ids", expanding=True)),
+                   Sample.state == SampleState.PENDING,
+                   Sample.next_attempt_at <= bindparam(
+                       "now", type_=Sample.__table__.c["next_attempt_at"].type), *extra)
+            .order_by(Sample.next_attempt_at, Sample.id)
+            .limit(bindparam("room"))
+            .with_for_update(of=Sample, skip_locked=True))
+
+
+def _take(s: Session, server: _Server, room: int, now: datetime, queued_timeout: float,
+          kind: str | None) -> list[Dispatched]:
+    """Move up to ``room`` due samples of the server's jobs (of :func:`_preference`'s
+    ``kind``) to queued, in one statement (the rows locked, others' locks skipped)."""
+    params = {"job_ids": list(server.job_ids), "room": room}
+    if kind == "elsewhere":
+        params["url"] = server.url
+    token = secrets.token_hex(16)
+    rows = states.queue_due(s, _take_statement(kind), params, server=server.url, token=token,
+                            now=now, deadline=now + timedelta(seconds=queued_timeout))
+    return [Dispatched(i, token, server.url, job_id) for i, job_id in rows]
+
+
+def active_servers(job_ids: Sequence[int] | None = None) -> list[str]:
+    """Base URLs of the active jobs' servers (what the health probe watches)."""
+    with session_scope() as s:
+        return [x.url for x in _servers(s, job_ids)]
+
+
+def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
+             server: str | None = None, capacity: int | None = None,
+             local: LocalClaim | None = None) -> int:
+    """Queue what is due, within each server's limit and the workers' free slots.
+
+    ``capacity`` is how many more samples may be queued in all; by default
+    the live workers' free capacity (``workers`` table) when a broker is
+    configured, unbounded in embedded mode (the runner passes its own). One
+    transaction under one advisory lock (PostgreSQL), so concurrent
+    dispatchers never overfill a server or the workers. ``publish`` gets each
+    server's samples after the commit; with ``local``, the worker's own share
+    is claimed for it instead (:class:`LocalClaim`). Returns the count.
+    """
+    settings = get_settings()
+    with session_scope() as s:
+        locks.hold(s, _LOCK_KEY)
+        now = utcnow()
+        servers = _servers(s, job_ids)
+        if server is not None:
+            servers = [x for x in servers if x.url == server]
+        if not servers:
+            return 0
+        count_workers = capacity is None and not settings.embedded
+        seen = _load(s, [x.url for x in servers], capacity_since=now - timedelta(
+            seconds=settings.worker_timeout) if count_workers else None)
+        load = seen.by_server
+        if count_workers:
+            capacity = max(0, (seen.capacity or 0) - seen.held)
+        free = capacity if capacity is not None else 1 << 62
+        if free <= 0:
+            return 0
+        latest = seen.latest
+        for entry in servers:
+            entry.unhealthy = entry.url in seen.sick
+            entry.down = _is_down_now(latest[entry.url])
+        # Most room first: when there is less work than room, it goes where room is.
+        servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
+        rooms = {x.url: min(x.effective_limit - load.get(x.url, 0), settings.dispatch_batch)
+                 for x in servers}
+        for entry in servers:
+            if entry.down and not _probe_due(latest[entry.url], now):
+                rooms[entry.url] = 0
+        taken_by: dict[str, list[Dispatched]] = {}
+        # Round 1: each server's preferred samples; round 2: whatever is left.
+        for preferred in (True, False):
+            for entry in servers:
+                room = min(rooms[entry.url], free)
+                kind = _preference(entry)
+                # Round 2 is for servers with a preference; a down server's probe is one.
+                second_needed = kind is not None and not (entry.down and taken_by.get(entry.url))
+                if room <= 0 or (not preferred and not second_needed):
+                    continue
+                taken = _take(s, entry, room, now, settings.queued_timeout,
+                              kind if preferred else None)
+                taken_by.setdefault(entry.url, []).extend(taken)
+                rooms[entry.url] -= len(taken)
+                free -= len(taken)
+        batches = [b for b in taken_by.values() if b]
+        claimed: list[states.Claimed] = []
+        if local is not None and local.room > 0 and batches:
+            claimed, batches = _claim_locally(s, local, batches, now)
+    if claimed:
+        local.start(claimed)  # type: ignore[union-attr]
+    for i, batch in enumerate(batches):
+        try:
+            publish(batch)
+        except Exception:
+            # The broker is unreachable: hand back what was not sent, so these
+            # samples do not sit queued until their deadline.
+            unsent = [(d.sample_id, d.token) for b in batches[i:] for d in b]
+            with session_scope() as s:
+                states.release(s, unsent, now=utcnow())
+            raise
+    return len(claimed) + sum(len(b) for b in batches)
+
+
+def _claim_locally(s: Session, local: LocalClaim, batches: list[list[Dispatched]],
+                   now: datetime) -> tuple[list[states.Claimed], list[list[Dispatched]]]:
+    """Claim up to ``local.room`` of the queued samples for ``local.worker``, spread
+    over the servers; returns them and what is left to publish."""
+    mine: list[Dispatched] = []
+    left = [list(b) for b in batches]
+    while len(mine) < local.room and any(left):
+        for b in left:  # one from each server in turn
+            if b and len(mine) < local.room:
+                mine.append(b.pop(0))
+    lease = max(local.lease(s, job_id) for job_id in {d.job_id for d in mine})
+    claimed = states.claim_batch(s, [(d.sample_id, d.token) for d in mine],
+                                 new_token=secrets.token_hex(16),
+                                 lease_until=now + timedelta(seconds=lease),
+                                 worker=local.worker, now=now)
+    return claimed, [b for b in left if b]
+
+
+def adopt_stale(local: LocalClaim, *, older_than: float) -> int:
+    """Claim for ``local.worker`` up to ``local.room`` samples queued more than
+    ``older_than`` seconds ago whose message never arrived; returns how many.
+
+    The dispatcher queues only into live workers' free slots, so a queued sample is
+    claimed within moments of its message; one still queued while this worker has
+    free slots was carried by a message that is stuck or lost (a half-open broker
+    connection). SQL is the truth: the claim is the usual compare-and-set on the
+    sample's id and token, so a message that does arrive later finds it taken."""
+    if local.room <= 0:
+        return 0
+    with session_scope() as s:
+        now = utcnow()
+        rows = s.execute(
+            select(Sample.id, Sample.claim, Sample.job_id)
+            .where(Sample.state == SampleState.QUEUED,
+                   Sample.queued_at < now - timedelta(seconds=older_than))
+            .order_by(Sample.queued_at).limit(local.room)
+            .with_for_update(of=Sample, skip_locked=True)).all()
+        if not rows:
+            return 0
+        lease = max(local.lease(s, job_id) for _, _, job_id in rows)
+        claimed = states.claim_batch(s, [(i, tok) for i, tok, _ in rows if tok],
+                                     new_token=secrets.token_hex(16),
+                                     lease_until=now + timedelta(seconds=lease),
+                                     worker=local.worker, now=now)
+    if claimed:
+        local.start(claimed)
+    return len(claimed)
+
+
+#: When this process's sweeps last succeeded, since when without a gap, and whether
+#: this process has met a database error since.
+_sweeps = {"last": 0.0, "since": 0.0, "trouble": False}
+
+
+def database_trouble() -> None:
+    """Note a database error seen by this process's scheduling (dispatch, sweep, probes)."""
+    _sweeps["trouble"] = True
+#: Seconds a worker row may stay after its last heartbeat (``status`` shows it meanwhile).
+FORGET_WORKERS_AFTER = 3600.0
+
+
+def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
+    """The sweep of every kind of leased work that a dead holder can leave behind: expired
+    leases, dead workers' samples and captures, and unclaimed queued samples go back to
+    ``pending`` (or ``failed``, on their last attempt). Returns the count.
+
+    The tick's ``sweep`` stage calls it, and so does a capture stage's heartbeat (a
+    ``synthq capture`` may run where no tick does). Training runs are swept by the
+    readiness check (the ``train`` stage), which sends each swept run its message.
+
+    ``reclaim_all`` treats every lease as expired: for a process that knows it
+    is the only one working on these jobs (the embedded runner, at start).
+
+    A worker counts as dead when it has not heart-beaten for ``worker_timeout``
+    seconds, but only while this sweeper could see the database for that long
+    too: after a database outage every worker's heartbeat is old, and the
+    workers need a moment to write the answers they held (and a heartbeat)
+    before anyone judges them.
+    """
+    settings = get_settings()
+    now = utcnow()
+    mono = time.monotonic()
+    if _sweeps["trouble"] or mono - _sweeps["last"] > max(10.0, 2 * settings.worker_timeout):
+        _sweeps["since"] = mono  # back after an outage (or a long pause): wait and see
+        _sweeps["trouble"] = False
+    if _sweeps["last"] == 0.0:
+        _sweeps["since"] = mono - settings.worker_timeout  # a fresh sweeper judges at once
+    judge = mono - _sweeps["since"] >= settings.worker_timeout
+    cutoff = now + timedelta(days=36500) if reclaim_all else now
+    try:
+        with session_scope() as s:
+            moved = len(states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
+                                      worker_timeout=settings.worker_timeout if judge else None))
+            # A dead process's captures go back after its heartbeat's timeout, not at once
+            # (even when its pid is known gone): the server may still be running its calls,
+            # and the room they free would be filled on top of them (6 in flight, limit 3).
+            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout,
+                                                 gone=False)] if judge else None
+            moved += capture_states.expire(s, now=now, live_workers=live, job_ids=job_ids,
+                                           everything=reclaim_all)
+            workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
+            # The counters' delta rows (PostgreSQL), folded so a read sums a few rows.
+            states.compact_counts(s)
+    except DBAPIError:
+        database_trouble()
+        raise
+    _sweeps["last"] = mono
+    return moved

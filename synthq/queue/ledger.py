@@ -1,0 +1,403 @@
+"""The ledger of leased work: one lifecycle and its transitions, for every kind of work.
+
+A *kind* of leased work is a table whose rows a process claims for a while:
+samples (generation, :mod:`synthq.queue.states`), captures (hidden states,
+:mod:`synthq.queue.capture_states`) and training runs (:mod:`synthq.queue.run_states`).
+Each kind is described once by a :class:`Kind` (its table, which of its states
+plays which role, where its lease is kept); the transitions below are the
+only code that claims, compare-and-sets, expires or requeues a row of any of
+them. A kind's own module names its transitions for its callers (``complete``,
+``done``, ``finish``...) and adds what is its own (the sample's result, the
+capture's file), never the mechanics.
+
+::
+
+    waiting ──claim──▶ held ──finish──▶ done
+     ▲  ▲  (offered)    │ │ │
+     │  │               │ │ └──fail──▶ failed ──requeue──▶ waiting
+     │  └──retry / release┘ │
+     └──expire (lease passed or holder dead; failed once its attempts reach the cap)
+
+Samples are *offered* (``queued``) before they are claimed; the other kinds are
+claimed straight from ``waiting``. Every transition out of ``held`` presents the
+claim token the claim wrote, so a holder whose lease was taken over cannot
+write (docs/design.md, invariant 2).
+
+The dead-process rule is :func:`held_by_dead` (a held row whose holder is not
+among the live workers) with :func:`synthq.queue.workers.gone_here` (a process of
+this host that no longer exists): every kind's expiry uses them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import and_, bindparam, select, text, tuple_, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import ClauseElement
+
+from synthq.core.retry import backoff_delay
+
+__all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
+           "claim_statement", "claim", "held_by_dead", "expire", "requeue",
+           "refund", "retry_delay"]
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """A table of leased work, described by the roles of its columns and states.
+
+    Hashed by identity: one instance per kind, so statements built for it are cached.
+    """
+
+    name: str
+    #: The ORM class of its table; its columns ``state``, ``claim`` (the token),
+    #: ``worker``, ``updated_at``, ``finished_at`` and :attr:`lease` are read by role.
+    model: Any
+    waiting: str
+    held: str
+    done: str
+    failed: str
+    #: The state a row is claimed from when it is not :attr:`waiting` (samples: queued).
+    offered: str | None = None
+    #: The column of the lease: its end (``expires_at``), or the holder's last beat
+    #: (``heartbeat_at``: the lease ends a kind's lease seconds after it).
+    lease: str = "expires_at"
+    #: Statements run on the session's connection, skipping the ORM's flush: the
+    #: per-sample hot path (its ORM machinery cost more CPU than the statements).
+    hot: bool = False
+
+    @property
+    def lease_is_deadline(self) -> bool:
+        """Whether the lease column holds the lease's end (cleared when the claim ends)."""
+        return self.lease != "heartbeat_at"
+
+    @property
+    def claimable(self) -> str:
+        return self.offered or self.waiting
+
+    @property
+    def inflight(self) -> tuple[str, ...]:
+        """The states a lease (or a claim deadline) is kept in."""
+        return (self.offered, self.held) if self.offered else (self.held,)
+
+    def column(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class Transition(NamedTuple):
+    #: Roles of the states it accepts (``inflight``: offered and held).
+    sources: tuple[str, ...]
+    #: Role of the state it leads to; None: the state stays.
+    target: str | None
+    #: Whether the caller must present the claim token.
+    token: bool
+
+
+#: The lifecycle every kind shares, by transition: which states each accepts.
+TRANSITIONS: dict[str, Transition] = {
+    # A kind with an offered state: the dispatcher offers a waiting row (with a token
+    # and a deadline), and an offer nobody claimed goes back.
+    "offer": Transition(("waiting",), "offered", False),
+    "unoffer": Transition(("offered",), "waiting", True),
+    "claim": Transition(("claimable",), "held", False),
+    "renew": Transition(("held",), None, True),
+    "finish": Transition(("held",), "done", True),
+    "retry": Transition(("held",), "waiting", True),
+    "release": Transition(("held",), "waiting", True),
+    "fail": Transition(("held",), "failed", True),
+    "expire": Transition(("inflight",), "waiting", False),
+    "requeue": Transition(("failed",), "waiting", False),
+}
+
+
+def _states(kind: Kind, role: str) -> tuple[str, ...]:
+    if role == "inflight":
+        return kind.inflight
+    return (getattr(kind, role),)
+
+
+def allowed(kind: Kind, transition: str) -> tuple[str, ...]:
+    """The states of ``kind`` that ``transition`` accepts."""
+    return tuple(s for role in TRANSITIONS[transition].sources for s in _states(kind, role))
+
+
+# -- compare-and-set --------------------------------------------------------------------
+
+
+def cas(session: Session, kind: Kind, row_id: int, sources: Sequence[str],
+        values: Mapping[str, Any], *, token: str | None = None,
+        extra: Sequence[Any] = ()) -> bool:
+    """``UPDATE kind SET values WHERE id = ? AND state IN sources [AND claim = ?]``:
+    whether it won (the one compare-and-set of every kind)."""
+    model = kind.model
+    if kind.hot and not extra and not any(
+            hasattr(v, "__clause_element__") or isinstance(v, ClauseElement)
+            for v in values.values()):
+        # The hot path: one statement per shape, every value a parameter.
+        stmt = _cas_statement(kind, tuple(sources), tuple(values), token is not None)
+        params = {f"v_{k}": v for k, v in values.items()}
+        params["cas_id"] = row_id
+        if token is not None:
+            params["cas_token"] = token
+        return session.connection().execute(stmt, params).rowcount == 1
+    conds = [model.id == row_id, model.state.in_(sources), *extra]
+    if token is not None:
+        conds.append(model.claim == token)
+    return _run(session, update(model).where(and_(*conds)).values(**values),
+                hot=kind.hot).rowcount == 1  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=256)
+def _cas_statement(kind: Kind, sources: tuple[str, ...], keys: tuple[str, ...],
+                   token: bool) -> Any:
+    """:func:`cas`'s statement with every value a bound parameter: the same statement object
+    each time, so SQLAlchemy's cache key and compiled form are reused (building one per
+    write was a tenth of a worker's CPU)."""
+    model = kind.model
+    columns = model.__table__.c
+    conds = [model.id == bindparam("cas_id"), model.state.in_(sources)]
+    if token:
+        conds.append(model.claim == bindparam("cas_token"))
+    return update(model).where(and_(*conds)).values(
+        {k: bindparam(f"v_{k}", type_=columns[k].type) for k in keys})
+
+
+def cas_many(session: Session, kind: Kind, items: Sequence[tuple[int, str]],
+             sources: Sequence[str], values: Mapping[str, Any], *,
+             returning: Sequence[Any] = ()) -> Any:
+    """:func:`cas` for many ``(id, claim token)`` pairs in one statement: the rows
+    (``returning``), else how many won."""
+    model = kind.model
+    stmt = update(model).where(tuple_(model.id, model.claim).in_([tuple(i) for i in items]),
+                               model.state.in_(sources)).values(**values)
+    if returning:
+        return _run(session, stmt.returning(*returning), hot=kind.hot).all()
+    return int(_run(session, stmt, hot=kind.hot).rowcount or 0)
+
+
+def _run(session: Session, statement: Any, params: Any = None, *, hot: bool = False) -> Any:
+    """Run a Core statement: on the session's connection when ``hot`` (no ORM flush)."""
+    if hot:
+        return session.connection().execute(statement, params)
+    return session.execute(statement, params,
+                           execution_options={"synchronize_session": False})
+
+
+def move(session: Session, kind: Kind, transition: str, row_id: int, token: str | None, *,
+         now: datetime, **values: Any) -> bool:
+    """One transition of :data:`TRANSITIONS` as a compare-and-set, with what it implies:
+    the target state and ``updated_at``; leaving ``held``, the claim (and a deadline
+    lease) cleared; reaching ``done`` or ``failed``, ``finished_at``. ``values`` add
+    the kind's own columns (and may override any of these)."""
+    return cas(session, kind, row_id, allowed(kind, transition),
+               moved(kind, transition, token, now=now, **values), token=token)
+
+
+def moved(kind: Kind, transition: str, token: str | None, *, now: datetime,
+          **values: Any) -> dict[str, Any]:
+    """The columns :func:`move` sets: what the transition implies, then ``values``."""
+    t = TRANSITIONS[transition]
+    if t.token and token is None:
+        raise ValueError(f"{kind.name} {transition} needs the claim token")
+    implied: dict[str, Any] = {}
+    if t.target is not None:
+        implied["state"] = getattr(kind, t.target)
+        if t.target != "held":
+            implied["claim"] = None
+            if kind.lease_is_deadline:
+                implied[kind.lease] = None
+        if t.target in ("done", "failed"):
+            implied["finished_at"] = now
+        implied["updated_at"] = now
+    return {**implied, **values}
+
+
+class Move:
+    """One :func:`move` as a write the batch writer may merge (synthq.serving.writer): called with
+    ``(session, now)`` it is that move alone; :meth:`run_merged` runs many of one shape
+    (the same kind, transition and columns) as one statement on PostgreSQL. ``then``
+    runs after the compare-and-set with whether it won (an attempt row, say) and gives
+    the write's result (by default, whether it won)."""
+
+    __slots__ = ("kind", "transition", "row_id", "token", "values", "then")
+
+    def __init__(self, kind: Kind, transition: str, row_id: int, token: str, *,
+                 then: Callable[[Session, bool], Any] | None = None, **values: Any) -> None:
+        self.kind, self.transition, self.row_id, self.token = kind, transition, row_id, token
+        self.values, self.then = values, then
+
+    def __call__(self, session: Session, now: datetime) -> Any:
+        won = move(session, self.kind, self.transition, self.row_id, self.token, now=now,
+                   **self.values)
+        return self.then(session, won) if self.then is not None else won
+
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """Moves of one shape share one merged statement."""
+        return (self.kind.name, self.transition, tuple(sorted(self.values)))
+
+    @staticmethod
+    def run_merged(session: Session, moves: Sequence[Move], now: datetime) -> list[Any]:
+        """``moves`` (one shape, distinct rows) as one ``UPDATE ... FROM unnest(...)``
+        compare-and-set on PostgreSQL, each row's own values and token; the results in
+        order. Elsewhere, or for one move, each runs alone."""
+        bind = session.get_bind()
+        ids = [m.row_id for m in moves]
+        if len(moves) < 2 or bind.dialect.name != "postgresql" or len(set(ids)) < len(ids):
+            return [m(session, now) for m in moves]
+        first = moves[0]
+        kind = first.kind
+        rows = [moved(kind, m.transition, m.token, now=now, **m.values) for m in moves]
+        names = tuple(rows[0])
+        stmt = _merged_statement(kind, tuple(allowed(kind, first.transition)), names,
+                                 bind.dialect)
+        columns = kind.model.__table__.c
+        params: dict[str, Any] = {"ids": ids, "tokens": [m.token for m in moves]}
+        for i, name in enumerate(names):
+            process = columns[name].type.dialect_impl(bind.dialect).bind_processor(bind.dialect)
+            values = [r[name] for r in rows]
+            params[f"c{i}"] = [process(v) for v in values] if process is not None else values
+        won = set(session.connection().execute(stmt, params).scalars())
+        return [m.then(session, m.row_id in won) if m.then is not None else m.row_id in won
+                for m in moves]
+
+
+@functools.lru_cache(maxsize=64)
+def _merged_statement(kind: Kind, sources: tuple[str, ...], names: tuple[str, ...],
+                      dialect: Any) -> Any:
+    """:meth:`Move.run_merged`'s statement: the same text for any number of rows (each
+    column one array parameter), so PostgreSQL plans it once per shape."""
+    table = kind.model.__table__
+    columns = table.c
+    cast = [f"CAST(:c{i} AS {columns[n].type.compile(dialect=dialect)}[])"
+            for i, n in enumerate(names)]
+    states = ", ".join(f"'{s}'" for s in sources)
+    sets = ", ".join(f'"{n}" = u."c{i}"' for i, n in enumerate(names))
+    outs = ", ".join(f'"c{i}"' for i in range(len(names)))
+    return text(
+        f'UPDATE "{table.name}" AS t SET {sets} '
+        f"FROM unnest(CAST(:ids AS BIGINT[]), CAST(:tokens AS TEXT[]), {', '.join(cast)}) "
+        f"AS u(id, token, {outs}) "
+        f"WHERE t.id = u.id AND t.claim = u.token AND t.state IN ({states}) "
+        "RETURNING t.id")
+
+
+# -- claim ------------------------------------------------------------------------------
+
+
+def claim_statement(kind: Kind, where: Sequence[Any], *, token: Any, worker: Any, lease: Any,
+                    now: Any, values: Mapping[str, Any] | None = None,
+                    returning: Sequence[Any] = ()) -> Any:
+    """``UPDATE kind SET state=held, claim=token, worker, lease, started_at, updated_at
+    WHERE where``: the claim of every kind (values may be bound parameters, for a
+    statement built once). ``where`` names the rows and their allowed states."""
+    stmt = update(kind.model).where(*where).values(
+        {"state": kind.held, "claim": token, kind.lease: lease, "worker": worker,
+         "started_at": now, "updated_at": now, **(values or {})})
+    return stmt.returning(*returning) if returning else stmt
+
+
+def claim(session: Session, kind: Kind, where: Sequence[Any], *, token: str, worker: str,
+          lease: datetime, now: datetime, values: Mapping[str, Any] | None = None,
+          returning: Sequence[Any] = ()) -> Any:
+    """Run :func:`claim_statement`: the rows claimed (``returning``), else the result."""
+    result = _run(session, claim_statement(
+        kind, where, token=token, worker=worker, lease=lease, now=now, values=values,
+        returning=returning), hot=kind.hot)
+    return result.all() if returning else result
+
+
+# -- expiry -----------------------------------------------------------------------------
+
+
+def held_by_dead(kind: Kind, live: Any) -> Any:
+    """The dead-process rule: a held row whose holder is not among ``live`` (worker names,
+    or a query of them)."""
+    model = kind.model
+    return and_(model.state == kind.held, model.worker.is_not(None), model.worker.not_in(live))
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """What :func:`expire` did: the rows it took (their ``columns``), by new state."""
+
+    rows: list[Any]
+    back: list[int]
+    failed: list[int]
+
+    def __len__(self) -> int:
+        return len(self.back) + len(self.failed)
+
+
+def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
+           scope: Sequence[Any] = (), cap: Any | None = None, join: Any | None = None,
+           columns: Sequence[Any] = (), back: Mapping[str, Any] | None = None,
+           failed: Mapping[str, Any] | None = None) -> Expired:
+    """In-flight rows whose holder is gone (``gone``: the lease passed, :func:`held_by_dead`;
+    None: every one) → ``waiting``, or → ``failed`` when held and their attempts reached
+    ``cap`` (an expression; None: no cap). The rows are locked first (``SKIP LOCKED``:
+    one its holder is writing is left to it); ``join`` (target, on clause) is what ``cap``
+    and ``columns`` read beside the row. ``back`` and ``failed`` add the kind's own
+    columns to each move. Returns the rows (id, state, attempts?, cap?, columns...)."""
+    model = kind.model
+    where = [model.state.in_(kind.inflight), *([gone] if gone is not None else []), *scope]
+    picked = [model.id, model.state, *([model.attempts, cap] if cap is not None else []),
+              *columns]
+    query = select(*picked)
+    if join is not None:
+        query = query.join(*join)
+    rows = session.execute(query.where(*where)
+                           .with_for_update(of=model, skip_locked=True)).all()
+    exhausted = {r[0] for r in rows
+                 if cap is not None and r[1] == kind.held and r[2] >= r[3]}
+    back_ids = [r[0] for r in rows if r[0] not in exhausted]
+    ended = {"claim": None, **({kind.lease: None} if kind.lease_is_deadline else {}),
+             "updated_at": now}
+    if back_ids:
+        _run(session, update(model).where(model.id.in_(back_ids), *where)
+             .values(state=kind.waiting, **ended, **(back or {})))
+    if exhausted:
+        _run(session, update(model).where(model.id.in_(exhausted), *where)
+             .values(state=kind.failed, finished_at=now, **ended, **(failed or {})))
+    return Expired(list(rows), back_ids, sorted(exhausted))
+
+
+# -- repair and retry -------------------------------------------------------------------
+
+
+def requeue(session: Session, kind: Kind, where: Sequence[Any], *, now: datetime,
+            **values: Any) -> int:
+    """failed → waiting with a fresh attempt budget, for the rows of ``where``; how many."""
+    model = kind.model
+    result = _run(session, update(model).where(model.state == kind.failed, *where)
+                  .values(state=kind.waiting, attempts=0, finished_at=None, updated_at=now,
+                          **values))
+    return int(result.rowcount or 0)
+
+
+def refund(kind: Kind) -> dict[str, Any]:
+    """The column a retry sets to give its claim's charge back: an uncharged retry, whose
+    call does not count against the row's attempt budget (a sample's overload answer, a
+    capture whose server was down)."""
+    attempts = kind.column("attempts")
+    return {"attempts": attempts - 1}
+
+
+def retry_delay(exc: Any, attempts: int, *, max_attempts: int, base: float, cap: float,
+                charged: bool = True) -> float | None:
+    """Retry or fail, for every kind: seconds before a failed call's row is due again
+    (exponential backoff with full jitter, the server's Retry-After a floor), or None when
+    it fails for good: a permanent error, or a charged call whose ``attempts`` reached
+    ``max_attempts``.
+
+    ``charged=False``: the call is not charged to the budget (a sample's overload answer),
+    so the budget does not end it; the caller caps such calls itself."""
+    if not getattr(exc, "retryable", False) or (charged and attempts >= max_attempts):
+        return None
+    return backoff_delay(attempts, base=base, cap=cap,
+                         retry_after=getattr(exc, "retry_after", None))

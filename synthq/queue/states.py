@@ -1,0 +1,755 @@
+"""Every write to samples, attempts and job states: one module, each transition a compare-and-set.
+
+Samples are one kind of leased work (:data:`SAMPLES`): their claim, their
+compare-and-set, their expiry and their requeue are :mod:`synthq.queue.ledger`'s, the
+same as captures' and training runs'. Each sample transition is an ``UPDATE ...
+WHERE id=? AND state IN (allowed sources) [AND claim=?]`` and returns whether it
+won. A duplicate delivery, a worker whose lease expired, or two racing workers
+therefore can never write a result twice or overwrite a newer state
+(docs/design.md, invariant 2). A call's ``attempts`` row is written by the
+transition that records the call's outcome, in the same transaction.
+
+::
+
+    pending ──queue──▶ queued ──claim──▶ running ──complete──▶ done ◀─┐
+       ▲  ▲               │                │ │ │                     │ retokenized
+       │  └──release──────┘                │ │ └──skip──▶ skipped ───┤ (stored response,
+       │  └──expire (deadline)─────────────│─┘                       │  new settings)
+       │                                   └──fail──▶ failed ────────┘
+       └──retry / expire (lease, dead worker)──┘        │
+       └──advance_turn (a turn stored, the next one due)─┘ │
+       └──────────────────────requeue───────────────────┘
+    (malformed rows are inserted as skipped by enqueue)
+
+    job: active ⇄ paused (pause / resume);  active, paused, finished ──cancel──▶ cancelled
+         active ──finish (every sample terminal)──▶ finished
+         finished ──reactivate (samples added or requeued)──▶ active
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Numeric,
+    and_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    event,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from synthq.core.enums import FINISHED, INFLIGHT, JobState, SampleState
+from synthq.queue import ledger
+from synthq.store.models import Attempt, Job, Sample, Worker
+
+__all__ = [
+    "SAMPLES", "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
+    "queue", "claim_batch", "claim", "release", "renew", "renew_many", "attempt_row",
+    "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
+    "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
+    "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
+]
+
+#: Samples as a kind of leased work: queued (offered) before they are claimed; the lease
+#: (or a queued sample's claim deadline) in ``expires_at``.
+SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
+                      done=SampleState.DONE, failed=SampleState.FAILED,
+                      offered=SampleState.QUEUED, lease="expires_at", hot=True)
+
+#: Sample states that keep a job from being finished.
+OPEN = (SampleState.PENDING, SampleState.QUEUED, SampleState.RUNNING)
+
+#: One sample of a message: its id and the token its dispatch gave it.
+Item = tuple[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A sample a worker now holds (``running``), as the claim returned it."""
+
+    sample_id: int
+    job_id: int
+    #: Calls counted so far, this one included (if a call is to be made).
+    attempts: int
+    prompt: list[dict[str, Any]]
+    server: str
+    #: The token every later transition of this sample must present.
+    token: str
+    #: Set when an earlier attempt stored the response: no call is needed.
+    response_content: str | None
+    reasoning_content: str | None
+    finish_reason: str | None
+    completion_token_ids: bytes | None
+    #: The stored answer's tool calls; the row's tools (sent with every call).
+    tool_calls: list[dict[str, Any]] | None = None
+    tools: dict[str, Any] | None = None
+    #: Regenerating every turn: the next turn, how many there are, the answers so far.
+    turn: int = 0
+    turn_count: int | None = None
+    turns: list[dict[str, Any]] | None = None
+    #: This sample's settings over its job's (``synthq requeue --max-tokens`` ...).
+    overrides: dict[str, Any] | None = None
+
+
+def _exec(session: Session, statement: Any, params: Any = None) -> Any:
+    """Run a Core statement on the session's connection: the ORM's bulk-update
+    machinery costs more CPU than the statement itself on the hot path."""
+    return session.connection().execute(statement, params)
+
+
+def _cas(session: Session, sample_id: int, sources: Sequence[SampleState],
+         values: dict[str, Any], *, token: str | None = None, extra: Sequence[Any] = ()) -> bool:
+    return ledger.cas(session, SAMPLES, sample_id, sources, values, token=token, extra=extra)
+
+
+def _move(session: Session, transition: str, sample_id: int, token: str, *, now: datetime,
+          **values: Any) -> bool:
+    return ledger.move(session, SAMPLES, transition, sample_id, token, now=now, **values)
+
+
+def attempt_row(sample_id: int, *, server: str, worker: str | None, started_at: datetime,
+                ended_at: datetime, outcome: str, error_message: str | None,
+                latency_s: float | None = None, ttft_s: float | None = None,
+                completion_tokens: int | None = None, turn: int | None = None) -> dict[str, Any]:
+    """One call's ``attempts`` row (the worker's outcome, its hand-back after a bug, the
+    sweep's ``lost``), every column named: a transaction's rows go in one INSERT, which
+    takes its columns from the first row, so rows of one shape are what it can take."""
+    return dict(sample_id=sample_id, server=server, worker=worker, started_at=started_at,
+                ended_at=ended_at, outcome=outcome, error_message=error_message,
+                latency_s=latency_s, ttft_s=ttft_s, completion_tokens=completion_tokens,
+                turn=turn)
+
+
+def _attempt(session: Session, attempt: dict[str, Any] | None, *, won: bool) -> None:
+    """The call's row. A call whose result could not be written ended ``lost``.
+
+    Rows are gathered and inserted in one statement just before the commit
+    (the batch writer records dozens of calls per transaction).
+    """
+    if attempt is None:
+        return
+    row = dict(attempt)
+    if not won:
+        row["outcome"] = "lost"
+        row["error_message"] = "lease lost before the result was written"
+    rows = session.info.setdefault("synthq_attempts", [])
+    if not rows:
+        event.listen(session, "before_commit", _insert_attempts, once=True)
+    rows.append(row)
+
+
+def _insert_attempts(session: Session) -> None:
+    rows = session.info.pop("synthq_attempts", [])
+    if any(r.get("outcome") == "lost" for r in rows):
+        rows = [r for r in rows if r.get("outcome") != "lost" or not _logged_by_sweep(session, r)]
+    if rows:
+        _exec(session, insert(Attempt), rows)
+
+
+def _lost_rows(sample_id: int, worker: str | None, started: datetime) -> list[Any]:
+    """Conditions on the ``lost`` rows of one call: the sweep's (it reclaimed the sample
+    from a silent worker) and the worker's own. The sweep's row starts at the claim (the
+    worker's own clock), a moment before the worker's; a later claim of the same sample by
+    the same worker starts after it."""
+    return [Attempt.sample_id == sample_id, Attempt.worker == worker, Attempt.outcome == "lost",
+            Attempt.started_at.between(started - timedelta(seconds=120),
+                                       started + timedelta(seconds=1))]
+
+
+def _logged_by_sweep(session: Session, row: dict[str, Any]) -> bool:
+    """Whether the sweep already logged this call as ``lost`` (it reclaimed the sample from
+    a silent worker, which then woke and found its lease gone): one row per cut call."""
+    started = row.get("started_at")
+    if started is None:
+        return False
+    return _exec(session, select(Attempt.id).where(
+        *_lost_rows(row["sample_id"], row.get("worker"), started)).limit(1)).first() is not None
+
+
+# -- dispatch and claim ----------------------------------------------------------------
+
+
+def queue(session: Session, sample_ids: Sequence[int], *, server: str, token: str,
+          deadline: datetime, now: datetime) -> int:
+    """pending → queued, for ids the dispatcher locked. Returns how many moved."""
+    result = _exec(session, _queue_statement(None), {
+        "ids": list(sample_ids), "server": server, "token": token, "deadline": deadline,
+        "now": now})
+    return int(result.rowcount)
+
+
+def queue_due(session: Session, due: Any, params: dict[str, Any], *, server: str, token: str,
+              deadline: datetime, now: datetime) -> list[tuple[int, int]]:
+    """pending → queued for the ids the select ``due`` picks (with ``params``; it may bind
+    ``now``), in one statement: the dispatcher's take. Returns ``(id, job_id)`` per row
+    moved, by id.
+
+    ``due`` locks what it picks and skips what others hold (``FOR UPDATE SKIP
+    LOCKED``), so the pick and the move are one round trip instead of two.
+    """
+    rows = _exec(session, _queue_statement(due), {
+        **params, "server": server, "token": token, "deadline": deadline, "now": now}).all()
+    return sorted((int(i), int(j)) for i, j in rows)
+
+
+@functools.cache
+def _queue_statement(due: Any) -> Any:
+    """:func:`queue`'s statement (``due`` None: the ids a parameter) or :func:`queue_due`'s
+    (built once per ``due``, which is itself built once; see :func:`_claim_statement`)."""
+    columns = Sample.__table__.c
+    now = bindparam("now", type_=columns["updated_at"].type)
+    if due is None:
+        which = Sample.id.in_(bindparam("ids", expanding=True))
+    else:
+        # Computed once, as a table: as ``id IN (subquery)`` the planner may rescan the
+        # subquery for each row, and each rescan skips the rows this statement already
+        # moved (locked by itself) and picks the next ones, past LIMIT.
+        picked = due.cte("due").prefix_with("MATERIALIZED")
+        which = Sample.id == picked.c.id
+    stmt = (update(Sample)
+            .where(which, Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
+            .values(state=SampleState.QUEUED,
+                    server=bindparam("server", type_=columns["server"].type),
+                    claim=bindparam("token", type_=columns["claim"].type),
+                    expires_at=bindparam("deadline",
+                                               type_=columns["expires_at"].type),
+                    queued_at=now, updated_at=now))
+    return stmt if due is None else stmt.returning(Sample.id, Sample.job_id)
+
+
+def claim_batch(session: Session, items: Sequence[Item], *, new_token: str,
+                lease_until: datetime, worker: str, now: datetime) -> list[Claimed]:
+    """queued → running for every ``(id, token)`` that still matches, in one statement.
+
+    Only samples of active jobs are claimed; those of paused or cancelled jobs
+    go back to ``pending`` (released) in the same transaction. Each claim
+    counts an attempt, unless the response is already stored (no call then).
+    Stale items (another delivery won, or the sweep took the sample back) are
+    left alone and simply absent from the result.
+    """
+    if not items:
+        return []
+    rows = _exec(session, _claim_statement(), {
+        "items": [tuple(i) for i in items], "new_token": new_token,
+        "lease_until": lease_until, "worker": worker, "now": now}).all()
+    if len(rows) < len(items):
+        won = {r[0] for r in rows}
+        release(session, [i for i in items if i[0] not in won], now=now)
+    # A queued sample always has its server (queue() sets it).
+    return [Claimed(r[0], r[1], r[2], r[3] or [], r[4] or "", new_token, r[5], r[6], r[7], r[8],
+                    r[9], r[10], r[11] or 0, r[12], r[13], r[14])
+            for r in rows]
+
+
+@functools.cache
+def _claim_statement() -> Any:
+    """:func:`claim_batch`'s statement, built once with every value a bound parameter (the
+    ``(id, claim)`` pairs expanding): SQLAlchemy reuses its cache key and compiled form.
+    Building it per claim was a quarter of a refill dispatch's CPU."""
+    columns = Sample.__table__.c
+    pairs = tuple_(Sample.id, Sample.claim).in_(bindparam("items", expanding=True))
+    job_active = exists().where(Job.id == Sample.job_id, Job.state == JobState.ACTIVE)
+    now = bindparam("now", type_=columns["updated_at"].type)
+    return ledger.claim_statement(
+        SAMPLES, [pairs, Sample.state.in_(ledger.allowed(SAMPLES, "claim")), job_active],
+        token=bindparam("new_token", type_=columns["claim"].type),
+        lease=bindparam("lease_until", type_=columns["expires_at"].type),
+        worker=bindparam("worker", type_=columns["worker"].type), now=now,
+        values={"attempts": case((Sample.response_content.is_(None), Sample.attempts + 1),
+                                 else_=Sample.attempts)},
+        returning=(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
+                   Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
+                   Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turn,
+                   Sample.turn_count, Sample.turns, Sample.overrides))
+
+
+def claim(session: Session, sample_id: int, token: str, *, new_token: str,
+          lease_until: datetime, worker: str, now: datetime) -> Claimed | None:
+    """:func:`claim_batch` for one sample: the claim, or None if it lost."""
+    won = claim_batch(session, [(sample_id, token)], new_token=new_token,
+                      lease_until=lease_until, worker=worker, now=now)
+    return won[0] if won else None
+
+
+def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
+    """queued → pending, for items still queued under their token (their job is not active)."""
+    if not items:
+        return 0
+    return int(ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "unoffer"), dict(
+        state=SampleState.PENDING, claim=None, server=None, expires_at=None, updated_at=now)))
+
+
+def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
+    """running → running with a later lease. False means the lease was lost."""
+    return ledger.cas(session, SAMPLES, sample_id, ledger.allowed(SAMPLES, "renew"),
+                      dict(expires_at=lease_until), token=token)
+
+
+def renew_many(session: Session, items: Sequence[Item], *, lease_until: datetime) -> set[int]:
+    """:func:`renew` for many samples in one statement; returns the ids still held."""
+    if not items:
+        return set()
+    rows = ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "renew"),
+                           dict(expires_at=lease_until), returning=(Sample.id,))
+    return {r[0] for r in rows}
+
+
+# -- outcomes of a claimed sample -------------------------------------------------------
+
+
+def complete(session: Session, sample_id: int, token: str, *, now: datetime,
+             attempt: dict[str, Any] | None = None, **result: Any) -> bool:
+    """running → done, writing the result in the same statement (invariant 3)."""
+    won = _move(session, "finish", sample_id, token, now=now, error_class=None,
+                error_message=None, **result)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def completion(sample_id: int, token: str, *, attempt: dict[str, Any] | None = None,
+               **result: Any) -> ledger.Move:
+    """:func:`complete` as a write the batch writer merges with the others of its shape
+    (one statement for a batch's answers, synthq.serving.writer)."""
+    def then(session: Session, won: bool) -> bool:
+        _attempt(session, attempt, won=won)
+        return won
+
+    return ledger.Move(SAMPLES, "finish", sample_id, token, then=then, error_class=None,
+                       error_message=None, **result)
+
+
+def store_response(session: Session, sample_id: int, token: str, *, now: datetime,
+                   attempt: dict[str, Any] | None = None, **response: Any) -> bool:
+    """running → running, saving the raw response before tokenization (invariant 4)."""
+    won = ledger.cas(session, SAMPLES, sample_id, ledger.allowed(SAMPLES, "renew"),
+                     dict(updated_at=now, **response), token=token)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def advance_turn(session: Session, sample_id: int, token: str, *, turn: int,
+                 turns: list[dict[str, Any]], now: datetime,
+                 attempt: dict[str, Any] | None = None) -> bool:
+    """running → pending with the turn's answer stored and the next turn due now.
+
+    A conversation regenerated turn by turn goes round the usual states once per
+    turn (docs/design.md, "States"); each turn gets a fresh attempt budget.
+    """
+    won = _move(session, "release", sample_id, token, now=now, server=None,
+                next_attempt_at=now, attempts=0, turn=turn, turns=turns, error_class=None,
+                error_message=None)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def skip(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
+         now: datetime) -> bool:
+    """running → skipped: the sample is fine but yields no training example."""
+    # Like ``fail``, into the sample's own final state.
+    return _move(session, "fail", sample_id, token, now=now, state=SampleState.SKIPPED,
+                 error_class=error_class, error_message=error_message)
+
+
+def retry(session: Session, sample_id: int, token: str, *, next_attempt_at: datetime,
+          error_class: str, error_message: str, now: datetime,
+          attempt: dict[str, Any] | None = None, charge: bool = True) -> bool:
+    """running → pending, due again at ``next_attempt_at`` (the retry waits in SQL).
+
+    ``charge=False`` gives the call back to the sample's attempt budget (an
+    overload answer: the server asked us to come back later)."""
+    extra = {} if charge else ledger.refund(SAMPLES)
+    won = _move(session, "retry", sample_id, token, now=now, server=None,
+                last_server=Sample.server, next_attempt_at=next_attempt_at,
+                error_class=error_class, error_message=error_message, **extra)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def fail(session: Session, sample_id: int, token: str, *, error_class: str, error_message: str,
+         now: datetime, attempt: dict[str, Any] | None = None) -> bool:
+    """running → failed."""
+    won = _move(session, "fail", sample_id, token, now=now, error_class=error_class,
+                error_message=error_message)
+    _attempt(session, attempt, won=won)
+    return won
+
+
+def lose(session: Session, *, attempt: dict[str, Any]) -> bool:
+    """The lease was lost mid-call: the sample is someone else's; only the call is logged."""
+    _attempt(session, {**attempt, "outcome": "lost"}, won=True)
+    return False
+
+
+def keep_late(session: Session, sample_id: int, token: str, *, worker: str, server: str,
+              turn: int, started_at: datetime, lease_until: datetime, now: datetime) -> bool:
+    """pending, queued or running (another holder) → running under ``token`` again: an
+    answer that arrived after its lease was given up (the sweep counted its worker dead,
+    or the lease ran out) is kept when no later attempt has finished, i.e. the sample is
+    still open at the same turn with no answer stored, and its job is not cancelled.
+
+    The caller then writes the answer with ``token`` in the same transaction. A later
+    holder's writes lose their compare-and-set from here (its renewal cuts its call); a
+    later attempt that finished first makes this one lose: the result is written once.
+    The ``lost`` rows of this call (the sweep's, the worker's own) go: it was answered."""
+    job_open = exists().where(Job.id == Sample.job_id,
+                              Job.state.in_([JobState.ACTIVE, JobState.PAUSED]))
+    won = _cas(session, sample_id, OPEN,
+               dict(state=SampleState.RUNNING, claim=token, worker=worker, server=server,
+                    expires_at=lease_until, updated_at=now),
+               extra=[Sample.response_content.is_(None), Sample.turn == turn, job_open])
+    if won:
+        _exec(session, delete(Attempt).where(*_lost_rows(sample_id, worker, started_at)))
+    return won
+
+
+# -- repair ---------------------------------------------------------------------------
+
+
+#: Columns of a generated answer and its example, cleared when a kept truncated
+#: sample is requeued to be generated again.
+_ANSWER_COLUMNS = ("response_content", "reasoning_content", "finish_reason", "prompt_tokens",
+                   "completion_tokens", "prompt_token_ids", "completion_token_ids", "tool_calls",
+                   "repairs", "input_ids", "loss_mask", "num_tokens", "num_supervised",
+                   "tokenize_version", "token_mismatch", "cut_at_turn", "cut_reason",
+                   "examples")
+
+
+def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
+            sample_ids: Sequence[int] = (), now: datetime,
+            overrides: dict[str, Any] | None = None) -> int:
+    """failed → pending with a fresh attempt budget. Returns how many moved.
+
+    Class ``truncated`` also takes the done samples whose answer hit max_tokens
+    (a job that keeps truncated answers): done → pending, their answer cleared
+    (for a conversation regenerated turn by turn, its last turn's). ``overrides``
+    (max_tokens, temperature, ...) are merged into each requeued sample's own
+    settings; the others keep theirs. A finished job becomes active again in the
+    same transaction.
+    """
+    scope = [Sample.job_id == job_id]
+    if classes:
+        scope.append(Sample.error_class.in_(classes))
+    if sample_ids:
+        scope.append(Sample.id.in_(sample_ids))
+    #: What ledger.requeue sets (and the kind's own columns), for the rows moved one by one.
+    again = dict(next_attempt_at=now, claim=None, server=None)
+    base = dict(state=SampleState.PENDING, attempts=0, finished_at=None, updated_at=now,
+                **again)
+    kept: list[Any] = []
+    if "truncated" in classes:
+        kept = [Sample.job_id == job_id, Sample.state == SampleState.DONE,
+                Sample.finish_reason == "length",
+                *([Sample.id.in_(sample_ids)] if sample_ids else [])]
+    if not overrides and not kept:
+        moved = ledger.requeue(session, SAMPLES, scope, now=now, **again)
+    else:
+        moved = _requeue_rows(session, scope, kept, base, again, overrides or {}, now=now)
+    if moved:
+        reactivate(session, job_id, now=now)
+    return moved
+
+
+def _requeue_rows(session: Session, scope: list[Any], kept: list[Any], base: dict[str, Any],
+                  again: dict[str, Any], overrides: dict[str, Any], *, now: datetime) -> int:
+    """:func:`requeue` row by row: each sample's own overrides merged, answers cleared."""
+    conds = [Sample.state == SampleState.FAILED, *scope]
+    where = or_(and_(*conds), and_(*kept)) if kept else and_(*conds)
+    rows = session.execute(
+        select(Sample.id, Sample.state, Sample.overrides, Sample.turns)
+        .where(where).with_for_update()).all()
+    groups: dict[str, list[int]] = {}
+    moved = 0
+    for sid, state, own, answers in rows:
+        merged = {**(own or {}), **overrides} or None
+        if str(state) == SampleState.DONE:  # a kept truncated answer: generate it again
+            values: dict[str, Any] = {**base, **dict.fromkeys(_ANSWER_COLUMNS),
+                                      "overrides": merged}
+            if answers:
+                values.update(turns=answers[:-1], turn=len(answers) - 1)
+            moved += _cas(session, sid, [SampleState.DONE], values)
+            continue
+        groups.setdefault(json.dumps(merged, sort_keys=True), []).append(sid)
+    for key, ids in groups.items():
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start:start + 1000]
+            moved += ledger.requeue(session, SAMPLES, [Sample.id.in_(chunk)], now=now,
+                                    overrides=json.loads(key), **again)
+    return moved
+
+
+def retokenized(session: Session, sample_id: int, *, still_stale: Any, state: SampleState,
+                now: datetime, **values: Any) -> bool:
+    """done/failed/skipped → done/failed/skipped with a new example (``synthq retokenize``).
+
+    ``still_stale`` is the condition that made the sample eligible (it has a
+    stored response and an example older than the job's tokenize version);
+    a sample that another batch already recomputed is left alone.
+    """
+    return _cas(session, sample_id, FINISHED, dict(state=state, updated_at=now, **values),
+                extra=[still_stale])
+
+
+# -- jobs -------------------------------------------------------------------------------
+
+#: Allowed sources of each job transition a user asks for (pause, resume, cancel).
+JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
+    JobState.PAUSED: (JobState.ACTIVE, JobState.PAUSED),
+    JobState.ACTIVE: (JobState.PAUSED, JobState.ACTIVE),
+    JobState.CANCELLED: (JobState.ACTIVE, JobState.PAUSED, JobState.FINISHED,
+                         JobState.CANCELLED),
+}
+
+
+def create_job(session: Session, values: dict[str, Any], *, key_version: int,
+               now: datetime) -> Job | None:
+    """A new, active job with ``values`` (a JobSpec's fields), or None when a job of that
+    name exists (``INSERT ... ON CONFLICT DO NOTHING``: two first enqueues of one job
+    racing both succeed, one of them finding the other's job)."""
+    dialect = session.get_bind().dialect.name
+    ins = pg_insert if dialect == "postgresql" else sqlite_insert
+    job_id = session.execute(
+        ins(Job).values(**values, state=JobState.ACTIVE, key_version=key_version, moves=[],
+                        created_at=now, updated_at=now)
+        .on_conflict_do_nothing(index_elements=["name"]).returning(Job.id)).scalar()
+    return None if job_id is None else session.get_one(Job, job_id)
+
+
+def update_job(session: Session, job: Job, changes: dict[str, Any], *, now: datetime) -> None:
+    """Change a job's operational settings (servers, timeouts, limits); not its state."""
+    if "state" in changes:
+        raise ValueError("a job's state changes only through its transitions")
+    for key, value in changes.items():
+        setattr(job, key, value)
+    if changes:
+        job.updated_at = now
+
+
+def _no_open_sample() -> Any:
+    return ~exists().where(Sample.job_id == Job.id, Sample.state.in_(OPEN))
+
+
+def finish_jobs(session: Session, *, now: datetime,
+                job_ids: Sequence[int] | None = None) -> list[int]:
+    """active → finished for every job (of ``job_ids``) whose samples are all terminal.
+
+    The job rows are locked first (``SKIP LOCKED``: an enqueue or requeue
+    holding one is adding work), and the check runs again in a later
+    statement, which sees whatever such a transaction committed. Returns the
+    ids finished.
+    """
+    scope = [Job.id.in_(job_ids)] if job_ids is not None else []
+    candidates = list(session.scalars(
+        select(Job.id).where(Job.state == JobState.ACTIVE, _no_open_sample(), *scope)))
+    if not candidates:
+        return []
+    locked = list(session.scalars(
+        select(Job.id).where(Job.id.in_(candidates), Job.state == JobState.ACTIVE)
+        .with_for_update(skip_locked=True)))
+    if not locked:
+        return []
+    rows = _exec(session,
+        update(Job).where(Job.id.in_(locked), Job.state == JobState.ACTIVE, _no_open_sample())
+        .values(state=JobState.FINISHED, updated_at=now).returning(Job.id)).all()
+    return [r[0] for r in rows]
+
+
+def reactivate(session: Any, job_id: int, *, now: datetime) -> bool:
+    """finished → active, in the transaction that added or requeued samples.
+
+    ``session`` is a Session or a Connection. The job row is locked even when
+    the job is not finished, so that :func:`finish_jobs` waits for this
+    transaction's samples instead of finishing the job under them.
+    """
+    result = session.execute(
+        update(Job).where(Job.id == job_id)
+        .values(state=case((Job.state == JobState.FINISHED, JobState.ACTIVE.value),
+                           else_=Job.state),
+                updated_at=case((Job.state == JobState.FINISHED, now), else_=Job.updated_at))
+        .returning(Job.state).execution_options(synchronize_session=False))
+    state = result.scalar()
+    return state is not None and str(state) == JobState.ACTIVE
+
+
+def move_job(session: Session, job: Job, *, model: str | None, servers: list[str] | None,
+             requeued: int, now: datetime) -> dict[str, Any]:
+    """Point a job's remaining work at another model and/or servers; records the move.
+
+    The first model change keeps the settings the content keys were made
+    under in ``key_settings``. Returns the recorded move.
+    """
+    move: dict[str, Any] = {"at": now.isoformat(), "requeued": requeued}
+    changes: dict[str, Any] = {}
+    if model is not None and model != job.model:
+        if job.key_settings is None:
+            changes["key_settings"] = job.generation_settings()
+        move["model"] = [job.model, model]
+        changes["model"] = model
+    if servers is not None and servers != list(job.servers):
+        move["servers"] = [list(job.servers), servers]
+        changes["servers"] = servers
+    changes["moves"] = [*(job.moves or []), move]
+    update_job(session, job, changes, now=now)
+    session.flush()
+    return move
+
+
+def set_job_state(session: Session, job_id: int, target: JobState, *, now: datetime,
+                  reason: str | None = None) -> bool:
+    """pause (active → paused), resume (paused → active), cancel (→ cancelled), as a CAS.
+
+    ``reason``: why synthq pauses the job itself (shown by ``status``); any other
+    transition clears it."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.in_(JOB_TRANSITIONS[target]))
+        .values(state=target, updated_at=now,
+                pause_reason=reason if target == JobState.PAUSED else None)
+        .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def set_capture_stopped(session: Session, job_id: int, reason: str | None, *,
+                        now: datetime) -> bool:
+    """Stop the job's capture stage with ``reason`` (synthq.queue.streaks), or (None) let it run
+    again. Generation is not touched. True when the row changed."""
+    stopped = Job.capture_stopped.is_(None) if reason is not None \
+        else Job.capture_stopped.is_not(None)
+    result = session.execute(update(Job).where(Job.id == job_id, stopped)
+                             .values(capture_stopped=reason, updated_at=now)
+                             .execution_options(synchronize_session=False))
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+# -- the sweep --------------------------------------------------------------------------
+
+
+def _max_attempts(dialect: str) -> Any:
+    """A sample's own bound (``requeue --max-attempts`` stores it in its overrides), else its
+    job's. Read so that no stored value can fail the statement, which sweeps every job: a
+    number of any size (10**12 does not fit an INTEGER cast), anything else ignored."""
+    own = Sample.overrides["max_attempts"]
+    if dialect == "postgresql":
+        number = case((func.jsonb_typeof(own) == "number", cast(own.as_string(), Numeric)))
+    else:
+        number = case((func.json_type(Sample.overrides, "$.max_attempts").in_(
+            ("integer", "real")), own.as_float()))
+    return func.coalesce(number, Job.max_attempts)
+
+
+def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
+           job_ids: Sequence[int] | None = None,
+           worker_timeout: float | None = None) -> list[tuple[int, SampleState]]:
+    """Sweep: in-flight samples whose holder is gone.
+
+    * a queued sample past its deadline (its message never reached a worker);
+    * a running sample whose lease passed ``cutoff`` (default ``now``);
+    * with ``worker_timeout``, a running sample whose worker has not
+      heart-beaten for that many seconds (``kill -9``): at once, not after
+      its lease.
+
+    Each goes back to ``pending`` (due now), or to ``failed`` (class
+    ``connection``) if it was running its last attempt. A running sample's
+    call is logged as a ``lost`` attempt. The embedded runner passes a far
+    future ``cutoff`` at start to reclaim everything a killed run left in
+    flight. Returns ``(sample_id, new_state)`` for each sample moved.
+    """
+    cutoff = cutoff or now
+    gone = Sample.expires_at < cutoff
+    if worker_timeout is not None:
+        live = select(Worker.name).where(
+            Worker.heartbeat_at >= now - timedelta(seconds=worker_timeout))
+        gone = gone | ledger.held_by_dead(SAMPLES, live)
+    expired = ledger.expire(
+        session, SAMPLES, now=now, gone=gone,
+        scope=[Sample.job_id.in_(job_ids)] if job_ids is not None else [],
+        cap=_max_attempts(session.get_bind().dialect.name), join=(Job, Job.id == Sample.job_id),
+        columns=(Sample.server, Sample.worker, Sample.started_at,
+                 Sample.response_content.is_(None),
+                 case((Job.regenerate == "all", Sample.turn), else_=None)),
+        back=dict(server=None,
+                  last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
+                                   else_=Sample.last_server),
+                  next_attempt_at=now),
+        failed=dict(error_class="connection",
+                    error_message="the worker stopped reporting during its last attempt"))
+    # The calls those workers were making never ended: log them as lost.
+    # (rows: id, state, attempts, cap, server, worker, started_at, unanswered, turn)
+    lost = [attempt_row(r[0], server=r[4], worker=r[5], started_at=r[6] or now, ended_at=now,
+                        outcome="lost", turn=r[8],
+                        error_message="the worker stopped reporting during the call")
+            for r in expired.rows if r[1] == SampleState.RUNNING and r[4] and r[7]]
+    if lost:
+        session.execute(insert(Attempt), lost)
+    return [*((i, SampleState.PENDING) for i in expired.back),
+            *((i, SampleState.FAILED) for i in expired.failed)]
+
+
+# -- the counters -------------------------------------------------------------------------
+
+#: PostgreSQL: fold each key's delta rows (appended by the triggers of migration 0016)
+#: into one, and drop keys whose sums are all zero. Rows a writer appends meanwhile are not in
+#: this statement's snapshot and stay; a second fold at once skips the rows the first
+#: deleted. Either way every sum is unchanged.
+_FOLD = """
+    WITH keys AS (
+        SELECT {key} FROM {table} GROUP BY {key} HAVING count(*) > 1 OR {zero}
+    ), folded AS (
+        DELETE FROM {table} c USING keys
+        WHERE {match}
+        RETURNING {returning}
+    )
+    INSERT INTO {table} ({key}, {sums})
+    SELECT {key}, {summed} FROM folded GROUP BY {key} HAVING NOT ({zero})"""
+
+
+_NULLABLE = ("error_class", "tokenize_version", "outcome")
+
+
+def _fold(table: str, key: Sequence[str], sums: Sequence[str]) -> str:
+    return _FOLD.format(
+        table=table, key=", ".join(key), sums=", ".join(sums),
+        # error_class and outcome may be NULL: a NULL key matches a NULL key.
+        match=" AND ".join(f"c.{k} IS NOT DISTINCT FROM keys.{k}" if k in _NULLABLE
+                           else f"c.{k} = keys.{k}" for k in key),
+        returning=", ".join(f"c.{c}" for c in (*key, *sums)),
+        summed=", ".join(f"sum({c})" for c in sums),
+        zero=" AND ".join(f"sum({c}) = 0" for c in sums))
+
+
+_FOLD_SAMPLES = _fold("sample_counts", ("job_id", "state", "error_class", "tokenize_version",
+                                        "answered"),
+                      ("n", "tokens", "supervised", "mismatches"))
+_FOLD_CALLS = _fold("call_counts", ("job_id", "server", "outcome"), ("n", "tokens"))
+
+
+def compact_counts(session: Session) -> None:
+    """Keep the counter tables small (the sweep calls this): one row per key.
+
+    The triggers never wait on one another for a counter: on PostgreSQL each
+    statement appends its deltas. SQLite keeps one row per key already; only
+    the keys at zero go.
+    """
+    from sqlalchemy import text
+
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text(_FOLD_SAMPLES))
+        session.execute(text(_FOLD_CALLS))
+    else:
+        session.execute(text("DELETE FROM sample_counts WHERE n = 0 AND tokens = 0 "
+                             "AND supervised = 0 AND mismatches = 0"))

@@ -1,0 +1,1 @@
+"""Calling the inference servers: the request, its outcome, the event loop, limits, health."""

@@ -1,0 +1,1 @@
+"""The settings: the service's (config) and a job's, declared once (jobspec)."""

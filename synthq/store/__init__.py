@@ -1,0 +1,1 @@
+"""Storage: the schema, engine and sessions, migrations, plain-SQL reads of counters and cost."""
