@@ -41,7 +41,7 @@ __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail
 #: ``expires_at``.
 CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        held=CaptureState.RUNNING, done=CaptureState.DONE,
-                       failed=CaptureState.FAILED, lease="expires_at")
+                       failed=CaptureState.FAILED, lease="expires_at", charge="claim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +109,7 @@ def claim(session: Session, job_id: int, *, server: str, limit: int, most: int, 
         session, CAPTURES, [Capture.id.in_(ids),
                             Capture.state.in_(ledger.allowed(CAPTURES, "claim"))],
         token=token, worker=worker, lease=now + timedelta(seconds=lease), now=now,
-        values=dict(server=server, attempts=Capture.attempts + 1, error_class=None,
-                    error_message=None),
+        values=dict(server=server, error_class=None, error_message=None),
         returning=(Capture.id, Capture.sample_id, Capture.attempts))
     return [Claimed(cid, sid, token, attempts) for cid, sid, attempts in rows]
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, select, text, tuple_, update
+from sqlalchemy import and_, bindparam, case, select, text, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
@@ -44,7 +44,7 @@ from synthq.core.retry import backoff_delay
 
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "claim_statement", "claim", "held_by_dead", "expire", "requeue",
-           "refund", "retry_delay"]
+           "charged", "refund", "retry_delay"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +70,13 @@ class Kind:
     #: Statements run on the session's connection, skipping the ORM's flush: the
     #: per-sample hot path (its ORM machinery cost more CPU than the statements).
     hot: bool = False
+    #: What a claim charges to the row's ``attempts`` (its attempt budget): ``"claim"``
+    #: every claim; ``"call"`` a claim that makes a call, not one whose :attr:`answer`
+    #: column holds a stored answer (it is only processed again); None: the kind keeps
+    #: no budget. :func:`charged` and :func:`refund` apply it.
+    charge: str | None = None
+    #: The column of a stored answer (``charge="call"``).
+    answer: str | None = None
 
     @property
     def lease_is_deadline(self) -> bool:
@@ -87,6 +94,11 @@ class Kind:
 
     def column(self, name: str) -> Any:
         return getattr(self.model, name)
+
+    def __post_init__(self) -> None:
+        if self.charge not in (None, "claim", "call") or \
+                (self.charge == "call") is (self.answer is None):
+            raise ValueError(f"{self.name}: charge {self.charge!r} with answer {self.answer!r}")
 
 
 class Transition(NamedTuple):
@@ -293,12 +305,13 @@ def _merged_statement(kind: Kind, sources: tuple[str, ...], names: tuple[str, ..
 def claim_statement(kind: Kind, where: Sequence[Any], *, token: Any, worker: Any, lease: Any,
                     now: Any, values: Mapping[str, Any] | None = None,
                     returning: Sequence[Any] = ()) -> Any:
-    """``UPDATE kind SET state=held, claim=token, worker, lease, started_at, updated_at
-    WHERE where``: the claim of every kind (values may be bound parameters, for a
-    statement built once). ``where`` names the rows and their allowed states."""
+    """``UPDATE kind SET state=held, claim=token, worker, lease, started_at, updated_at,
+    attempts (the kind's charge) WHERE where``: the claim of every kind (values may be bound
+    parameters, for a statement built once). ``where`` names the rows and their allowed
+    states."""
     stmt = update(kind.model).where(*where).values(
         {"state": kind.held, "claim": token, kind.lease: lease, "worker": worker,
-         "started_at": now, "updated_at": now, **(values or {})})
+         "started_at": now, "updated_at": now, **charged(kind), **(values or {})})
     return stmt.returning(*returning) if returning else stmt
 
 
@@ -380,10 +393,23 @@ def requeue(session: Session, kind: Kind, where: Sequence[Any], *, now: datetime
     return int(result.rowcount or 0)
 
 
+def charged(kind: Kind) -> dict[str, Any]:
+    """The column a claim sets to charge the kind's attempt budget (:attr:`Kind.charge`)."""
+    if kind.charge is None:
+        return {}
+    attempts = kind.column("attempts")
+    if kind.charge == "call" and kind.answer is not None:
+        return {"attempts": case((kind.column(kind.answer).is_(None), attempts + 1),
+                                 else_=attempts)}
+    return {"attempts": attempts + 1}
+
+
 def refund(kind: Kind) -> dict[str, Any]:
     """The column a retry sets to give its claim's charge back: an uncharged retry, whose
     call does not count against the row's attempt budget (a sample's overload answer, a
     capture whose server was down)."""
+    if kind.charge is None:
+        raise ValueError(f"{kind.name} keeps no attempt budget")
     attempts = kind.column("attempts")
     return {"attempts": attempts - 1}
 

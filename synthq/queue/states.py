@@ -71,7 +71,8 @@ __all__ = [
 #: (or a queued sample's claim deadline) in ``expires_at``.
 SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
                       done=SampleState.DONE, failed=SampleState.FAILED,
-                      offered=SampleState.QUEUED, lease="expires_at", hot=True)
+                      offered=SampleState.QUEUED, lease="expires_at", hot=True,
+                      charge="call", answer="response_content")
 
 #: Sample states that keep a job from being finished.
 OPEN = (SampleState.PENDING, SampleState.QUEUED, SampleState.RUNNING)
@@ -272,8 +273,6 @@ def _claim_statement() -> Any:
         token=bindparam("new_token", type_=columns["claim"].type),
         lease=bindparam("lease_until", type_=columns["expires_at"].type),
         worker=bindparam("worker", type_=columns["worker"].type), now=now,
-        values={"attempts": case((Sample.response_content.is_(None), Sample.attempts + 1),
-                                 else_=Sample.attempts)},
         returning=(Sample.id, Sample.job_id, Sample.attempts, Sample.prompt, Sample.server,
                    Sample.response_content, Sample.reasoning_content, Sample.finish_reason,
                    Sample.completion_token_ids, Sample.tool_calls, Sample.tools, Sample.turn,

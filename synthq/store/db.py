@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from synthq.core.clock import utcnow
+from synthq.core.retry import exponential
 from synthq.core.secrets import safe_url
 
 log = logging.getLogger(__name__)
@@ -403,9 +404,9 @@ def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, what: str = "databa
 
                 raise DiskFull(database_location()) from exc
             transient = isinstance(exc, OperationalError) or exc.connection_invalidated
-            if not transient or attempt == attempts - 1:
+            if not transient or attempt + 1 == attempts:
                 raise
-            delay = min(2.0, 0.1 * 2**attempt)
+            delay = exponential(attempt + 1, base=0.1, cap=2.0)
             log.warning("%s: transient error (%s); retrying in %.1f s", what,
                         str(exc).splitlines()[0][:200], delay)
             time.sleep(delay)

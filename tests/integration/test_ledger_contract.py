@@ -317,6 +317,9 @@ def test_the_table_matches_each_kinds_declaration(kind: Kind) -> None:
     lk = kind.ledger_kind
     assert lk.offered == expect(kind.name, "offered state")
     assert lk.lease == expect(kind.name, "lease column")
+    # The charge at claim is the kind's declaration, which ledger.claim applies.
+    assert {"call": "a call", "claim": "every claim", None: None}[lk.charge] == \
+        expect(kind.name, "claim charges")
     # Each operation the table says a kind lacks is absent from its module, and present
     # where the table names it: adding one changes the table.
     for rule in ("renew", "retry", "release", "requeue"):

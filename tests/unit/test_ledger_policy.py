@@ -77,3 +77,25 @@ def test_every_attempt_row_names_every_column_whoever_builds_it() -> None:
                               completion_tokens=12, turn=2)
     assert (full["worker"], full["latency_s"], full["ttft_s"], full["completion_tokens"],
             full["turn"]) == ("w", 1.5, 0.25, 12, 2)
+
+
+def test_the_claim_charges_by_the_kinds_declaration() -> None:
+    """Samples: a call (none when the answer is stored); captures: every claim; runs keep no
+    budget. The one claim statement (ledger.claim_statement) sets what ledger.charged says."""
+    from synthq.queue.run_states import RUNS
+
+    def compiled(kind: ledger.Kind) -> str:
+        (column, value), = ledger.charged(kind).items()
+        assert column == "attempts"
+        return str(value.compile(compile_kwargs={"literal_binds": True})).replace("\n", " ")
+
+    assert compiled(SAMPLES) == ("CASE WHEN (samples.response_content IS NULL) "
+                                 "THEN samples.attempts + 1 ELSE samples.attempts END")
+    assert compiled(CAPTURES) == "captures.attempts + 1"
+    assert ledger.charged(RUNS) == {}
+    for kind in (SAMPLES, CAPTURES):
+        claim = str(ledger.claim_statement(kind, [], token="t", worker="w", lease=None,
+                                           now=None))
+        assert "attempts=" in claim.replace(" ", ""), kind.name
+    assert "attempts" not in str(ledger.claim_statement(RUNS, [], token="t", worker="w",
+                                                        lease=None, now=None))
