@@ -6,9 +6,9 @@ with the same piece as it was before the round (``--before REV``, default
 a module of its own), interleaved over ``--repeats`` rounds; the figure is the
 median microseconds per operation, and the difference is what the check adds:
 
-* **chunk**: ``_Accumulator.add`` of one streamed chunk (a vLLM-style text chunk)
-  with the shape checks vs without;
-* **end of a streamed call**: the usage check (``_checked_usage``, ``_ceiling``,
+* **chunk**: ``synthq.serving.answer.Accumulator.add`` of one streamed chunk (a
+  vLLM-style text chunk) with the shape checks vs without;
+* **end of a streamed call**: the usage check (``answer.checked_usage``, ``_ceiling``,
   ``pieces``, ``ids``) vs nothing;
 * **request body**: ``_body`` (reserved keys left out, the size cap) vs the plain dump;
 * **non-streamed answer**: ``_completion_result`` with its field and usage checks vs without;
@@ -76,20 +76,21 @@ def _chunk(i: int) -> dict[str, Any]:
 
 def pieces(before: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
     """name -> (before, now, calls per timing)."""
+    from synthq.serving import answer
     from synthq.serving import inference as now
 
     chunks = [_chunk(i) for i in range(40)]
     chunks[-1]["choices"][0]["finish_reason"] = "length"
 
-    def add_all(module: Any) -> Callable[[], Any]:
+    def add_all(accumulator: Any) -> Callable[[], Any]:
         def run() -> Any:
-            acc = module._Accumulator()
+            acc = accumulator()
             for c in chunks:
                 acc.add(c)
             return acc
         return run
 
-    filled = add_all(now)()
+    filled = add_all(answer.Accumulator)()
     filled.usage = {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}
     request = now.ChatRequest(model="m", messages=[{"role": "user", "content": "q " * 20}],
                               max_tokens=256)
@@ -99,9 +100,9 @@ def pieces(before: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any],
 
     def usage_now() -> Any:
         ids = filled.ids()
-        return now._checked_usage(filled.usage, ceiling=now._ceiling(request), ids=ids,
-                                  prompt_ids=filled.prompt_token_ids,
-                                  streamed=filled.pieces(), text=bool(filled.content))
+        return answer.checked_usage(filled.usage, ceiling=now._ceiling(request), ids=ids,
+                                    prompt_ids=filled.prompt_token_ids,
+                                    streamed=filled.pieces(), text=bool(filled.content))
 
     def usage_before() -> Any:
         usage = filled.usage or {}
@@ -113,7 +114,7 @@ def pieces(before: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any],
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}}
     return {
-        "chunk": (add_all(before), add_all(now), 25),
+        "chunk": (add_all(before._Accumulator), add_all(answer.Accumulator), 25),
         "end of a streamed call (usage)": (usage_before, usage_now, 1000),
         "request body": (lambda: old_client._body(old_request, stream=True),
                          lambda: client._body(request, stream=True), 1000),

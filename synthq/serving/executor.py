@@ -10,7 +10,8 @@ or ``synthq run``) has one :class:`Executor`:
   have an outcome. Celery's few carrier threads just wait in it.
 * **one event loop** runs every HTTP call of the process (an async client
   per server, its pool sized to the server's current limit), with the raw
-  SSE parsing and the stall and total clocks of :mod:`synthq.serving.inference`.
+  SSE parsing (:mod:`synthq.serving.answer`) and the stall and total clocks of
+  :mod:`synthq.serving.inference`.
 * **one writer thread** (:mod:`synthq.serving.writer`) commits outcomes in batches.
 * **keepalive**: the process's ``workers`` row is refreshed every
   ``heartbeat_interval`` seconds on a connection of its own (:mod:`synthq.queue.heartbeat`:

@@ -9,19 +9,14 @@ from typing import Any
 import pytest
 
 from synthq.core import netio
-from synthq.serving.inference import (
-    MAX_USAGE_TOKENS,
-    ChatRequest,
-    _Accumulator,
-    _ceiling,
-    _checked_usage,
-)
+from synthq.serving.answer import MAX_USAGE_TOKENS, Accumulator, checked_usage
+from synthq.serving.inference import ChatRequest, _ceiling
 
 
 def usage(value: Any, *, ids: list[int] | None = None, prompt_ids: list[int] | None = None,
           streamed: int | None = 3, text: bool = True, ceiling: int = 64) -> tuple[Any, ...]:
-    u = _checked_usage(value, ceiling=ceiling, ids=ids, prompt_ids=prompt_ids,
-                       streamed=streamed, text=text)
+    u = checked_usage(value, ceiling=ceiling, ids=ids, prompt_ids=prompt_ids,
+                      streamed=streamed, text=text)
     return u.prompt, u.completion, u.problem is not None
 
 
@@ -62,7 +57,7 @@ def test_the_ceiling_is_the_request_as_sent() -> None:
 
 
 def test_streamed_pieces_count_text_chunks_and_tool_call_pieces() -> None:
-    acc = _Accumulator()
+    acc = Accumulator()
     for chunk in ({"choices": [{"delta": {"content": "a"}}]},
                   {"choices": [{"delta": {"reasoning_content": "r"}}]},
                   {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {

@@ -1,6 +1,6 @@
 """A call's HTTP as synthq sends and reads it, against a raw asyncio server that frames
 and splits the body as a hostile or merely unusual server would: the request sent to the
-connection pool without httpx's per-request layers (``synthq.serving.inference._Direct``), and
+connection pool without httpx's per-request layers (``synthq.serving.transport.Direct``), and
 the chunked body unframed by synthq (:func:`synthq.core.netio.chunked_body`) instead of one
 h11 event per chunk.
 
