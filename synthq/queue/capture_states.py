@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, func, insert, literal, or_, select, update
+from sqlalchemy import Integer, String, func, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
@@ -67,13 +67,11 @@ def add_missing(session: Session, job_id: int, *, now: datetime) -> int:
          "updated_at"], rows))
     current = select(Sample.tokenize_version).where(Sample.id == Capture.sample_id) \
         .scalar_subquery()
-    restale = session.execute(update(Capture).where(
-        Capture.job_id == job_id,
-        Capture.state.in_([CaptureState.DONE, CaptureState.FAILED]),
-        Capture.tokenize_version.is_distinct_from(current)).values(
-        state=CaptureState.PENDING, tokenize_version=current, attempts=0, path=None,
-        sha256=None, bytes=None, error_class=None, error_message=None, next_attempt_at=None,
-        updated_at=now).execution_options(synchronize_session=False)).rowcount or 0  # type: ignore[attr-defined]
+    restale = ledger.apply(
+        session, CAPTURES, "restale",
+        [Capture.job_id == job_id, Capture.tokenize_version.is_distinct_from(current)],
+        now=now, tokenize_version=current, path=None, sha256=None, bytes=None,
+        error_class=None, error_message=None, next_attempt_at=None)
     return added + restale
 
 

@@ -43,6 +43,7 @@ from sqlalchemy.sql import ClauseElement
 from synthq.core.retry import backoff_delay
 
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
+           "move_many", "apply", "moved",
            "claim_statement", "claim", "held_by_dead", "expire", "requeue",
            "charged", "refund", "retry_delay"]
 
@@ -64,6 +65,8 @@ class Kind:
     failed: str
     #: The state a row is claimed from when it is not :attr:`waiting` (samples: queued).
     offered: str | None = None
+    #: The state a cancelled row ends in (None: the kind is cancelled with its job).
+    cancelled: str | None = None
     #: The column of the lease: its end (``expires_at``), or the holder's last beat
     #: (``heartbeat_at``: the lease ends a kind's lease seconds after it).
     lease: str = "expires_at"
@@ -108,34 +111,66 @@ class Transition(NamedTuple):
     target: str | None
     #: Whether the caller must present the claim token.
     token: bool
+    #: A fresh attempt budget: ``attempts`` 0, ``finished_at`` cleared.
+    fresh: bool = False
 
 
-#: The lifecycle every kind shares, by transition: which states each accepts.
+#: The lifecycle every kind shares, by transition: which states each accepts, where it
+#: leads. A kind uses those whose states it has (a transition through a role the kind
+#: lacks, such as ``cancelled`` for samples, is refused by :func:`allowed`).
 TRANSITIONS: dict[str, Transition] = {
     # A kind with an offered state: the dispatcher offers a waiting row (with a token
     # and a deadline), and an offer nobody claimed goes back.
     "offer": Transition(("waiting",), "offered", False),
     "unoffer": Transition(("offered",), "waiting", True),
     "claim": Transition(("claimable",), "held", False),
+    # An answer that arrived after its holder's lease was given up, kept under its old
+    # token when the row is still open (the caller's conditions: no later attempt has
+    # finished): the second way into held, named here like the first.
+    "keep_late": Transition(("waiting", "inflight"), "held", False),
     "renew": Transition(("held",), None, True),
     "finish": Transition(("held",), "done", True),
     "retry": Transition(("held",), "waiting", True),
     "release": Transition(("held",), "waiting", True),
     "fail": Transition(("held",), "failed", True),
+    # The sweep: a holder gone (lease passed, holder dead) gives the row back, or fails
+    # it when its attempts reached the cap.
     "expire": Transition(("inflight",), "waiting", False),
-    "requeue": Transition(("failed",), "waiting", False),
+    "expire_failed": Transition(("held",), "failed", False),
+    # Repairs, with a fresh attempt budget: a failed row again (``requeue``), a done one
+    # to be done again (``redo``: a kept truncated answer), a finished one whose input
+    # changed (``restale``: a capture of a retokenized sample).
+    "requeue": Transition(("failed",), "waiting", False, fresh=True),
+    "redo": Transition(("done",), "waiting", False, fresh=True),
+    "restale": Transition(("done", "failed"), "waiting", False, fresh=True),
+    # A row that is nobody's held work any more: cancelled (held or not), or failed
+    # before any holder took it.
+    "cancel": Transition(("waiting", "inflight"), "cancelled", False),
+    "refuse": Transition(("waiting",), "failed", False),
+    # The state stays: a waiting row touched (its message sent again), a done one
+    # annotated (what an engine measured of it).
+    "touch": Transition(("waiting",), None, False),
+    "annotate": Transition(("done",), None, False),
 }
 
 
 def _states(kind: Kind, role: str) -> tuple[str, ...]:
     if role == "inflight":
         return kind.inflight
-    return (getattr(kind, role),)
+    state = getattr(kind, role)
+    if state is None:
+        raise ValueError(f"{kind.name} has no {role} state")
+    return (state,)
 
 
+@functools.lru_cache(maxsize=128)
 def allowed(kind: Kind, transition: str) -> tuple[str, ...]:
-    """The states of ``kind`` that ``transition`` accepts."""
-    return tuple(s for role in TRANSITIONS[transition].sources for s in _states(kind, role))
+    """The states of ``kind`` that ``transition`` accepts (a ValueError when the kind has
+    no state of one of its roles)."""
+    t = TRANSITIONS[transition]
+    if t.target is not None:
+        _states(kind, t.target)
+    return tuple(s for role in t.sources for s in _states(kind, role))
 
 
 # -- compare-and-set --------------------------------------------------------------------
@@ -201,31 +236,58 @@ def _run(session: Session, statement: Any, params: Any = None, *, hot: bool = Fa
 
 
 def move(session: Session, kind: Kind, transition: str, row_id: int, token: str | None, *,
-         now: datetime, **values: Any) -> bool:
-    """One transition of :data:`TRANSITIONS` as a compare-and-set, with what it implies:
-    the target state and ``updated_at``; leaving ``held``, the claim (and a deadline
-    lease) cleared; reaching ``done`` or ``failed``, ``finished_at``. ``values`` add
-    the kind's own columns (and may override any of these)."""
+         now: datetime, extra: Sequence[Any] = (), **values: Any) -> bool:
+    """One transition of :data:`TRANSITIONS` as a compare-and-set, with what it implies
+    (:func:`moved`); ``extra``: the caller's own conditions on the row."""
     return cas(session, kind, row_id, allowed(kind, transition),
-               moved(kind, transition, token, now=now, **values), token=token)
+               moved(kind, transition, token, now=now, **values), token=token, extra=extra)
 
 
-def moved(kind: Kind, transition: str, token: str | None, *, now: datetime,
+def move_many(session: Session, kind: Kind, transition: str, items: Sequence[tuple[int, str]],
+              *, now: datetime, **values: Any) -> int:
+    """:func:`move` for many ``(id, claim token)`` pairs in one statement: how many won."""
+    # (Each pair's token is compared by cas_many.)
+    return int(cas_many(session, kind, items, allowed(kind, transition),
+                        moved(kind, transition, "each pair's", now=now, **values)))
+
+
+def apply(session: Session, kind: Kind, transition: str, where: Sequence[Any], *,
+          now: datetime, **values: Any) -> int:
+    """One transition that presents no token (a repair, a cancel, a touch) over the rows
+    of ``where`` in its sources: how many moved."""
+    model = kind.model
+    stmt = update(model).where(model.state.in_(allowed(kind, transition)), *where)
+    result = _run(session, stmt.values(**moved(kind, transition, None, now=now, **values)),
+                  hot=kind.hot)
+    return int(result.rowcount or 0)
+
+
+#: Targets that end a row's work: they stamp ``finished_at``.
+_FINAL = frozenset({"done", "failed", "cancelled"})
+
+
+def moved(kind: Kind, transition: str, token: str | None, *, now: Any,
           **values: Any) -> dict[str, Any]:
-    """The columns :func:`move` sets: what the transition implies, then ``values``."""
+    """The columns :func:`move` sets: what the transition implies, then ``values`` (the
+    kind's own columns; they may override any of these). Into ``held`` or ``offered``,
+    the state and ``updated_at`` (the new claim and lease are the caller's); into any
+    other state, the claim (and a deadline lease) cleared too; into a final state,
+    ``finished_at``; a fresh budget, ``attempts`` 0 and no ``finished_at``."""
     t = TRANSITIONS[transition]
     if t.token and token is None:
         raise ValueError(f"{kind.name} {transition} needs the claim token")
     implied: dict[str, Any] = {}
     if t.target is not None:
-        implied["state"] = getattr(kind, t.target)
-        if t.target != "held":
+        implied["state"] = _states(kind, t.target)[0]
+        if t.target not in ("held", "offered"):
             implied["claim"] = None
             if kind.lease_is_deadline:
                 implied[kind.lease] = None
-        if t.target in ("done", "failed"):
+        if t.target in _FINAL:
             implied["finished_at"] = now
         implied["updated_at"] = now
+    if t.fresh:
+        implied.update(attempts=0, finished_at=None)
     return {**implied, **values}
 
 
@@ -369,14 +431,12 @@ def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
     exhausted = {r[0] for r in rows
                  if cap is not None and r[1] == kind.held and r[2] >= r[3]}
     back_ids = [r[0] for r in rows if r[0] not in exhausted]
-    ended = {"claim": None, **({kind.lease: None} if kind.lease_is_deadline else {}),
-             "updated_at": now}
     if back_ids:
-        _run(session, update(model).where(model.id.in_(back_ids), *where)
-             .values(state=kind.waiting, **ended, **(back or {})))
+        apply(session, kind, "expire", [model.id.in_(back_ids), *where], now=now,
+              **(back or {}))
     if exhausted:
-        _run(session, update(model).where(model.id.in_(exhausted), *where)
-             .values(state=kind.failed, finished_at=now, **ended, **(failed or {})))
+        apply(session, kind, "expire_failed", [model.id.in_(exhausted), *where], now=now,
+              **(failed or {}))
     return Expired(list(rows), back_ids, sorted(exhausted))
 
 
@@ -386,11 +446,7 @@ def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
 def requeue(session: Session, kind: Kind, where: Sequence[Any], *, now: datetime,
             **values: Any) -> int:
     """failed → waiting with a fresh attempt budget, for the rows of ``where``; how many."""
-    model = kind.model
-    result = _run(session, update(model).where(model.state == kind.failed, *where)
-                  .values(state=kind.waiting, attempts=0, finished_at=None, updated_at=now,
-                          **values))
-    return int(result.rowcount or 0)
+    return apply(session, kind, "requeue", where, now=now, **values)
 
 
 def charged(kind: Kind) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.core.enums import RunState
@@ -41,7 +41,7 @@ __all__ = ["RUNS", "RunState", "OPEN", "create", "claim", "progress", "finish", 
 #: holder's heartbeat.
 RUNS = ledger.Kind("training run", TrainingRun, waiting=RunState.PENDING,
                    held=RunState.RUNNING, done=RunState.DONE, failed=RunState.FAILED,
-                   lease="heartbeat_at")
+                   cancelled=RunState.CANCELLED, lease="heartbeat_at")
 
 
 #: States in which a run still has work to do.
@@ -102,8 +102,7 @@ def fail(session: Session, run_id: int, token: str | None, *, error: str, now: d
     """running → failed (with the claim), or pending → failed (``token`` None)."""
     if token is not None:
         return ledger.move(session, RUNS, "fail", run_id, token, now=now, error=error)
-    return ledger.cas(session, RUNS, run_id, [RunState.PENDING], dict(
-        state=RunState.FAILED, error=error, claim=None, finished_at=now, updated_at=now))
+    return ledger.move(session, RUNS, "refuse", run_id, None, now=now, error=error)
 
 
 def release(session: Session, run_id: int, token: str, *, reason: str, now: datetime) -> bool:
@@ -114,17 +113,16 @@ def release(session: Session, run_id: int, token: str, *, reason: str, now: date
 
 def cancel(session: Session, run_id: int, *, now: datetime) -> bool:
     """pending/running → cancelled; the training process stops at its next heartbeat."""
-    return ledger.cas(session, RUNS, run_id, OPEN, dict(
-        state=RunState.CANCELLED, claim=None, finished_at=now, updated_at=now))
+    return ledger.move(session, RUNS, "cancel", run_id, None, now=now)
 
 
 def record_served(session: Session, run_id: int, *, acceptance: float, engine: str,
                   version: str | None, now: datetime) -> bool:
     """The acceptance length an engine served the done run's drafter at (``synthq
     serve-check``), beside its own estimate; the state stays done."""
-    return ledger.cas(session, RUNS, run_id, [RunState.DONE], dict(
-        served_acceptance_length=acceptance, served_engine=engine,
-        served_engine_version=version, updated_at=now))
+    return ledger.move(session, RUNS, "annotate", run_id, None, now=now,
+                       served_acceptance_length=acceptance, served_engine=engine,
+                       served_engine_version=version, updated_at=now)
 
 
 def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: float) -> list[int]:
@@ -144,6 +142,6 @@ def sweep_stale(session: Session, *, now: datetime, lease: float, resend_after: 
                                      TrainingRun.updated_at < now - timedelta(seconds=resend_after))
         .with_for_update(skip_locked=True)))
     if waiting:
-        session.execute(update(TrainingRun).where(TrainingRun.id.in_(waiting))
-                        .values(updated_at=now).execution_options(synchronize_session=False))
+        ledger.apply(session, RUNS, "touch", [TrainingRun.id.in_(waiting)], now=now,
+                     updated_at=now)
     return sorted(stale + waiting)

@@ -226,12 +226,12 @@ def _queue_statement(due: Any) -> Any:
         which = Sample.id == picked.c.id
     stmt = (update(Sample)
             .where(which, Sample.state.in_(ledger.allowed(SAMPLES, "offer")))
-            .values(state=SampleState.QUEUED,
-                    server=bindparam("server", type_=columns["server"].type),
-                    claim=bindparam("token", type_=columns["claim"].type),
-                    expires_at=bindparam("deadline",
-                                               type_=columns["expires_at"].type),
-                    queued_at=now, updated_at=now))
+            .values(ledger.moved(SAMPLES, "offer", None, now=now,
+                                 server=bindparam("server", type_=columns["server"].type),
+                                 claim=bindparam("token", type_=columns["claim"].type),
+                                 expires_at=bindparam("deadline",
+                                                      type_=columns["expires_at"].type),
+                                 queued_at=now)))
     return stmt if due is None else stmt.returning(Sample.id, Sample.job_id)
 
 
@@ -291,8 +291,7 @@ def release(session: Session, items: Sequence[Item], *, now: datetime) -> int:
     """queued → pending, for items still queued under their token (their job is not active)."""
     if not items:
         return 0
-    return int(ledger.cas_many(session, SAMPLES, items, ledger.allowed(SAMPLES, "unoffer"), dict(
-        state=SampleState.PENDING, claim=None, server=None, expires_at=None, updated_at=now)))
+    return ledger.move_many(session, SAMPLES, "unoffer", items, now=now, server=None)
 
 
 def renew(session: Session, sample_id: int, token: str, *, lease_until: datetime) -> bool:
@@ -409,10 +408,10 @@ def keep_late(session: Session, sample_id: int, token: str, *, worker: str, serv
     The ``lost`` rows of this call (the sweep's, the worker's own) go: it was answered."""
     job_open = exists().where(Job.id == Sample.job_id,
                               Job.state.in_([JobState.ACTIVE, JobState.PAUSED]))
-    won = _cas(session, sample_id, OPEN,
-               dict(state=SampleState.RUNNING, claim=token, worker=worker, server=server,
-                    expires_at=lease_until, updated_at=now),
-               extra=[Sample.response_content.is_(None), Sample.turn == turn, job_open])
+    won = ledger.move(session, SAMPLES, "keep_late", sample_id, None, now=now,
+                      extra=[Sample.response_content.is_(None), Sample.turn == turn,
+                             job_open],
+                      claim=token, worker=worker, server=server, expires_at=lease_until)
     if won:
         _exec(session, delete(Attempt).where(*_lost_rows(sample_id, worker, started_at)))
     return won
@@ -447,10 +446,8 @@ def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
         scope.append(Sample.error_class.in_(classes))
     if sample_ids:
         scope.append(Sample.id.in_(sample_ids))
-    #: What ledger.requeue sets (and the kind's own columns), for the rows moved one by one.
-    again = dict(next_attempt_at=now, claim=None, server=None)
-    base = dict(state=SampleState.PENDING, attempts=0, finished_at=None, updated_at=now,
-                **again)
+    #: The sample's own columns of a requeue (ledger.requeue sets the rest).
+    again = dict(next_attempt_at=now, server=None)
     kept: list[Any] = []
     if "truncated" in classes:
         kept = [Sample.job_id == job_id, Sample.state == SampleState.DONE,
@@ -459,13 +456,13 @@ def requeue(session: Session, job_id: int, *, classes: Sequence[str] = (),
     if not overrides and not kept:
         moved = ledger.requeue(session, SAMPLES, scope, now=now, **again)
     else:
-        moved = _requeue_rows(session, scope, kept, base, again, overrides or {}, now=now)
+        moved = _requeue_rows(session, scope, kept, again, overrides or {}, now=now)
     if moved:
         reactivate(session, job_id, now=now)
     return moved
 
 
-def _requeue_rows(session: Session, scope: list[Any], kept: list[Any], base: dict[str, Any],
+def _requeue_rows(session: Session, scope: list[Any], kept: list[Any],
                   again: dict[str, Any], overrides: dict[str, Any], *, now: datetime) -> int:
     """:func:`requeue` row by row: each sample's own overrides merged, answers cleared."""
     conds = [Sample.state == SampleState.FAILED, *scope]
@@ -478,11 +475,11 @@ def _requeue_rows(session: Session, scope: list[Any], kept: list[Any], base: dic
     for sid, state, own, answers in rows:
         merged = {**(own or {}), **overrides} or None
         if str(state) == SampleState.DONE:  # a kept truncated answer: generate it again
-            values: dict[str, Any] = {**base, **dict.fromkeys(_ANSWER_COLUMNS),
+            values: dict[str, Any] = {**again, **dict.fromkeys(_ANSWER_COLUMNS),
                                       "overrides": merged}
             if answers:
                 values.update(turns=answers[:-1], turn=len(answers) - 1)
-            moved += _cas(session, sid, [SampleState.DONE], values)
+            moved += ledger.move(session, SAMPLES, "redo", sid, None, now=now, **values)
             continue
         groups.setdefault(json.dumps(merged, sort_keys=True), []).append(sid)
     for key, ids in groups.items():

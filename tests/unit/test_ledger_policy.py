@@ -99,3 +99,36 @@ def test_the_claim_charges_by_the_kinds_declaration() -> None:
         assert "attempts=" in claim.replace(" ", ""), kind.name
     assert "attempts" not in str(ledger.claim_statement(RUNS, [], token="t", worker="w",
                                                         lease=None, now=None))
+
+
+def test_each_transition_implies_its_columns_from_the_table() -> None:
+    """Offer, keep-late, restale, redo, requeue, cancel, refuse: rows of ledger.TRANSITIONS
+    whose implied columns ledger.moved writes, not columns each kind spells by hand."""
+    import pytest
+
+    from synthq.queue.run_states import RUNS
+
+    t = datetime(2026, 12, 1, tzinfo=UTC)
+    assert ledger.moved(SAMPLES, "offer", None, now=t, claim="c") == dict(
+        state="queued", updated_at=t, claim="c")
+    assert ledger.moved(SAMPLES, "keep_late", None, now=t, claim="c") == dict(
+        state="running", updated_at=t, claim="c")
+    assert ledger.allowed(SAMPLES, "keep_late") == ("pending", "queued", "running")
+    fresh = dict(state="pending", claim=None, expires_at=None, updated_at=t, attempts=0,
+                 finished_at=None)
+    assert ledger.moved(CAPTURES, "restale", None, now=t) == fresh
+    assert ledger.allowed(CAPTURES, "restale") == ("done", "failed")
+    assert ledger.moved(SAMPLES, "redo", None, now=t) == fresh
+    assert ledger.moved(SAMPLES, "requeue", None, now=t) == fresh
+    # A heartbeat lease is not cleared: it is the last beat, not a deadline.
+    assert ledger.moved(RUNS, "cancel", None, now=t) == dict(
+        state="cancelled", claim=None, updated_at=t, finished_at=t)
+    assert ledger.allowed(RUNS, "cancel") == ("pending", "running")
+    assert ledger.moved(RUNS, "refuse", None, now=t, error="x") == dict(
+        state="failed", claim=None, updated_at=t, finished_at=t, error="x")
+    # Samples and captures are cancelled with their job: no such state of their own.
+    for kind in (SAMPLES, CAPTURES):
+        with pytest.raises(ValueError, match="no cancelled state"):
+            ledger.allowed(kind, "cancel")
+    with pytest.raises(ValueError, match="needs the claim token"):
+        ledger.moved(SAMPLES, "retry", None, now=t)
