@@ -20,7 +20,6 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     Newly done samples get their pending capture here, so a capture stage follows
     generation by one tick.
     """
-    from synthq.queue.workers import live
     from synthq.spec.config import get_settings
 
     due: list[int] = []
@@ -28,15 +27,15 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     # them; no stage runs to do it while they do (the room looks full). The tick's sweep
     # stage (synthq.queue.dispatch.sweep) has freed them before this step; a caller outside the
     # tick gets the same expiry here, so that the room it judges is the true one.
-    alive = [w.name for w in live(session, now=now, timeout=get_settings().worker_timeout,
-                                  gone=False)]  # as the sweep: its calls may still run
+    timeout = get_settings().worker_timeout  # as the sweep: a dead holder's calls may still
+    # run on its server for a while, so its captures wait out the heartbeat's timeout.
     for job_id, servers, limit in session.execute(
             select(Job.id, Job.capture_servers, Job.capture_limit)
             .where(Job.state.in_([JobState.ACTIVE, JobState.FINISHED]),
                    Job.capture_stopped.is_(None))):
         if not servers:
             continue
-        states.expire(session, now=now, live_workers=alive, job_ids=[job_id])
+        states.expire(session, now=now, worker_timeout=timeout, job_ids=[job_id])
         states.add_missing(session, job_id, now=now)
         pending = session.scalar(select(func.count()).select_from(Capture).where(
             Capture.job_id == job_id, Capture.state == CaptureState.PENDING,

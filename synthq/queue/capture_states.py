@@ -139,15 +139,14 @@ def fail(session: Session, claimed: Claimed, *, now: datetime, error_class: str,
                        error_class=error_class, error_message=error_message[:2000])
 
 
-def expire(session: Session, *, now: datetime, live_workers: Sequence[str] | None = None,
+def expire(session: Session, *, now: datetime, worker_timeout: float | None = None,
            job_ids: Sequence[int] | None = None, everything: bool = False) -> int:
-    """Running captures whose lease passed, whose worker stopped heart-beating (not in
-    ``live_workers``), or all of them (``everything``: the embedded run holds the
-    data directory, so nothing else can be capturing) → pending, or failed once
-    their attempts reach the job's ``max_attempts``."""
-    gone = Capture.expires_at < now
-    if live_workers is not None:
-        gone = gone | ledger.held_by_dead(CAPTURES, list(live_workers))
+    """Running captures whose lease passed, whose worker stopped heart-beating (for
+    ``worker_timeout`` seconds: :func:`synthq.queue.ledger.gone`), or all of them
+    (``everything``: the embedded run holds the data directory, so nothing else can be
+    capturing) → pending, or failed once their attempts reach the job's
+    ``max_attempts``."""
+    gone = ledger.gone(CAPTURES, now=now, worker_timeout=worker_timeout)
     lost = dict(error_class=Lost.error_class,
                 error_message="the capture process stopped before it recorded the call")
     return len(ledger.expire(

@@ -516,10 +516,9 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) ->
             # A dead process's captures go back after its heartbeat's timeout, not at once
             # (even when its pid is known gone): the server may still be running its calls,
             # and the room they free would be filled on top of them (6 in flight, limit 3).
-            live = [w.name for w in workers.live(s, now=now, timeout=settings.worker_timeout,
-                                                 gone=False)] if judge else None
-            moved += capture_states.expire(s, now=now, live_workers=live, job_ids=job_ids,
-                                           everything=reclaim_all)
+            moved += capture_states.expire(
+                s, now=now, worker_timeout=settings.worker_timeout if judge else None,
+                job_ids=job_ids, everything=reclaim_all)
             workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
             # The counters' delta rows (PostgreSQL), folded so a read sums a few rows.
             states.compact_counts(s)

@@ -23,9 +23,10 @@ claimed straight from ``waiting``. Every transition out of ``held`` presents the
 claim token the claim wrote, so a holder whose lease was taken over cannot
 write (docs/design.md, invariant 2).
 
-The dead-process rule is :func:`held_by_dead` (a held row whose holder is not
-among the live workers) with :func:`synthq.queue.workers.gone_here` (a process of
-this host that no longer exists): every kind's expiry uses them.
+The dead-holder rule is :func:`gone` (a lease passed, or a holder whose heartbeat went
+silent: its ``workers`` row's, or for a kind whose row carries it, the row's own) with
+:func:`synthq.queue.workers.gone_here` (a process of this host that no longer exists):
+every kind's expiry and takeover use them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import and_, bindparam, case, select, text, tuple_, update
@@ -41,10 +42,11 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
 from synthq.core.retry import backoff_delay
+from synthq.store.models import Worker
 
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "move_many", "apply", "moved",
-           "claim_statement", "claim", "held_by_dead", "expire", "requeue",
+           "claim_statement", "claim", "live_workers", "gone", "expire", "requeue",
            "charged", "refund", "retry_delay"]
 
 
@@ -80,6 +82,10 @@ class Kind:
     charge: str | None = None
     #: The column of a stored answer (``charge="call"``).
     answer: str | None = None
+    #: Who holds a row, for the dead-holder rule (:func:`gone`): ``"worker"``, a process
+    #: with a row in ``workers``, dead once that row's heartbeat is silent; ``"row"``: the
+    #: row itself carries its holder's heartbeat (its :attr:`lease`), nothing else does.
+    holder: str = "worker"
 
     @property
     def lease_is_deadline(self) -> bool:
@@ -102,6 +108,9 @@ class Kind:
         if self.charge not in (None, "claim", "call") or \
                 (self.charge == "call") is (self.answer is None):
             raise ValueError(f"{self.name}: charge {self.charge!r} with answer {self.answer!r}")
+        if self.holder not in ("worker", "row") or \
+                (self.holder == "row") is self.lease_is_deadline:
+            raise ValueError(f"{self.name}: holder {self.holder!r} with lease {self.lease!r}")
 
 
 class Transition(NamedTuple):
@@ -390,11 +399,32 @@ def claim(session: Session, kind: Kind, where: Sequence[Any], *, token: str, wor
 # -- expiry -----------------------------------------------------------------------------
 
 
-def held_by_dead(kind: Kind, live: Any) -> Any:
-    """The dead-process rule: a held row whose holder is not among ``live`` (worker names,
-    or a query of them)."""
+def live_workers(*, now: datetime, timeout: float) -> Any:
+    """The names of the workers whose row heart-beat within ``timeout`` seconds (a query)."""
+    return select(Worker.name).where(Worker.heartbeat_at >= now - timedelta(seconds=timeout))
+
+
+def gone(kind: Kind, *, now: datetime, cutoff: datetime | None = None,
+         lease: float | None = None, worker_timeout: float | None = None) -> Any:
+    """The dead-holder rule, for every kind (by its :attr:`Kind.holder`): an in-flight row
+    whose lease passed (its end before ``cutoff``, default ``now``; a heartbeat lease: the
+    holder's last beat more than ``lease`` seconds before it), or, with
+    ``worker_timeout``, a held row whose holder's ``workers`` row has been silent that
+    long (``kill -9``: at once, not after its lease). A process of this host that no
+    longer exists is :func:`synthq.queue.workers.gone_here`'s."""
     model = kind.model
-    return and_(model.state == kind.held, model.worker.is_not(None), model.worker.not_in(live))
+    cutoff = cutoff or now
+    if kind.holder == "row":
+        if lease is None:
+            raise ValueError(f"{kind.name}: its holder's heartbeat needs the lease")
+        return and_(model.state == kind.held,
+                    kind.column(kind.lease) < cutoff - timedelta(seconds=lease))
+    passed = kind.column(kind.lease) < cutoff
+    if worker_timeout is None:
+        return passed
+    live = live_workers(now=now, timeout=worker_timeout)
+    return passed | and_(model.state == kind.held, model.worker.is_not(None),
+                         model.worker.not_in(live))
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,9 +443,9 @@ def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
            scope: Sequence[Any] = (), cap: Any | None = None, join: Any | None = None,
            columns: Sequence[Any] = (), back: Mapping[str, Any] | None = None,
            failed: Mapping[str, Any] | None = None) -> Expired:
-    """In-flight rows whose holder is gone (``gone``: the lease passed, :func:`held_by_dead`;
-    None: every one) → ``waiting``, or → ``failed`` when held and their attempts reached
-    ``cap`` (an expression; None: no cap). The rows are locked first (``SKIP LOCKED``:
+    """In-flight rows whose holder is gone (``gone``: :func:`gone`; None: every one) →
+    ``waiting``, or → ``failed`` when held and their attempts reached ``cap`` (an
+    expression; None: no cap). The rows are locked first (``SKIP LOCKED``:
     one its holder is writing is left to it); ``join`` (target, on clause) is what ``cap``
     and ``columns`` read beside the row. ``back`` and ``failed`` add the kind's own
     columns to each move. Returns the rows (id, state, attempts?, cap?, columns...)."""

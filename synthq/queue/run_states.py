@@ -41,7 +41,7 @@ __all__ = ["RUNS", "RunState", "OPEN", "create", "claim", "progress", "finish", 
 #: holder's heartbeat.
 RUNS = ledger.Kind("training run", TrainingRun, waiting=RunState.PENDING,
                    held=RunState.RUNNING, done=RunState.DONE, failed=RunState.FAILED,
-                   cancelled=RunState.CANCELLED, lease="heartbeat_at")
+                   cancelled=RunState.CANCELLED, lease="heartbeat_at", holder="row")
 
 
 #: States in which a run still has work to do.
@@ -77,8 +77,7 @@ def claim(session: Session, run_id: int, token: str, *, worker: str, now: dateti
 
 def _stale(now: datetime, lease: float) -> Any:
     """A running run whose holder's heartbeat is older than ``lease`` seconds."""
-    return and_(TrainingRun.state == RunState.RUNNING,
-                TrainingRun.heartbeat_at < now - timedelta(seconds=lease))
+    return ledger.gone(RUNS, now=now, lease=lease)
 
 
 def progress(session: Session, run_id: int, token: str, *, now: datetime,

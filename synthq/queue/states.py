@@ -57,7 +57,7 @@ from sqlalchemy.orm import Session
 
 from synthq.core.enums import FINISHED, INFLIGHT, JobState, SampleState
 from synthq.queue import ledger
-from synthq.store.models import Attempt, Job, Sample, Worker
+from synthq.store.models import Attempt, Job, Sample
 
 __all__ = [
     "SAMPLES", "SampleState", "JobState", "INFLIGHT", "FINISHED", "Claimed",
@@ -665,14 +665,9 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
     future ``cutoff`` at start to reclaim everything a killed run left in
     flight. Returns ``(sample_id, new_state)`` for each sample moved.
     """
-    cutoff = cutoff or now
-    gone = Sample.expires_at < cutoff
-    if worker_timeout is not None:
-        live = select(Worker.name).where(
-            Worker.heartbeat_at >= now - timedelta(seconds=worker_timeout))
-        gone = gone | ledger.held_by_dead(SAMPLES, live)
     expired = ledger.expire(
-        session, SAMPLES, now=now, gone=gone,
+        session, SAMPLES, now=now,
+        gone=ledger.gone(SAMPLES, now=now, cutoff=cutoff, worker_timeout=worker_timeout),
         scope=[Sample.job_id.in_(job_ids)] if job_ids is not None else [],
         cap=_max_attempts(session.get_bind().dialect.name), join=(Job, Job.id == Sample.job_id),
         columns=(Sample.server, Sample.worker, Sample.started_at,

@@ -84,21 +84,19 @@ def unregister(session: Session, name: str) -> None:
     session.execute(delete(Worker).where(Worker.name == name))
 
 
-def live(db: Session | Reader, *, now: datetime, timeout: float,
-         gone: bool = True) -> list[WorkerInfo]:
+def live(db: Session | Reader, *, now: datetime, timeout: float) -> list[WorkerInfo]:
     """Workers that heart-beat within ``timeout`` seconds, less those of this host whose
-    process is gone (a ``synthq run`` killed with -9 is not live for its last seconds).
-
-    ``gone=False`` keeps those: for a sweep that frees a process's room on a server, which
-    its calls may hold a while after it died (the server finishes them, or notices the
-    dropped connection and aborts them)."""
+    process is gone (a ``synthq run`` killed with -9 is not live for its last seconds):
+    what ``status`` and the job page show. (The sweep judges a holder by its heartbeat
+    alone, :func:`synthq.queue.ledger.gone`: a dead process's calls may hold its room on
+    a server a while after it died.)"""
     rows = reader_of(db).rows(
         "SELECT name, capacity, inflight, heartbeat_at, started_at, clock_skew, host, pid "
         "FROM workers WHERE heartbeat_at >= :since ORDER BY started_at",
         {"since": now - timedelta(seconds=timeout)})
     return [WorkerInfo(name, capacity, inflight, read_time(beat), read_time(started), off)
             for name, capacity, inflight, beat, started, off, host, pid in rows
-            if not (gone and gone_here(host, int(pid)))]
+            if not gone_here(host, int(pid))]
 
 
 def gone_here(host: str, pid: int) -> bool:

@@ -22,14 +22,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import exists, select, text
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
-from synthq.core.enums import RunState
 from synthq.core.errors import UserError
+from synthq.queue import ledger
 from synthq.queue import run_states as states
 from synthq.queue.states import INFLIGHT, JobState, SampleState
 from synthq.spec.config import get_settings
@@ -118,8 +118,7 @@ def _orphans(session: Session, *, now: datetime, lease: float) -> dict[int, tupl
     """Running runs whose holder's heartbeat is older than ``lease`` seconds: run id ->
     (the holder, seconds since its last heartbeat), for the log line of their re-send."""
     rows = session.execute(select(TrainingRun.id, TrainingRun.worker, TrainingRun.heartbeat_at)
-                           .where(TrainingRun.state == RunState.RUNNING,
-                                  TrainingRun.heartbeat_at < now - timedelta(seconds=lease)))
+                           .where(ledger.gone(states.RUNS, now=now, lease=lease)))
     return {int(run_id): (str(worker), (now - beat).total_seconds() if beat else lease)
             for run_id, worker, beat in rows}
 

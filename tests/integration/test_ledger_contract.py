@@ -46,9 +46,10 @@ CONTRACT: dict[str, tuple[Any, Any, Any]] = {
     "claim takes over a stale holder": (False, False, True),
     # The public renewal (None: a capture's lease is fixed at its claim).
     "renew": ("renew", None, "progress"),
-    # How a dead holder's row comes back before its lease passes.
+    # How a dead holder's row comes back before its lease passes (ledger.gone, by the
+    # kind's holder: a workers row, or the row's own heartbeat).
     "dead holder": ("sweep: worker rows without a recent heartbeat",
-                    "sweep: holder not in the live workers given",
+                    "sweep: worker rows without a recent heartbeat",
                     "claim(dead_worker=...): the claimer names it"),
     # The error an expired row carries back to waiting (column: error_class; runs: error).
     "expired row carries": (None, "lost", "the training worker stopped heart-beating"),
@@ -248,7 +249,7 @@ class Captures(Kind):
 
     def sweep(self, *, now: datetime, dead: bool = False) -> None:
         with session_scope() as s:
-            capture_states.expire(s, now=now, live_workers=[] if dead else None)
+            capture_states.expire(s, now=now, worker_timeout=30.0 if dead else None)
 
     def requeue(self, row: Row, *, now: datetime) -> int:
         with session_scope() as s:
@@ -317,6 +318,9 @@ def test_the_table_matches_each_kinds_declaration(kind: Kind) -> None:
     lk = kind.ledger_kind
     assert lk.offered == expect(kind.name, "offered state")
     assert lk.lease == expect(kind.name, "lease column")
+    # The dead-holder rule reads the kind's holder: its workers row, or its own heartbeat.
+    assert lk.holder == ("row" if expect(kind.name, "dead holder").startswith("claim")
+                         else "worker")
     # The charge at claim is the kind's declaration, which ledger.claim applies.
     assert {"call": "a call", "claim": "every claim", None: None}[lk.charge] == \
         expect(kind.name, "claim charges")

@@ -132,3 +132,28 @@ def test_each_transition_implies_its_columns_from_the_table() -> None:
             ledger.allowed(kind, "cancel")
     with pytest.raises(ValueError, match="needs the claim token"):
         ledger.moved(SAMPLES, "retry", None, now=t)
+
+
+def test_one_dead_holder_rule_reads_each_kinds_holder() -> None:
+    """ledger.gone: a lease passed, or a holder whose heartbeat went silent: a sample's or
+    a capture's in its workers row, a training run's in its own row (its lease)."""
+    import pytest
+
+    from synthq.queue.run_states import RUNS
+
+    t = datetime(2026, 12, 1, tzinfo=UTC)
+
+    def sql(expr: object) -> str:
+        return " ".join(str(expr).split())
+
+    for kind in (SAMPLES, CAPTURES):
+        table = kind.model.__tablename__
+        assert sql(ledger.gone(kind, now=t)) == f"{table}.expires_at < :expires_at_1"
+        judged = sql(ledger.gone(kind, now=t, worker_timeout=15.0))
+        assert judged.startswith(f"{table}.expires_at < :expires_at_1 OR {table}.state = ")
+        assert f"{table}.worker NOT IN (SELECT workers.name FROM workers WHERE " \
+               "workers.heartbeat_at >= :heartbeat_at_1)" in judged
+    assert sql(ledger.gone(RUNS, now=t, lease=60.0, worker_timeout=15.0)) == (
+        "training_runs.state = :state_1 AND training_runs.heartbeat_at < :heartbeat_at_1")
+    with pytest.raises(ValueError, match="needs the lease"):
+        ledger.gone(RUNS, now=t)
