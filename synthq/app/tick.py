@@ -53,6 +53,7 @@ from sqlalchemy.exc import DBAPIError
 from synthq.queue import states
 from synthq.queue.dispatch import LocalClaim, Publisher, active_servers, dispatch, sweep
 from synthq.serving import adaptive
+from synthq.serving.controller import Decision
 from synthq.serving.health import probe_due
 from synthq.store.db import session_scope, utcnow
 
@@ -119,7 +120,7 @@ def _sweep(t: Tick) -> int:
     return sweep(job_ids=t.job_ids)
 
 
-def _adapt(t: Tick) -> dict[str, adaptive.Decision]:
+def _adapt(t: Tick) -> dict[str, Decision]:
     return adaptive.tick(job_ids=t.job_ids)
 
 

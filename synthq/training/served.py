@@ -45,7 +45,7 @@ class Served:
 def spec_counters(root: str, client: httpx.Client) -> tuple[float, float]:
     """(drafts, accepted tokens) so far, summed over label sets; raises UserError when
     the server has no spec-decode counters (not started with a draft model)."""
-    from synthq.serving.adaptive import metrics_url
+    from synthq.serving.gauges import metrics_url
 
     body = client.get(metrics_url(root)).text
     found: dict[str, float] = {}

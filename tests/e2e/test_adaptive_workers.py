@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import text
 from support import counts, wait_worker_live
 
-from synthq.serving.adaptive import start_limit
+from synthq.queue.limits import start_limit
 from synthq.store.db import session_scope
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]

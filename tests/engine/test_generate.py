@@ -121,7 +121,7 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
     """Workers against vLLM with the in-flight limit read from its gauges."""
     from sqlalchemy import select
 
-    from synthq.serving.adaptive import _scrape
+    from synthq.serving.gauges import scrape
     from synthq.store.db import session_scope
     from synthq.store.models import Job, Sample, Server
     from synthq.views.report import job_status
@@ -152,7 +152,7 @@ def test_celery_workers_with_auto_inflight(engine: Any, workers: Any,
     assert limit is not None and limit.limit_reason, "the adaptive limit never ran"
     assert w.proc.poll() is None, w.tail()
     # The gauges the adaptive limit reads are the ones this vLLM serves.
-    assert set(_scrape(engine.url)) == {"waiting", "running", "kv_usage"}
+    assert set(scrape(engine.url)) == {"waiting", "running", "kv_usage"}
 
 
 def job_status_done(job_id: int) -> bool:

@@ -86,7 +86,7 @@ def test_probe_bodies_that_never_end_are_cut(hostile: Callable[..., Hostile], tr
     ends within its deadline, having read at most its cap."""
     import httpx
 
-    from synthq.serving import adaptive, health
+    from synthq.serving import gauges, health
 
     server = hostile(Script(endless=("/health", "/v1/models", "/metrics"), trickle=trickle))
     client = httpx.Client()
@@ -101,13 +101,13 @@ def test_probe_bodies_that_never_end_are_cut(hostile: Callable[..., Hostile], tr
         assert len(warnings) == 1 and "did not end within" in warnings[0], warnings
         assert "is not checked" in warnings[0]
 
-        adaptive._no_gauges.pop(server.url, None)
+        gauges._no_gauges.pop(server.url, None)
         started = time.monotonic()
-        assert adaptive._scrape(server.url) == {}
-        assert time.monotonic() - started < adaptive.METRICS_SECONDS + 2
+        assert gauges.scrape(server.url) == {}
+        assert time.monotonic() - started < gauges.METRICS_SECONDS + 2
     finally:
         client.close()
-        adaptive._no_gauges.pop(server.url, None)
+        gauges._no_gauges.pop(server.url, None)
     # Three reads, each cut at its cap (4 MiB at most) plus what sockets buffer.
     assert server.sent < 64 << 20, server.sent
 
@@ -116,14 +116,14 @@ def test_the_bounded_read_keeps_a_whole_small_body(hostile: Callable[..., Hostil
     """The caps cut only what passes them: a normal server's answers are read whole."""
     import httpx
 
-    from synthq.serving import adaptive, health
+    from synthq.serving import gauges, health
 
     server = hostile()
     with httpx.Client() as client:
         assert health.served_models(server.url, client) == ["hostile"]
         assert health.check_model([server.url], "hostile", client=client) == []
-    adaptive._no_gauges.pop(server.url, None)
-    assert adaptive._scrape(server.url) == {"running": 1.0, "waiting": 0.0}
+    gauges._no_gauges.pop(server.url, None)
+    assert gauges.scrape(server.url) == {"running": 1.0, "waiting": 0.0}
 
 
 # -- 3. stream chunks of the wrong shape ------------------------------------------------------

@@ -1,5 +1,5 @@
 """A small model of one server and the embedded loop, to run the adaptive controller
-(synthq.serving.adaptive.decide) in closed loop in milliseconds.
+(synthq.serving.controller.decide) in closed loop in milliseconds.
 
 Each call is modelled on its own, as the project's simulator (synthq.testing.simulator)
 serves it: **slots** (at most N calls run, the rest wait in a FIFO queue; a call takes
@@ -27,7 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from synthq.serving.adaptive import TICK_SECONDS, CallRow, Window, decide, start_limit, summarize
+from synthq.queue.limits import start_limit
+from synthq.serving.adaptive import TICK_SECONDS
+from synthq.serving.controller import CallRow, Window, decide, summarize
 
 DT = 0.02
 

@@ -1,4 +1,4 @@
-"""The adaptive limit's controller (synthq.serving.adaptive.decide), a pure function, on signal
+"""The adaptive limit's controller (synthq.serving.controller.decide), a pure function, on signal
 traces: one recorded from a real embedded run against the knee simulator, and
 windows made by a small model of a server (slots or knee) fed back in a loop."""
 
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from adaptive_model import simulate
 
-from synthq.serving.adaptive import Window, decide, parse_vllm_gauges
+from synthq.serving.controller import Window, decide
+from synthq.serving.gauges import parse_vllm_gauges
 
 FLOOR, CAP = 4, 256
 
@@ -184,7 +185,7 @@ def test_the_first_wave_reads_as_in_use() -> None:
     2 s window holds them all. Little's law over the seconds the server had calls reads
     them as 16 × 1.39 / 1.9 ≈ 11.7 in flight, in use (over the whole 2 s window: 11.1,
     "not in use", and the limit did not grow: the two-worker e2e test failed so)."""
-    from synthq.serving.adaptive import summarize
+    from synthq.serving.controller import summarize
 
     first = [(0.0, 1.39, "ok", 1.39, 0.4, 10)] * 16
     w = summarize(first, now=1.9, limit=16, inflight=16, since=0.0)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from adaptive_model import Event, Run, simulate
 
-from synthq.serving.adaptive import Window, decide
+from synthq.serving.controller import Window, decide
 
 KNEE = 24
 #: The tick lands a little late now and then (a busy machine), as in the real loop, and

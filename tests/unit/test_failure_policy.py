@@ -9,7 +9,7 @@ import pytest
 from synthq.core import errors
 from synthq.core.errors import POLICY, Down, FailureClass, Load, Stage
 from synthq.queue import dispatch, streaks
-from synthq.serving import adaptive
+from synthq.serving import controller
 
 
 def concrete(root: type[errors.SampleError] = errors.SampleError) -> list[type[errors.SampleError]]:
@@ -69,8 +69,8 @@ def test_the_down_rule_ignores_what_is_no_failure() -> None:
 def test_the_adaptive_controller_reads_the_policy(member: FailureClass) -> None:
     """One call that ended in the window with ``member``: counted as overload, as a
     timeout, or as neither, as its :attr:`FailureClass.load` says."""
-    w = adaptive.summarize([(0.0, 1.0, member.value, 1.0, 0.5, None)], now=1.0, limit=4,
-                           inflight=0, since=0.0)
+    w = controller.summarize([(0.0, 1.0, member.value, 1.0, 0.5, None)], now=1.0, limit=4,
+                             inflight=0, since=0.0)
     assert w.overload == (member.load is Load.OVERLOAD)
     assert w.timeouts == (member.load is Load.TIMEOUT)
     assert w.server_errors == (member is FailureClass.SERVER_ERROR)
