@@ -41,7 +41,12 @@ __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail
 #: ``expires_at``.
 CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        held=CaptureState.RUNNING, done=CaptureState.DONE,
-                       failed=CaptureState.FAILED, lease="expires_at", charge="claim")
+                       failed=CaptureState.FAILED, lease="expires_at", charge="claim",
+                       budget=lambda dialect: Job.max_attempts,
+                       owner=(Job, Job.id == Capture.job_id),
+                       expired_class=Lost.error_class,
+                       expired_message="the capture process stopped before it recorded the "
+                                       "call")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +152,12 @@ def expire(session: Session, *, now: datetime, worker_timeout: float | None = No
     capturing) → pending, or failed once their attempts reach the job's
     ``max_attempts``."""
     gone = ledger.gone(CAPTURES, now=now, worker_timeout=worker_timeout)
-    lost = dict(error_class=Lost.error_class,
-                error_message="the capture process stopped before it recorded the call")
+    # The row carries its expiry's class back to pending, too.
     return len(ledger.expire(
         session, CAPTURES, now=now, gone=None if everything else gone,
         scope=[Capture.job_id.in_(list(job_ids))] if job_ids is not None else [],
-        cap=Job.max_attempts, join=(Job, Job.id == Capture.job_id),
-        back=dict(next_attempt_at=now, **lost), failed=lost))
+        back=dict(next_attempt_at=now, error_class=CAPTURES.expired_class,
+                  error_message=CAPTURES.expired_message)))
 
 
 def requeue_failed(session: Session, job_id: int, *, now: datetime) -> int:

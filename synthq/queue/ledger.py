@@ -86,6 +86,14 @@ class Kind:
     #: with a row in ``workers``, dead once that row's heartbeat is silent; ``"row"``: the
     #: row itself carries its holder's heartbeat (its :attr:`lease`), nothing else does.
     holder: str = "worker"
+    #: The attempt budget the sweep holds an expired row to (``dialect name → expression``
+    #: over the row and its :attr:`owner`); None: no cap, an expired row always goes back.
+    budget: Callable[[str], Any] | None = None
+    #: What the budget (and a kind's expiry) reads beside the row: ``(target, on clause)``.
+    owner: tuple[Any, Any] | None = None
+    #: The failure class (``error_class``) and message of an expired last attempt.
+    expired_class: str | None = None
+    expired_message: str | None = None
 
     @property
     def lease_is_deadline(self) -> bool:
@@ -108,6 +116,8 @@ class Kind:
         if self.charge not in (None, "claim", "call") or \
                 (self.charge == "call") is (self.answer is None):
             raise ValueError(f"{self.name}: charge {self.charge!r} with answer {self.answer!r}")
+        if (self.budget is None) is not (self.expired_class is None):
+            raise ValueError(f"{self.name}: a budget needs the class its expiry fails with")
         if self.holder not in ("worker", "row") or \
                 (self.holder == "row") is self.lease_is_deadline:
             raise ValueError(f"{self.name}: holder {self.holder!r} with lease {self.lease!r}")
@@ -440,22 +450,22 @@ class Expired:
 
 
 def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
-           scope: Sequence[Any] = (), cap: Any | None = None, join: Any | None = None,
-           columns: Sequence[Any] = (), back: Mapping[str, Any] | None = None,
-           failed: Mapping[str, Any] | None = None) -> Expired:
+           scope: Sequence[Any] = (), columns: Sequence[Any] = (),
+           back: Mapping[str, Any] | None = None) -> Expired:
     """In-flight rows whose holder is gone (``gone``: :func:`gone`; None: every one) →
-    ``waiting``, or → ``failed`` when held and their attempts reached ``cap`` (an
-    expression; None: no cap). The rows are locked first (``SKIP LOCKED``:
-    one its holder is writing is left to it); ``join`` (target, on clause) is what ``cap``
-    and ``columns`` read beside the row. ``back`` and ``failed`` add the kind's own
-    columns to each move. Returns the rows (id, state, attempts?, cap?, columns...)."""
+    ``waiting``, or → ``failed`` (with the kind's :attr:`~Kind.expired_class`) when held
+    and their attempts reached the kind's :attr:`~Kind.budget`. The rows are locked first
+    (``SKIP LOCKED``: one its holder is writing is left to it); ``columns`` are read
+    beside them (and the kind's :attr:`~Kind.owner`); ``back`` adds the kind's own
+    columns to the move back. Returns the rows (id, state, attempts?, cap?, columns...)."""
     model = kind.model
+    cap = kind.budget(session.get_bind().dialect.name) if kind.budget is not None else None
     where = [model.state.in_(kind.inflight), *([gone] if gone is not None else []), *scope]
     picked = [model.id, model.state, *([model.attempts, cap] if cap is not None else []),
               *columns]
     query = select(*picked)
-    if join is not None:
-        query = query.join(*join)
+    if kind.owner is not None:
+        query = query.join(*kind.owner)
     rows = session.execute(query.where(*where)
                            .with_for_update(of=model, skip_locked=True)).all()
     exhausted = {r[0] for r in rows
@@ -466,7 +476,7 @@ def expire(session: Session, kind: Kind, *, now: datetime, gone: Any | None,
               **(back or {}))
     if exhausted:
         apply(session, kind, "expire_failed", [model.id.in_(exhausted), *where], now=now,
-              **(failed or {}))
+              error_class=kind.expired_class, error_message=kind.expired_message)
     return Expired(list(rows), back_ids, sorted(exhausted))
 
 

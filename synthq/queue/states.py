@@ -56,6 +56,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from synthq.core.enums import FINISHED, INFLIGHT, JobState, SampleState
+from synthq.core.errors import FailureClass
 from synthq.queue import ledger
 from synthq.store.models import Attempt, Job, Sample
 
@@ -67,12 +68,31 @@ __all__ = [
     "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
 ]
 
+def _max_attempts(dialect: str) -> Any:
+    """A sample's own bound (``requeue --max-attempts`` stores it in its overrides), else its
+    job's. Read so that no stored value can fail the statement, which sweeps every job: a
+    number of any size (10**12 does not fit an INTEGER cast), anything else ignored."""
+    own = Sample.overrides["max_attempts"]
+    if dialect == "postgresql":
+        number = case((func.jsonb_typeof(own) == "number", cast(own.as_string(), Numeric)))
+    else:
+        number = case((func.json_type(Sample.overrides, "$.max_attempts").in_(
+            ("integer", "real")), own.as_float()))
+    return func.coalesce(number, Job.max_attempts)
+
+
 #: Samples as a kind of leased work: queued (offered) before they are claimed; the lease
-#: (or a queued sample's claim deadline) in ``expires_at``.
+#: (or a queued sample's claim deadline) in ``expires_at``; a claim that makes a call is
+#: charged; an expired last attempt fails as ``connection``.
 SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
                       done=SampleState.DONE, failed=SampleState.FAILED,
                       offered=SampleState.QUEUED, lease="expires_at", hot=True,
-                      charge="call", answer="response_content")
+                      charge="call", answer="response_content", budget=_max_attempts,
+                      owner=(Job, Job.id == Sample.job_id),
+                      expired_class=FailureClass.CONNECTION.value,
+                      expired_message="the worker stopped reporting during its last attempt")
+
+
 
 #: Sample states that keep a job from being finished.
 OPEN = (SampleState.PENDING, SampleState.QUEUED, SampleState.RUNNING)
@@ -635,19 +655,6 @@ def set_capture_stopped(session: Session, job_id: int, reason: str | None, *,
 # -- the sweep --------------------------------------------------------------------------
 
 
-def _max_attempts(dialect: str) -> Any:
-    """A sample's own bound (``requeue --max-attempts`` stores it in its overrides), else its
-    job's. Read so that no stored value can fail the statement, which sweeps every job: a
-    number of any size (10**12 does not fit an INTEGER cast), anything else ignored."""
-    own = Sample.overrides["max_attempts"]
-    if dialect == "postgresql":
-        number = case((func.jsonb_typeof(own) == "number", cast(own.as_string(), Numeric)))
-    else:
-        number = case((func.json_type(Sample.overrides, "$.max_attempts").in_(
-            ("integer", "real")), own.as_float()))
-    return func.coalesce(number, Job.max_attempts)
-
-
 def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
            job_ids: Sequence[int] | None = None,
            worker_timeout: float | None = None) -> list[tuple[int, SampleState]]:
@@ -669,16 +676,13 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
         session, SAMPLES, now=now,
         gone=ledger.gone(SAMPLES, now=now, cutoff=cutoff, worker_timeout=worker_timeout),
         scope=[Sample.job_id.in_(job_ids)] if job_ids is not None else [],
-        cap=_max_attempts(session.get_bind().dialect.name), join=(Job, Job.id == Sample.job_id),
         columns=(Sample.server, Sample.worker, Sample.started_at,
                  Sample.response_content.is_(None),
                  case((Job.regenerate == "all", Sample.turn), else_=None)),
         back=dict(server=None,
                   last_server=case((Sample.state == SampleState.RUNNING, Sample.server),
                                    else_=Sample.last_server),
-                  next_attempt_at=now),
-        failed=dict(error_class="connection",
-                    error_message="the worker stopped reporting during its last attempt"))
+                  next_attempt_at=now))
     # The calls those workers were making never ended: log them as lost.
     # (rows: id, state, attempts, cap, server, worker, started_at, unanswered, turn)
     lost = [attempt_row(r[0], server=r[4], worker=r[5], started_at=r[6] or now, ended_at=now,

@@ -321,6 +321,9 @@ def test_the_table_matches_each_kinds_declaration(kind: Kind) -> None:
     # The dead-holder rule reads the kind's holder: its workers row, or its own heartbeat.
     assert lk.holder == ("row" if expect(kind.name, "dead holder").startswith("claim")
                          else "worker")
+    # The class of an expired last attempt is the kind's declaration (None: no budget).
+    assert lk.expired_class == expect(kind.name, "expired last attempt fails as")
+    assert (lk.budget is None) is (lk.expired_class is None)
     # The charge at claim is the kind's declaration, which ledger.claim applies.
     assert {"call": "a call", "claim": "every claim", None: None}[lk.charge] == \
         expect(kind.name, "claim charges")
