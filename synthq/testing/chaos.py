@@ -35,11 +35,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from synthq.testing.procs import REPO, Proc, dies_with_parent, free_port
+
+if TYPE_CHECKING:
+    from synthq.testing.halfopen import StrandingProxy
 
 __all__ = ["PrivatePostgres", "PrivateRedis", "Cluster", "Result", "unavailable", "SCENARIOS",
            "database_outage", "dead_worker", "warm_shutdown", "hanging_server",
@@ -268,6 +271,8 @@ class Cluster:
         self.tmp = tmp or Path(tempfile.mkdtemp(prefix="synthq-chaos-"))
         self._own_tmp = tmp is None
         self.procs: list[Proc] = []
+        #: Proxies the processes connect through: closed after the processes stopped.
+        self.proxies: list[StrandingProxy] = []
         self._saved: dict[str, str | None] = {}
         self.pg: PrivatePostgres | None = None
         self.redis: PrivateRedis | None = None
@@ -340,11 +345,42 @@ class Cluster:
 
         wait_until(live, timeout, f"{n} worker(s) registered", interval=0.2, logs=self.logs)
 
-    def close(self) -> None:
-        for p in reversed(self.procs):
+    def stranding_proxy(self, port: int) -> StrandingProxy:
+        """A :class:`~synthq.testing.halfopen.StrandingProxy` to ``127.0.0.1:port`` that
+        stays open until :meth:`close` has stopped the processes: a worker that connects
+        through it does its warm shutdown's last writes through it too (a proxy closed
+        first refused them, and each worker retried until its stop timeout, 10 s)."""
+        from synthq.testing.halfopen import StrandingProxy
+
+        proxy = StrandingProxy("127.0.0.1", port)
+        self.proxies.append(proxy)
+        return proxy
+
+    def stop_processes(self) -> None:
+        """Stop every process at once (SIGTERM, then SIGKILL after each one's timeout):
+        the slowest one's shutdown, not the sum. Simulators last, so a worker's warm
+        shutdown still reaches its server."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def stop(p: Proc) -> None:
             with contextlib.suppress(Exception):
                 p.stop()
+
+        procs = list(reversed(self.procs))
+        first = [p for p in procs if not isinstance(p, Simulator)]
+        last = [p for p in procs if isinstance(p, Simulator)]
+        for group in (first, last):
+            if group:
+                with ThreadPoolExecutor(len(group)) as pool:
+                    list(pool.map(stop, group))
         self.procs.clear()
+
+    def close(self) -> None:
+        self.stop_processes()
+        for proxy in reversed(self.proxies):
+            with contextlib.suppress(Exception):
+                proxy.close()
+        self.proxies.clear()
         reset_process_state()
         if self.redis is not None:
             self.redis.close()
@@ -1008,30 +1044,29 @@ def postgres_half_open(cluster: Cluster, *, n: int = 80, limit: int = 8) -> Resu
     Recovery: from the strand until more samples were done than the calls in flight
     (target < 60 s). ``requests - n`` and ``doubled`` may reach the calls in flight.
     """
-    from synthq.testing.halfopen import StrandingProxy
 
     assert cluster.pg is not None
     started = time.monotonic()
     cluster.setenv(**PG_HALF_OPEN_LIMITS)
-    with StrandingProxy("127.0.0.1", cluster.pg.port) as proxy:
-        via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
-        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-        job_id = create_job(prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
-        cluster.worker(concurrency=limit, **via)
-        cluster.beat(**via)
-        wait_until(lambda: counts(job_id)["done"] >= 15, 90, "15 samples done",
-                   logs=cluster.logs)
-        holder = _hold_dispatch_lock(via["SYNTHQ_DATABASE_URL"])
-        stranded = proxy.strand()
-        at = time.monotonic()
-        before = counts(job_id)["done"]
-        moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
-                           60, "the job to move again after the strand", interval=0.2,
-                           logs=cluster.logs)
-        wait_until(lambda: counts(job_id)["done"] >= n, 120, "every sample done",
-                   interval=0.25, logs=cluster.logs)
-        requests = sim.stats()["requests"]
-        del holder  # its socket is stranded; the proxy's close ends it
+    proxy = cluster.stranding_proxy(cluster.pg.port)
+    via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
+    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+    job_id = create_job(prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
+    cluster.worker(concurrency=limit, **via)
+    cluster.beat(**via)
+    wait_until(lambda: counts(job_id)["done"] >= 15, 90, "15 samples done",
+               logs=cluster.logs)
+    holder = _hold_dispatch_lock(via["SYNTHQ_DATABASE_URL"])
+    stranded = proxy.strand()
+    at = time.monotonic()
+    before = counts(job_id)["done"]
+    moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
+                       60, "the job to move again after the strand", interval=0.2,
+                       logs=cluster.logs)
+    wait_until(lambda: counts(job_id)["done"] >= n, 120, "every sample done",
+               interval=0.25, logs=cluster.logs)
+    requests = sim.stats()["requests"]
+    del holder  # its socket is stranded; the proxy's close ends it
     return _result("postgres_half_open", job_id, n, requests, started, moved - at,
                    "strand -> more done than the calls in flight", stranded=stranded,
                    limit=limit)
@@ -1072,31 +1107,30 @@ def stranded_heartbeat(cluster: Cluster, *, n: int = 300, limit: int = 16, worke
 
     from synthq.store.db import session_scope
     from synthq.store.models import Attempt, Sample
-    from synthq.testing.halfopen import StrandingProxy
 
     assert cluster.pg is not None
     started = time.monotonic()
     cluster.setenv(**(STRANDED_HEARTBEAT_LIMITS if env is None else env))
-    with StrandingProxy("127.0.0.1", cluster.pg.port) as proxy:
-        via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
-        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-        job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
-        for _ in range(workers):
-            cluster.worker(concurrency=limit, **via)
-        cluster.wait_workers(workers)
-        cluster.beat(**via)
-        wait_until(lambda: counts(job_id)["done"] >= n // 5, 90, f"{n // 5} samples done",
-                   logs=cluster.logs)
-        ports = _heartbeat_ports() if heartbeat_only else None
-        stranded = proxy.strand(ports)
-        at = time.monotonic()
-        before = counts(job_id)["done"]
-        moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
-                           60, "the job to move again after the strand", interval=0.2,
-                           logs=cluster.logs)
-        wait_until(lambda: counts(job_id)["done"] >= n, 180, "every sample done",
-                   interval=0.25, logs=cluster.logs)
-        requests = sim.stats()["requests"]
+    proxy = cluster.stranding_proxy(cluster.pg.port)
+    via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
+    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+    job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
+    for _ in range(workers):
+        cluster.worker(concurrency=limit, **via)
+    cluster.wait_workers(workers)
+    cluster.beat(**via)
+    wait_until(lambda: counts(job_id)["done"] >= n // 5, 90, f"{n // 5} samples done",
+               logs=cluster.logs)
+    ports = _heartbeat_ports() if heartbeat_only else None
+    stranded = proxy.strand(ports)
+    at = time.monotonic()
+    before = counts(job_id)["done"]
+    moved = wait_until(lambda: counts(job_id)["done"] > before + limit and time.monotonic(),
+                       60, "the job to move again after the strand", interval=0.2,
+                       logs=cluster.logs)
+    wait_until(lambda: counts(job_id)["done"] >= n, 180, "every sample done",
+               interval=0.25, logs=cluster.logs)
+    requests = sim.stats()["requests"]
     with session_scope() as s:
         swept = s.scalar(select(func.count()).select_from(Attempt)
                          .join(Sample, Sample.id == Attempt.sample_id)

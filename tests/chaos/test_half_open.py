@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from synthq.testing import chaos
-from synthq.testing.halfopen import StrandingProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -72,23 +71,23 @@ def test_redis_half_open(cluster: chaos.Cluster) -> None:
     assert cluster.redis is not None
     n, limit = 80, 8
     cluster.setenv(**REDIS_LIMITS)
-    with StrandingProxy("127.0.0.1", cluster.redis.port) as proxy:
-        via = {"SYNTHQ_BROKER_URL": proxy.url_for(cluster.redis.url)}
-        sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-        job_id = chaos.create_job(chaos.prompts(n, "redis"), [sim.url], inflight_limit=limit)
-        cluster.worker(concurrency=limit, **via)
-        cluster.beat(**via)
-        chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= 15, 90, "15 samples done",
-                         logs=cluster.logs)
-        stranded = proxy.strand()
-        at = time.monotonic()
-        before = chaos.counts(job_id)["done"]
-        moved = chaos.wait_until(
-            lambda: chaos.counts(job_id)["done"] > before + limit and time.monotonic(), 60,
-            "the job to move again after the strand", interval=0.2, logs=cluster.logs)
-        chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= n, 120, "every sample done",
-                         interval=0.25, logs=cluster.logs)
-        requests = sim.stats()["requests"]
+    proxy = cluster.stranding_proxy(cluster.redis.port)
+    via = {"SYNTHQ_BROKER_URL": proxy.url_for(cluster.redis.url)}
+    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+    job_id = chaos.create_job(chaos.prompts(n, "redis"), [sim.url], inflight_limit=limit)
+    cluster.worker(concurrency=limit, **via)
+    cluster.beat(**via)
+    chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= 15, 90, "15 samples done",
+                     logs=cluster.logs)
+    stranded = proxy.strand()
+    at = time.monotonic()
+    before = chaos.counts(job_id)["done"]
+    moved = chaos.wait_until(
+        lambda: chaos.counts(job_id)["done"] > before + limit and time.monotonic(), 60,
+        "the job to move again after the strand", interval=0.2, logs=cluster.logs)
+    chaos.wait_until(lambda: chaos.counts(job_id)["done"] >= n, 120, "every sample done",
+                     interval=0.25, logs=cluster.logs)
+    requests = sim.stats()["requests"]
     doubled = sum(1 for v in chaos.ok_calls_per_sample(job_id).values() if v > 1)
     print(f"\nredis half-open: {stranded} connections stranded; moved again after "
           f"{moved - at:.1f} s; requests {requests} for {n} samples; doubled {doubled}")
