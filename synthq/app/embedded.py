@@ -26,7 +26,8 @@ from synthq.app.tick import Effects, run_tick
 from synthq.core.enums import INFLIGHT, JobState
 from synthq.core.errors import DiskFull, UserError
 from synthq.queue import states
-from synthq.queue.dispatch import Dispatched, sweep
+from synthq.queue.dispatch import Dispatched
+from synthq.queue.sweep import sweep
 from synthq.serving.adaptive import START_TICK_SECONDS, in_slow_start
 from synthq.serving.executor import Executor
 from synthq.spec.config import get_settings

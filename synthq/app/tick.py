@@ -9,11 +9,12 @@ The order, and why (docs/design.md, "The tick", points here):
 
 1. **probe**: servers due a health probe; one found down is sent at most one
    call by this tick's dispatch, not a batch.
-2. **sweep**: every kind of leased work a dead holder leaves (synthq.queue.ledger):
+2. **sweep**: every kind of leased work a dead holder leaves (synthq.queue.sweep):
    expired leases, dead workers' samples and captures, and unclaimed queued
    samples go back to ``pending``, so the dispatch below frees their slots and
    sends them again in the same tick (and the capture step finds its servers' true
-   room). Training runs are swept by the train step, which sends each its message.
+   room); where the tick starts training, orphaned training runs too, each sent its
+   message.
 3. **adapt**: the adaptive limits (``--inflight auto``) *before* the dispatch,
    so that what the controller decided on the calls that just ended is what
    this dispatch fills: a raise is filled at once, a cut queues nothing above
@@ -51,7 +52,8 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from synthq.queue import states
-from synthq.queue.dispatch import LocalClaim, Publisher, active_servers, dispatch, sweep
+from synthq.queue.dispatch import LocalClaim, Publisher, active_servers, dispatch
+from synthq.queue.sweep import sweep
 from synthq.serving import adaptive
 from synthq.serving.controller import Decision
 from synthq.serving.health import probe_due
@@ -117,7 +119,8 @@ def _probe(t: Tick) -> list[str]:
 
 
 def _sweep(t: Tick) -> int:
-    return sweep(job_ids=t.job_ids)
+    """Rows given back (and training runs sent again, when this tick starts training)."""
+    return sweep(job_ids=t.job_ids, send_runs=t.effects.start_training)
 
 
 def _adapt(t: Tick) -> dict[str, Decision]:

@@ -25,7 +25,7 @@ def due_jobs(session: Session, *, now: datetime) -> list[int]:
     due: list[int] = []
     # A killed capture process's captures hold its servers' room until someone frees
     # them; no stage runs to do it while they do (the room looks full). The tick's sweep
-    # stage (synthq.queue.dispatch.sweep) has freed them before this step; a caller outside the
+    # stage (synthq.queue.sweep) has freed them before this step; a caller outside the
     # tick gets the same expiry here, so that the room it judges is the true one.
     timeout = get_settings().worker_timeout  # as the sweep: a dead holder's calls may still
     # run on its server for a while, so its captures wait out the heartbeat's timeout.

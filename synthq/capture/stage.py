@@ -78,8 +78,9 @@ from synthq.data.examples import split
 from synthq.queue import capture_states as states
 from synthq.queue import ledger, workers
 from synthq.queue import states as job_states
-from synthq.queue.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down, sweep
+from synthq.queue.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down
 from synthq.queue.streaks import CAPTURE_CLASSES, Streaks
+from synthq.queue.sweep import sweep
 from synthq.serving.inference import status_error
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow

@@ -1,4 +1,4 @@
-"""The dispatcher and the lease sweep.
+"""The dispatcher.
 
 The dispatcher moves due ``pending`` samples of active jobs to ``queued`` and
 hands them to a publisher (Celery's ``generate`` queue, or the embedded
@@ -12,7 +12,8 @@ serializes them outright.
 
 Publishing happens after the commit. If the process dies in between, or the
 broker loses the message, the queued sample's deadline passes and the sweep
-returns it to ``pending``: the table is the truth, the broker carries hints.
+(:mod:`synthq.queue.sweep`) returns it to ``pending``: the table is the truth, the
+broker carries hints.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 import re
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -28,20 +28,19 @@ from typing import Any
 
 from sqlalchemy import String, bindparam, func, literal, or_, select, true, union_all
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
 from synthq.core.enums import INFLIGHT, JobState, SampleState
 from synthq.core.errors import Down, FailureClass
-from synthq.queue import capture_states as capture_states
-from synthq.queue import states, workers
+from synthq.queue import states
 from synthq.queue.limits import current_limits, start_limit
+from synthq.queue.sweep import database_trouble  # noqa: F401 (worker.tasks reads it here)
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, Job, Sample, Server, Worker
 
-__all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "sweep", "inflight_by_server",
+__all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "inflight_by_server",
            "server_is_down", "says_down", "active_servers", "adopt_stale"]
 
 
@@ -467,63 +466,3 @@ def adopt_stale(local: LocalClaim, *, older_than: float) -> int:
     if claimed:
         local.start(claimed)
     return len(claimed)
-
-
-#: When this process's sweeps last succeeded, since when without a gap, and whether
-#: this process has met a database error since.
-_sweeps = {"last": 0.0, "since": 0.0, "trouble": False}
-
-
-def database_trouble() -> None:
-    """Note a database error seen by this process's scheduling (dispatch, sweep, probes)."""
-    _sweeps["trouble"] = True
-#: Seconds a worker row may stay after its last heartbeat (``status`` shows it meanwhile).
-FORGET_WORKERS_AFTER = 3600.0
-
-
-def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None) -> int:
-    """The sweep of every kind of leased work that a dead holder can leave behind: expired
-    leases, dead workers' samples and captures, and unclaimed queued samples go back to
-    ``pending`` (or ``failed``, on their last attempt). Returns the count.
-
-    The tick's ``sweep`` stage calls it, and so does a capture stage's heartbeat (a
-    ``synthq capture`` may run where no tick does). Training runs are swept by the
-    readiness check (the ``train`` stage), which sends each swept run its message.
-
-    ``reclaim_all`` treats every lease as expired: for a process that knows it
-    is the only one working on these jobs (the embedded runner, at start).
-
-    A worker counts as dead when it has not heart-beaten for ``worker_timeout``
-    seconds, but only while this sweeper could see the database for that long
-    too: after a database outage every worker's heartbeat is old, and the
-    workers need a moment to write the answers they held (and a heartbeat)
-    before anyone judges them.
-    """
-    settings = get_settings()
-    now = utcnow()
-    mono = time.monotonic()
-    if _sweeps["trouble"] or mono - _sweeps["last"] > max(10.0, 2 * settings.worker_timeout):
-        _sweeps["since"] = mono  # back after an outage (or a long pause): wait and see
-        _sweeps["trouble"] = False
-    if _sweeps["last"] == 0.0:
-        _sweeps["since"] = mono - settings.worker_timeout  # a fresh sweeper judges at once
-    judge = mono - _sweeps["since"] >= settings.worker_timeout
-    cutoff = now + timedelta(days=36500) if reclaim_all else now
-    try:
-        with session_scope() as s:
-            moved = len(states.expire(s, now=now, cutoff=cutoff, job_ids=job_ids,
-                                      worker_timeout=settings.worker_timeout if judge else None))
-            # A dead process's captures go back after its heartbeat's timeout, not at once
-            # (even when its pid is known gone): the server may still be running its calls,
-            # and the room they free would be filled on top of them (6 in flight, limit 3).
-            moved += capture_states.expire(
-                s, now=now, worker_timeout=settings.worker_timeout if judge else None,
-                job_ids=job_ids, everything=reclaim_all)
-            workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
-            # The counters' delta rows (PostgreSQL), folded so a read sums a few rows.
-            states.compact_counts(s)
-    except DBAPIError:
-        database_trouble()
-        raise
-    _sweeps["last"] = mono
-    return moved

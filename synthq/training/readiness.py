@@ -22,16 +22,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from sqlalchemy import exists, select, text
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
 from synthq.core.errors import UserError
-from synthq.queue import ledger
-from synthq.queue import run_states as states
 from synthq.queue.states import INFLIGHT, JobState, SampleState
+from synthq.queue.sweep import sweep_runs
 from synthq.spec.config import get_settings
 from synthq.store.counts import state_counts
 from synthq.store.db import session_scope, utcnow
@@ -60,7 +58,6 @@ def check_readiness(publish: Callable[[list[int]], None] | None = None) -> Readi
 
     ``publish(run_ids)`` sends one ``train`` message per id (after commit).
     """
-    settings = get_settings()
     now = utcnow()
     result = Readiness()
     with session_scope() as s:
@@ -89,18 +86,8 @@ def check_readiness(publish: Callable[[list[int]], None] | None = None) -> Readi
             run = new_run(s, job, target=job.train_target, config=config, trigger="auto")
             log.info("job %s reached train_when=%s: training run %d", job.name, when, run.id)
             result.started.append(run.id)
-        orphans = _orphans(s, now=now, lease=settings.train_lease)
-        swept = states.sweep_stale(s, now=now, lease=settings.train_lease,
-                                   resend_after=settings.train_resend_after)
+        swept = sweep_runs(s, now=now)  # (each logged)
         result.to_send = sorted(set(result.started) | set(swept))
-    for run_id in swept:
-        if run_id in orphans:
-            log.warning("training run %d: its worker %s stopped heart-beating (%.0f s ago); "
-                        "the run is pending again and sent to a training worker, which "
-                        "resumes it from its last checkpoint", run_id, *orphans[run_id])
-        else:
-            log.warning("training run %d: pending for %.0f s with no worker; its message is "
-                        "sent again", run_id, settings.train_resend_after)
     if publish is not None and result.to_send:
         publish(result.to_send)
     return result
@@ -112,15 +99,6 @@ def _lock(session: Session) -> bool:
     if session.get_bind().dialect.name != "postgresql":
         return True
     return bool(session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": LOCK}))
-
-
-def _orphans(session: Session, *, now: datetime, lease: float) -> dict[int, tuple[str, float]]:
-    """Running runs whose holder's heartbeat is older than ``lease`` seconds: run id ->
-    (the holder, seconds since its last heartbeat), for the log line of their re-send."""
-    rows = session.execute(select(TrainingRun.id, TrainingRun.worker, TrainingRun.heartbeat_at)
-                           .where(ledger.gone(states.RUNS, now=now, lease=lease)))
-    return {int(run_id): (str(worker), (now - beat).total_seconds() if beat else lease)
-            for run_id, worker, beat in rows}
 
 
 def watch_interval() -> float:

@@ -12,8 +12,9 @@ from sqlalchemy import func, insert, select, update
 from support import counts
 
 from synthq.queue import states
-from synthq.queue.dispatch import Dispatched, dispatch, sweep
+from synthq.queue.dispatch import Dispatched, dispatch
 from synthq.queue.states import JobState
+from synthq.queue.sweep import sweep
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job, Sample
 

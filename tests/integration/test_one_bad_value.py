@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy import update
 from support import counts
 
-from synthq.queue.dispatch import Dispatched, dispatch, sweep
+from synthq.queue.dispatch import Dispatched, dispatch
+from synthq.queue.sweep import sweep
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job
 
