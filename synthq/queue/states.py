@@ -65,7 +65,7 @@ __all__ = [
     "queue", "claim_batch", "claim", "release", "renew", "renew_many", "attempt_row",
     "complete", "store_response", "advance_turn", "skip", "retry", "fail", "lose", "keep_late",
     "requeue", "expire", "retokenized", "set_job_state", "set_capture_stopped",
-    "create_job", "update_job", "finish_jobs", "reactivate", "move_job", "compact_counts",
+    "create_job", "update_job", "finish_jobs", "reactivate", "move_job",
 ]
 
 def _max_attempts(dialect: str) -> Any:
@@ -693,58 +693,3 @@ def expire(session: Session, *, now: datetime, cutoff: datetime | None = None,
         session.execute(insert(Attempt), lost)
     return [*((i, SampleState.PENDING) for i in expired.back),
             *((i, SampleState.FAILED) for i in expired.failed)]
-
-
-# -- the counters -------------------------------------------------------------------------
-
-#: PostgreSQL: fold each key's delta rows (appended by the triggers of migration 0016)
-#: into one, and drop keys whose sums are all zero. Rows a writer appends meanwhile are not in
-#: this statement's snapshot and stay; a second fold at once skips the rows the first
-#: deleted. Either way every sum is unchanged.
-_FOLD = """
-    WITH keys AS (
-        SELECT {key} FROM {table} GROUP BY {key} HAVING count(*) > 1 OR {zero}
-    ), folded AS (
-        DELETE FROM {table} c USING keys
-        WHERE {match}
-        RETURNING {returning}
-    )
-    INSERT INTO {table} ({key}, {sums})
-    SELECT {key}, {summed} FROM folded GROUP BY {key} HAVING NOT ({zero})"""
-
-
-_NULLABLE = ("error_class", "tokenize_version", "outcome")
-
-
-def _fold(table: str, key: Sequence[str], sums: Sequence[str]) -> str:
-    return _FOLD.format(
-        table=table, key=", ".join(key), sums=", ".join(sums),
-        # error_class and outcome may be NULL: a NULL key matches a NULL key.
-        match=" AND ".join(f"c.{k} IS NOT DISTINCT FROM keys.{k}" if k in _NULLABLE
-                           else f"c.{k} = keys.{k}" for k in key),
-        returning=", ".join(f"c.{c}" for c in (*key, *sums)),
-        summed=", ".join(f"sum({c})" for c in sums),
-        zero=" AND ".join(f"sum({c}) = 0" for c in sums))
-
-
-_FOLD_SAMPLES = _fold("sample_counts", ("job_id", "state", "error_class", "tokenize_version",
-                                        "answered"),
-                      ("n", "tokens", "supervised", "mismatches"))
-_FOLD_CALLS = _fold("call_counts", ("job_id", "server", "outcome"), ("n", "tokens"))
-
-
-def compact_counts(session: Session) -> None:
-    """Keep the counter tables small (the sweep calls this): one row per key.
-
-    The triggers never wait on one another for a counter: on PostgreSQL each
-    statement appends its deltas. SQLite keeps one row per key already; only
-    the keys at zero go.
-    """
-    from sqlalchemy import text
-
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text(_FOLD_SAMPLES))
-        session.execute(text(_FOLD_CALLS))
-    else:
-        session.execute(text("DELETE FROM sample_counts WHERE n = 0 AND tokens = 0 "
-                             "AND supervised = 0 AND mismatches = 0"))

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from synthq.queue import capture_states, ledger, run_states, states, workers
 from synthq.spec.config import get_settings
+from synthq.store.counts import compact_counts
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import TrainingRun
 
@@ -95,7 +96,7 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None,
                 runs = sweep_runs(s, now=now)
             workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)
             # The counters' delta rows (PostgreSQL), folded so a read sums a few rows.
-            states.compact_counts(s)
+            compact_counts(s)
     except DBAPIError:
         database_trouble()
         raise

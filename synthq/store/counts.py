@@ -2,13 +2,15 @@
 outcome, and the job list `synthq jobs` prints.
 
 The triggers of migration 0016 keep ``sample_counts`` and ``call_counts``: a
-few rows per job, however many samples. Apart from :mod:`synthq.views.report` (which
+few rows per job, however many samples; the sweep folds their delta rows
+(:func:`compact_counts`). Apart from :mod:`synthq.views.report` (which
 re-exports these) so that `synthq jobs` on its fast path (:mod:`synthq.cli.fast`)
 loads only this and :mod:`synthq.store.sqlread`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from synthq.core.enums import SampleState
@@ -17,7 +19,8 @@ from synthq.store.sqlread import Reader, read_time, reader_of
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-__all__ = ["Counted", "counted", "sample_counts", "state_counts", "call_counts", "job_list"]
+__all__ = ["Counted", "counted", "sample_counts", "state_counts", "call_counts", "job_list",
+           "compact_counts"]
 
 
 class Counted(NamedTuple):
@@ -81,3 +84,58 @@ def job_list(db: Session | Reader) -> list[dict[str, Any]]:
              "created_at": read_time(created).isoformat(), **state_counts(reader, job_id)}
             for job_id, name, state, model, created in reader.rows(
                 "SELECT id, name, state, model, created_at FROM jobs ORDER BY id")]
+
+
+# -- their compaction ---------------------------------------------------------------------
+
+#: PostgreSQL: fold each key's delta rows (appended by the triggers of migration 0016)
+#: into one, and drop keys whose sums are all zero. Rows a writer appends meanwhile are not in
+#: this statement's snapshot and stay; a second fold at once skips the rows the first
+#: deleted. Either way every sum is unchanged.
+_FOLD = """
+    WITH keys AS (
+        SELECT {key} FROM {table} GROUP BY {key} HAVING count(*) > 1 OR {zero}
+    ), folded AS (
+        DELETE FROM {table} c USING keys
+        WHERE {match}
+        RETURNING {returning}
+    )
+    INSERT INTO {table} ({key}, {sums})
+    SELECT {key}, {summed} FROM folded GROUP BY {key} HAVING NOT ({zero})"""
+
+
+_NULLABLE = ("error_class", "tokenize_version", "outcome")
+
+
+def _fold(table: str, key: Sequence[str], sums: Sequence[str]) -> str:
+    return _FOLD.format(
+        table=table, key=", ".join(key), sums=", ".join(sums),
+        # error_class and outcome may be NULL: a NULL key matches a NULL key.
+        match=" AND ".join(f"c.{k} IS NOT DISTINCT FROM keys.{k}" if k in _NULLABLE
+                           else f"c.{k} = keys.{k}" for k in key),
+        returning=", ".join(f"c.{c}" for c in (*key, *sums)),
+        summed=", ".join(f"sum({c})" for c in sums),
+        zero=" AND ".join(f"sum({c}) = 0" for c in sums))
+
+
+_FOLD_SAMPLES = _fold("sample_counts", ("job_id", "state", "error_class", "tokenize_version",
+                                        "answered"),
+                      ("n", "tokens", "supervised", "mismatches"))
+_FOLD_CALLS = _fold("call_counts", ("job_id", "server", "outcome"), ("n", "tokens"))
+
+
+def compact_counts(session: Session) -> None:
+    """Keep the counter tables small (the sweep calls this): one row per key.
+
+    The triggers never wait on one another for a counter: on PostgreSQL each
+    statement appends its deltas. SQLite keeps one row per key already; only
+    the keys at zero go. (The only write to the counters outside the triggers.)
+    """
+    from sqlalchemy import text
+
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text(_FOLD_SAMPLES))
+        session.execute(text(_FOLD_CALLS))
+    else:
+        session.execute(text("DELETE FROM sample_counts WHERE n = 0 AND tokens = 0 "
+                             "AND supervised = 0 AND mismatches = 0"))

@@ -357,7 +357,7 @@ class SampleCount(Base):
 
     On PostgreSQL each statement that changes samples appends delta rows (no
     writer waits on a hot counter row); a key may have several rows until the
-    sweep folds them (:func:`synthq.queue.states.compact_counts`): read ``sum(n)``.
+    sweep folds them (:func:`synthq.store.counts.compact_counts`): read ``sum(n)``.
     On SQLite one row per key. Never written by the code, except the fold.
     """
 

@@ -23,7 +23,7 @@ from synthq.jobs.retokenize import stale_query
 from synthq.jobs.samplecopy import insert_rows
 from synthq.queue import states
 from synthq.queue.dispatch import Dispatched, dispatch
-from synthq.store.counts import call_counts, state_counts
+from synthq.store.counts import call_counts, compact_counts, state_counts
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, CallCount, Job, Sample, SampleCount
 from synthq.views.report import job_status
@@ -160,7 +160,7 @@ def test_counters_equal_a_group_by_after_a_mixed_workload(backend: str) -> None:
     _work(b, 30)
     _check()
     with session_scope() as s:  # the fold: one row per key, sums unchanged
-        states.compact_counts(s)
+        compact_counts(s)
     _check()
     # The sweep: the held samples' leases end (one last attempt: failed as connection).
     with session_scope() as s:
@@ -197,7 +197,7 @@ def test_counters_equal_a_group_by_after_a_mixed_workload(backend: str) -> None:
     assert counted
     assert not any(k[0] == b for k in calls)
     with session_scope() as s:
-        states.compact_counts(s)
+        compact_counts(s)
         keys = s.execute(select(SampleCount.job_id, SampleCount.state, SampleCount.error_class,
                                 SampleCount.tokenize_version, SampleCount.answered)).all()
         assert len(keys) == len(set(keys))  # one row per key after the fold
