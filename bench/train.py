@@ -75,7 +75,8 @@ def main() -> None:
         draft_vocab,
         target_features,
     )
-    from synthq.training.loop import load_target, ttt_loss
+    from synthq.training.loop import load_target
+    from synthq.training.loss import ttt_loss
     from synthq.training.model import DraftConfig, Eagle3Drafter
 
     torch.manual_seed(0)

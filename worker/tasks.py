@@ -317,6 +317,6 @@ def publish_train(run_ids: Sequence[int]) -> None:
 @app.task(name="synthq.train", acks_late=False)
 def train(run_id: int) -> str:
     """Train one drafter run to the end (torch loads only in the training worker)."""
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     return execute_run(run_id)

@@ -221,7 +221,7 @@ def _check_torch() -> None:
 
 
 def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     if not as_json:
         verb = "resuming" if info["resumed"] else "starting"

@@ -1,11 +1,11 @@
 """Drafter training (EAGLE-3, or DFlash with ``drafter="dflash"``): readiness, runs, and
 the training itself.
 
-Importing this package (and :mod:`.states`, :mod:`.config`, :mod:`.readiness`,
-:mod:`.runs`) never imports torch: the API, the CLI and the beat tick use them.
-torch is imported by :mod:`.model`, :mod:`.dflash`, :mod:`.dflash_loss`,
-:mod:`.drafters`, :mod:`.data`, :mod:`.loop`, :mod:`.checkpoint` and
-:mod:`.speculate`, which only a training worker loads.
+Importing this package (and :mod:`.config`, :mod:`.readiness`, :mod:`.runs`) never
+imports torch: the API, the CLI and the beat tick use them. torch is imported by
+:mod:`.model`, :mod:`.loss`, :mod:`.dflash`, :mod:`.dflash_loss`, :mod:`.drafters`,
+:mod:`.data`, :mod:`.loop`, :mod:`.lifecycle`, :mod:`.checkpoint` and :mod:`.speculate`,
+which only a training worker loads.
 
 ::
 

@@ -1,20 +1,18 @@
-"""One training run, start to end: :func:`execute_run` (the ``train`` task and ``synthq train``).
+"""One run on one rank, top to bottom: :func:`train`, the steps of a claimed run
+(:mod:`synthq.training.lifecycle` claims it, beats its heartbeat and ends it).
 
-Steps: claim the run (CAS) → export the job's examples (synthq.jobs.export; kept in
+Steps: export the job's examples (synthq.jobs.export; kept in
 OUT/data so a resumed run trains on the same snapshot) → a held-out split
 (``eval_fraction``, never trained on) → draft vocabulary → target → drafter
-(from the last checkpoint if any) → training-time test steps → checkpoints
+(from the last checkpoint if any) → training-time test steps (the loss:
+:mod:`synthq.training.loss`, DFlash's :mod:`synthq.training.dflash_loss`) → checkpoints
 every ``save_every`` steps (the newest ``keep_checkpoints`` kept) → the served
 acceptance length on the held-out split every ``eval_every`` steps and at the
 end (``eval_acceptance_length``) → the final drafter in vLLM's layout.
 
-A heartbeat thread renews the run's claim; when it is refused (cancelled, or
-another worker took the run over after this one looked dead) training stops
-without writing. Ctrl-C hands the claim back at once (the run is pending again),
-and a run whose holder was a process of this host that no longer exists (kill
--9) is claimed at once, without waiting for its heartbeat to go stale. With
-several GPUs (or ``SYNTHQ_TRAIN_PROCS``, also on the CPU, over gloo) the task
-starts ``torchrun`` over :func:`main`; rank 0 writes to SQL and checkpoints.
+A rank holds the run through a :class:`RunContext`: progress written under the claim's
+token, and :class:`Lost` raised once the claim is gone (the write refused, or the
+heartbeat's).
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,11 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sqlalchemy import select
 
-from synthq.core.errors import UserError
 from synthq.queue import run_states as states
-from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job, TrainingRun
 from synthq.training.checkpoint import (
@@ -61,24 +52,24 @@ from synthq.training.data import (
     draft_vocab,
     load_examples,
     split_eval,
-    step_mask,
     supervised,
     target_features,
 )
 from synthq.training.dflash_loss import block_loss, sample_anchors
 from synthq.training.drafters import Drafter, make_drafter
+from synthq.training.loss import ttt_loss
 
-__all__ = ["execute_run", "load_target", "ttt_loss", "acceptance_estimate", "main"]
+__all__ = ["RunContext", "Lost", "EvalProgress", "train", "load_target", "acceptance_estimate"]
 
 log = logging.getLogger(__name__)
 
 
-class _Lost(Exception):
+class Lost(Exception):
     """The run is no longer this process's (cancelled or taken over)."""
 
 
 @dataclass
-class _Ctx:
+class RunContext:
     run_id: int
     token: str
     rank: int = 0
@@ -87,10 +78,10 @@ class _Ctx:
 
     def check(self) -> None:
         if self.lost.is_set():
-            raise _Lost()
+            raise Lost()
 
     def write(self, **values: Any) -> None:
-        """Progress to SQL (rank 0 only); raises _Lost when the claim is gone."""
+        """Progress to SQL (rank 0 only); raises Lost when the claim is gone."""
         if self.rank != 0:
             return
         with session_scope() as s:
@@ -98,148 +89,12 @@ class _Ctx:
         if not ok:
             self.lost.set()
         if self.lost.is_set():
-            raise _Lost()
-
-
-def _heartbeat(ctx: _Ctx, interval: float, stop: threading.Event) -> None:
-    while not stop.wait(interval):
-        try:
-            with session_scope() as s:
-                if not states.progress(s, ctx.run_id, ctx.token, now=utcnow()):
-                    ctx.lost.set()
-                    return
-        except Exception:  # a database hiccup: the next beat tries again
-            log.exception("training run %d: heartbeat failed", ctx.run_id)
+            raise Lost()
 
 
 #: ``on_eval(done, total, mean)``: held-out prompts evaluated so far, of how many, and
 #: the acceptance length over them (the running mean).
 EvalProgress = Callable[[int, int, float], None]
-
-
-def execute_run(run_id: int, *, worker: str | None = None,
-                on_step: Callable[[int, dict[str, Any]], None] | None = None,
-                say: Callable[[str], None] | None = None,
-                on_eval: EvalProgress | None = None) -> str:
-    """Claim run ``run_id`` and train it to the end. Returns its final state, or
-    ``stale`` when another process holds it. Errors end the run ``failed`` with
-    the reason; ``on_step(step, record)`` sees each logged step, ``say(line)``
-    the run's notices (the cache size estimate, each evaluation), ``on_eval`` each
-    held-out prompt of an evaluation. KeyboardInterrupt hands the run back
-    (pending, resumable at once) and is raised again."""
-    settings = get_settings()
-    token = secrets.token_hex(8)
-    worker = worker or f"{socket.gethostname()}:{os.getpid()}"
-    with session_scope() as s:
-        if not states.claim(s, run_id, token, worker=worker, now=utcnow(),
-                            lease=settings.train_lease, dead_worker=_dead_local_holder(s, run_id)):
-            return "stale"
-    ctx = _Ctx(run_id, token)
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(ctx, max(1.0, settings.train_lease / 4),
-                                                      stop), daemon=True, name="synthq-train-hb")
-    beat.start()
-    try:
-        procs = _processes(settings.train_procs)
-        if procs > 1:
-            _torchrun(ctx, procs)
-            return _state(run_id)
-        _train(ctx, on_step, say, on_eval)
-        return "done"
-    except KeyboardInterrupt:
-        stop.set()  # no heartbeat after the hand-back
-        beat.join()
-        with session_scope() as s:
-            states.release(s, run_id, token, now=utcnow(),
-                           reason="interrupted; resumes from its last checkpoint")
-        raise
-    except _Lost:
-        log.warning("training run %d: lost its claim (cancelled or taken over); stopped", run_id)
-        return _state(run_id)
-    except UserError as exc:
-        _fail(ctx, str(exc))
-        return "failed"
-    except Exception as exc:
-        log.exception("training run %d failed", run_id)
-        _fail(ctx, f"{type(exc).__name__}: {exc}")
-        return "failed"
-    finally:
-        stop.set()
-        beat.join()
-
-
-def _processes(configured: int) -> int:
-    """Training processes: SYNTHQ_TRAIN_PROCS, else one per CUDA GPU (SYNTHQ_NO_DDP: one)."""
-    if configured > 0:
-        return configured
-    if os.environ.get("SYNTHQ_NO_DDP"):
-        return 1
-    return max(1, torch.cuda.device_count())
-
-
-def _dead_local_holder(session: Any, run_id: int) -> str | None:
-    """The worker holding ``run_id`` when it is a process of this host that is gone
-    (``host:pid`` with no such pid): its claim can be taken at once. None otherwise
-    (another host's worker, a live process, a worker name of another form)."""
-    held = session.scalar(select(TrainingRun.worker).where(
-        TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
-    from synthq.queue.workers import gone_here
-
-    host, _, pid = (held or "").rpartition(":")
-    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
-
-
-def _state(run_id: int) -> str:
-    with session_scope() as s:
-        run = s.get(TrainingRun, run_id)
-        return str(run.state) if run else "missing"
-
-
-def _fail(ctx: _Ctx, error: str) -> None:
-    with session_scope() as s:
-        states.fail(s, ctx.run_id, ctx.token, error=error, now=utcnow())
-
-
-def _torchrun(ctx: _Ctx, procs: int) -> None:
-    """DDP over ``procs`` processes (a GPU each with CUDA, else gloo on the CPU); this
-    process keeps the claim and heartbeat."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={procs}", "-m", "synthq.training.loop",
-           str(ctx.run_id), ctx.token]
-    proc = subprocess.Popen(cmd)
-    try:
-        while proc.poll() is None:
-            if ctx.lost.wait(1):
-                raise _Lost()
-    finally:  # lost, Ctrl-C, any error: the ranks stop with this process
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait()
-    if proc.returncode != 0 and _state(ctx.run_id) == "running":
-        raise RuntimeError(f"torchrun exited with status {proc.returncode}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """torchrun entry: ``python -m synthq.training.loop RUN_ID TOKEN`` on every rank."""
-    import torch.distributed as dist
-
-    run_id, token = (argv or sys.argv[1:])[:2]
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    ctx = _Ctx(int(run_id), token, rank=rank, world=world)
-    try:
-        _train(ctx, None, None)
-    except _Lost:
-        pass
-    except Exception as exc:
-        if rank == 0:
-            _fail(ctx, f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 # --- the pieces ----------------------------------------------------------------------------
@@ -256,50 +111,6 @@ def load_target(path: str, device: torch.device | None = None) -> Any:
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval().requires_grad_(False)
-
-
-def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """``out[:, i] = x[:, i + s]``; the last ``s`` positions are zero."""
-    out = torch.zeros_like(x)
-    if x.shape[1] > s:
-        out[:, :x.shape[1] - s] = x[:, s:]
-    return out
-
-
-def ttt_loss(logits: list[torch.Tensor], feats: TargetFeatures, loss_mask: torch.Tensor,
-             draft_to_target: torch.Tensor, decay: float, head: torch.Tensor,
-             t2d: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Weighted forward KL of the unrolled steps, and (correct, counted) per step.
-
-    Step k's logits at position i [B, L, V] learn the target's distribution at
-    position i+1+k (which predicts token i+2+k), restricted to the draft
-    vocabulary and renormalised (its logits recomputed from the last hidden
-    state and the draft rows ``head`` [V, H] of its lm_head); supervised where
-    ``loss_mask[i+2+k]`` and the target's own choice there is in the draft
-    vocabulary (``t2d`` [T] bool, as SpecForge masks). Accuracy counts every
-    supervised position (an out-of-vocabulary one is a miss: the drafter cannot
-    propose it). Cross-entropy against the target's probabilities equals the
-    forward KL up to the target's entropy, a constant.
-    """
-    total = torch.zeros((), device=logits[0].device)
-    target_logits = feats.logits(head.to(logits[0].device))  # [B, L, V]
-    in_vocab = t2d.to(feats.top.device)[feats.top]  # [B, L] target argmax in the draft vocab
-    stats = []
-    for k, lk in enumerate(logits):
-        m = step_mask(loss_mask, k).to(lk.device)  # [B, L]
-        n = int(m.sum())
-        if k == 0 and n == 0:
-            raise RuntimeError("a batch with no supervised token reached the loss")
-        lm = m & _shift(in_vocab, 1 + k).to(lk.device)  # OOV positions: no loss, no gradient
-        p = torch.softmax(_shift(target_logits, 1 + k).float(), dim=-1)
-        logq = torch.log_softmax(lk.float(), dim=-1)
-        ce = -(p * logq).sum(-1)  # [B, L]
-        total = total + (decay ** k) * torch.where(lm, ce, 0.0).sum() / max(int(lm.sum()), 1)
-        with torch.no_grad():
-            guess = draft_to_target[lk.argmax(-1)]  # [B, L] target ids
-            want = _shift(feats.top, 1 + k).to(guess.device)
-            stats.append((int(((guess == want) & m).sum()), n))
-    return total, stats
 
 
 def acceptance_estimate(acc: list[float]) -> float:
@@ -323,8 +134,8 @@ def _lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
 # --- one run on one rank, top to bottom ----------------------------------------------------
 
 
-def _train(ctx: _Ctx, on_step: Callable[[int, dict[str, Any]], None] | None,
-           say: Callable[[str], None] | None, on_eval: EvalProgress | None = None) -> None:
+def train(ctx: RunContext, on_step: Callable[[int, dict[str, Any]], None] | None,
+          say: Callable[[str], None] | None, on_eval: EvalProgress | None = None) -> None:
     """This rank's part of run ``ctx.run_id``, each step a function below, in this order.
     Rank 0 also writes the progress, the checkpoints and the final drafter."""
     run, cfg = _load_run(ctx)
@@ -363,7 +174,7 @@ class _Run:
         return f"run {self.id} ({self.job})"
 
 
-def _load_run(ctx: _Ctx) -> tuple[_Run, TrainConfig]:
+def _load_run(ctx: RunContext) -> tuple[_Run, TrainConfig]:
     """The run's row and its checked config; makes the output directory, seeds torch."""
     with session_scope() as s:
         row = s.get(TrainingRun, ctx.run_id)
@@ -383,7 +194,7 @@ def _load_run(ctx: _Ctx) -> tuple[_Run, TrainConfig]:
     return run, cfg
 
 
-def _notice(ctx: _Ctx, say: Callable[[str], None] | None) -> Callable[[str], None]:
+def _notice(ctx: RunContext, say: Callable[[str], None] | None) -> Callable[[str], None]:
     """A notice of the run: to the log on every rank, to ``say`` on rank 0."""
     def notice(line: str) -> None:
         log.info("training run %d: %s", ctx.run_id, line)
@@ -392,7 +203,7 @@ def _notice(ctx: _Ctx, say: Callable[[str], None] | None) -> Callable[[str], Non
     return notice
 
 
-def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
+def _split(ctx: RunContext, run: _Run, cfg: TrainConfig,
            notice: Callable[[str], None]) -> tuple[list[Example], list[Example]]:
     """The job's examples (exported once), split into (trained on, held out)."""
     every = load_examples(_prepare_data(ctx, run), cfg.max_len)
@@ -407,7 +218,7 @@ def _split(ctx: _Ctx, run: _Run, cfg: TrainConfig,
     return examples, held_out
 
 
-def _prepare_data(ctx: _Ctx, run: _Run) -> Path:
+def _prepare_data(ctx: RunContext, run: _Run) -> Path:
     """The job's examples exported into OUT/data once (reused when resuming)."""
     from synthq.jobs.export import export_job
 
@@ -483,7 +294,7 @@ class _Progress:
     eval_accept: float | None = None  # the latest held-out acceptance length
 
 
-def _resume(ctx: _Ctx, run: _Run, cfg: TrainConfig, opt: _Optimization,
+def _resume(ctx: RunContext, run: _Run, cfg: TrainConfig, opt: _Optimization,
             device: torch.device) -> _Progress:
     """From the latest checkpoint, if any: weights, optimizer moments, schedule, step; the
     records after that step are dropped (they are trained again)."""
@@ -503,7 +314,7 @@ def _resume(ctx: _Ctx, run: _Run, cfg: TrainConfig, opt: _Optimization,
     return _Progress(step, metrics, _window(cfg.ttt_steps))
 
 
-def _features(ctx: _Ctx, run: _Run, cfg: TrainConfig, target: Any, examples: list[Example],
+def _features(ctx: RunContext, run: _Run, cfg: TrainConfig, target: Any, examples: list[Example],
               held_out: list[Example], notice: Callable[[str], None],
               ) -> tuple[FeatureCache | None, Any]:
     """Where each batch's target features come from: (cache, target). The engine's captured
@@ -538,7 +349,7 @@ class _Evaluation:
     """The served acceptance length on the held-out split: ``evaluation(step)`` on rank 0
     returns it (and says it), elsewhere or with no held-out split None."""
 
-    def __init__(self, ctx: _Ctx, cfg: TrainConfig, target_path: str, target: Any,
+    def __init__(self, ctx: RunContext, cfg: TrainConfig, target_path: str, target: Any,
                  drafter: Drafter, held_out: list[Example],
                  notice: Callable[[str], None], on_eval: EvalProgress | None) -> None:
         self.ctx, self.cfg, self.target_path, self.target = ctx, cfg, target_path, target
@@ -583,7 +394,7 @@ class _Loop:
     """What every step reads, set up once: the drafter (in DDP with several ranks), bf16
     autocast on CUDA, and the draft vocabulary's maps."""
 
-    def __init__(self, ctx: _Ctx, cfg: TrainConfig, run: _Run, opt: _Optimization,
+    def __init__(self, ctx: RunContext, cfg: TrainConfig, run: _Run, opt: _Optimization,
                  examples: list[Example], cache: FeatureCache | None, target: Any,
                  head: torch.Tensor, device: torch.device) -> None:
         self.ctx, self.cfg, self.run, self.opt = ctx, cfg, run, opt
@@ -684,7 +495,7 @@ def _after_step(loop: _Loop, p: _Progress, evaluate: _Evaluation,
         ctx.write(step=step, metrics=p.metrics,
                   **({"eval_acceptance_length": evaluated} if evaluated is not None else {}))
     if ctx.lost.is_set():
-        raise _Lost()
+        raise Lost()
     # The last step too, before the final evaluation: a run stopped during
     # it resumes there instead of redoing the steps since the last save.
     if (step % cfg.save_every == 0 or step == total) and ctx.rank == 0:
@@ -706,7 +517,7 @@ def _finish(loop: _Loop, p: _Progress, evaluate: _Evaluation,
             on_step: Callable[[int, dict[str, Any]], None] | None) -> None:
     """Rank 0, after the last step: the final evaluation (into the last record), a
     checkpoint if the last step has none, the drafter in vLLM's layout, the plots, and
-    the run finished (``_Lost`` when its claim is gone)."""
+    the run finished (``Lost`` when its claim is gone)."""
     ctx, cfg, run, step, metrics = loop.ctx, loop.cfg, loop.run, p.step, p.metrics
     final_accept = evaluate(step)
     if final_accept is not None:
@@ -725,7 +536,7 @@ def _finish(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                              step=step, metrics=metrics,
                              **({"eval_acceptance_length": p.eval_accept}
                                 if p.eval_accept is not None else {})):
-            raise _Lost()
+            raise Lost()
 
 
 class _nullcontext:
@@ -761,6 +572,3 @@ def _record(w: dict[str, Any], step: int, lr: float) -> dict[str, Any]:
             "tokens_per_s": w["tokens"] / seconds if seconds else None,
             "target_share": w["target_s"] / seconds if seconds else None}
 
-
-if __name__ == "__main__":
-    main()

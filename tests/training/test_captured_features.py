@@ -20,7 +20,7 @@ from training_support import capture_file
 
 from synthq.training.captured import CapturedFeatures, load_target_head
 from synthq.training.data import Example, FeatureCache, draft_head
-from synthq.training.loop import ttt_loss
+from synthq.training.loss import ttt_loss
 from synthq.training.model import DraftConfig, Eagle3Drafter
 
 

@@ -79,7 +79,7 @@ def test_dflash_run_writes_vllms_layout_and_drafts_better_than_untrained(
 
     from synthq.training.checkpoint import load_drafter
     from synthq.training.data import Example
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
     from synthq.training.speculate import acceptance_length
 
     job_id = greedy_job(24)
@@ -144,7 +144,7 @@ def test_a_resumed_dflash_run_reproduces_the_uninterrupted_losses(
 
     from synthq.store.db import session_scope, utcnow
     from synthq.store.models import TrainingRun
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     job_id = greedy_job(8)
     settings = dict(drafter="dflash", dflash_layers=1, ttt_steps=3, eval_draft_tokens=3,

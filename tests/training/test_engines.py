@@ -90,7 +90,7 @@ def test_config_resolves_to_the_training_layers_under_each_engine(tiny_target: A
 
 def test_out_of_vocabulary_positions_get_no_loss_and_no_gradient() -> None:
     from synthq.training.data import TargetFeatures
-    from synthq.training.loop import ttt_loss
+    from synthq.training.loss import ttt_loss
 
     torch.manual_seed(0)
     T, V, H, L = 12, 6, 8, 6
@@ -241,7 +241,7 @@ _get = get_run
 @pytest.mark.integration
 def test_offline_loss_equals_online_loss_at_step_1(greedy_job: Callable[..., int],
                                                    tiny_target_dir: Path) -> None:
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     job_id = greedy_job(4)
     losses = []
@@ -260,7 +260,7 @@ class _Kill(BaseException):
 @pytest.mark.integration
 def test_a_resumed_run_reproduces_the_uninterrupted_losses(
         greedy_job: Callable[..., int], tiny_target_dir: Path) -> None:
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     job_id = greedy_job(8)
     settings = dict(max_steps=9, epochs=10, log_every=1, save_every=2, keep_checkpoints=2)

@@ -78,7 +78,7 @@ def test_all_supervises_every_real_position() -> None:
 def test_the_loss_differs_between_the_settings() -> None:
     """The same logits and features: ``all`` counts and weighs more positions."""
     from synthq.training.data import TargetFeatures, collate, supervised
-    from synthq.training.loop import ttt_loss
+    from synthq.training.loss import ttt_loss
 
     gen = torch.Generator().manual_seed(0)
     ids, loss_mask, valid = collate(_examples(), [0, 1])

@@ -128,7 +128,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_is_not(
 
     from synthq.queue import run_states as states
     from synthq.store.db import session_scope, utcnow
-    from synthq.training.loop import _dead_local_holder
+    from synthq.training.lifecycle import _dead_local_holder
 
     run_id = start_run(greedy_job(2), tiny_target_dir)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -159,7 +159,7 @@ def test_two_cpu_ranks_train_the_model_one_process_trains(
     from safetensors.torch import load_file
 
     from synthq.spec.config import get_settings
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     examples = greedy_examples(tiny_target, 8)
     settings: dict[str, Any] = dict(draft_vocab_size=96, epochs=1, max_steps=4, lr=1e-2,

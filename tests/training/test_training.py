@@ -35,7 +35,7 @@ _get = get_run
 def _step0_accuracy(target: Any, drafter: Any, examples: list[Any]) -> float:
     """Position-0 accuracy (draft argmax == target argmax) on supervised positions."""
     from synthq.training.data import Example, collate, draft_head, target_features
-    from synthq.training.loop import ttt_loss
+    from synthq.training.loss import ttt_loss
 
     exs = [Example(str(i), np.array(a), np.array(m, dtype=np.uint8))
            for i, (a, m) in enumerate(examples)]
@@ -55,7 +55,7 @@ def test_run_trains_a_drafter_that_vllm_layout_loads_and_speculates_exactly(
 
     from synthq.training.checkpoint import load_drafter
     from synthq.training.data import Example, draft_vocab
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
     from synthq.training.model import DraftConfig, Eagle3Drafter
     from synthq.training.speculate import (
         acceptance_length,
@@ -152,7 +152,7 @@ def test_run_trains_a_drafter_that_vllm_layout_loads_and_speculates_exactly(
 
 def test_offline_cache_is_written_atomically_and_reused(
         greedy_job: Callable[..., int], tiny_target_dir: Path) -> None:
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     job_id = greedy_job(8)
     run_id = _run(job_id, tiny_target_dir, hidden_states="offline", epochs=2)
@@ -174,7 +174,7 @@ def test_offline_cache_is_written_atomically_and_reused(
 
 def test_a_job_without_supervised_tokens_fails_its_run(
         greedy_job: Callable[..., int], tiny_target: Any, tiny_target_dir: Path) -> None:
-    from synthq.training.loop import execute_run
+    from synthq.training.lifecycle import execute_run
 
     examples = [(ids, [0] * len(ids)) for ids, _ in greedy_examples(tiny_target, 3, new_tokens=4)]
     job_id = greedy_job(examples=examples)
