@@ -2,8 +2,9 @@
 
 Each piece is timed in this process with the process's CPU clock, side by side
 with the same piece as it was before the round (``--before REV``, default
-91e9d3c, the commit before it: its ``synthq/serving/inference.py`` is loaded from git as
-a module of its own), interleaved over ``--repeats`` rounds; the figure is the
+91e9d3c, the commit before it: its ``synthq/inference.py`` is loaded from git as
+a module of its own, its imports of the flat package of then pointed at today's
+folders), interleaved over ``--repeats`` rounds; the figure is the
 median microseconds per operation, and the difference is what the check adds:
 
 * **chunk**: ``synthq.serving.answer.Accumulator.add`` of one streamed chunk (a
@@ -48,15 +49,23 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+#: Where the modules the old inference.py imports live today (the package was flat then).
+_MOVED = {"errors": "synthq.core.errors", "netio": "synthq.core.netio"}
+
+
 def _before_inference(rev: str) -> Any:
-    """``synthq/serving/inference.py`` as it was at ``rev``, loaded as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:synthq/serving/inference.py"], cwd=REPO,
+    """``synthq/inference.py`` as it was at ``rev``, loaded as a module of its own."""
+    import synthq
+
+    source = subprocess.run(["git", "show", f"{rev}:synthq/inference.py"], cwd=REPO,
                             check=True, capture_output=True, text=True).stdout
+    for old, new in _MOVED.items():  # ``from synthq import errors`` as it was written then
+        setattr(synthq, old, importlib.import_module(new))
     spec = importlib.util.spec_from_loader("synthq_inference_before", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    exec(compile(source, f"{rev}:synthq/serving/inference.py", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, f"{rev}:synthq/inference.py", "exec"), module.__dict__)  # noqa: S102
     return module
 
 
