@@ -881,10 +881,12 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
 
 
 def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.0,
-             n: int = 100) -> Result:
+             n: int = 100, backoff_base: float = 2.0) -> Result:
     """Issue 18 A: the server answers every chat call 503 + ``Retry-After`` for
     ``seconds`` while ``/health`` says 200 (a vLLM with a bounded queue, a gateway),
-    with the product's default job settings (5 attempts, backoff from 2 s, limit 64).
+    with the product's default job settings (5 attempts, backoff from ``backoff_base``
+    = 2 s, limit 64). The default 30 s is the 4 backoffs' ceilings, 2 + 4 + 8 + 16 s:
+    as long as 5 attempts lasted when an overload answer spent one.
 
     Recovery: from the end of the overload until every sample is done. Before the
     fix, 5xx ignored Retry-After and the whole job failed within the overload.
@@ -896,12 +898,15 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
 
     started = time.monotonic()
     sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
+    cluster.worker(concurrency=64)
+    cluster.wait_workers(1)
+    # The overload starts once the worker is up: it meets all of it, however long its
+    # start took.
     sim.http.post("/sim/overload", json={"seconds": seconds, "status": 503,
                                          "retry_after": retry_after}).raise_for_status()
     overload_ends = time.monotonic() + seconds
-    job_id = create_job(prompts(n, "overload"), [sim.url], backoff_base=2.0, backoff_cap=300.0,
-                        max_attempts=5, inflight_limit=64)
-    cluster.worker(concurrency=64)
+    job_id = create_job(prompts(n, "overload"), [sim.url], backoff_base=backoff_base,
+                        backoff_cap=300.0, max_attempts=5, inflight_limit=64)
     cluster.beat()
 
     def settled() -> bool:
@@ -916,7 +921,7 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
     c = counts(job_id)
     return _result("overload", job_id, n, stats["requests"], started, recovered,
                    "overload over -> every sample done", overload_s=seconds,
-                   retry_after_s=retry_after, failed=c["failed"],
+                   retry_after_s=retry_after, backoff_base_s=backoff_base, failed=c["failed"],
                    overload_answers=stats["faults"].get("overload", 0),
                    max_attempts_charged=charged or 0)
 

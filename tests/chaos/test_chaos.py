@@ -156,16 +156,23 @@ def test_payloads_through_a_worker(cluster: chaos.Cluster) -> None:
     assert r.figures["too_large"] == ("failed", "response_too_large", 1), r
 
 
-def test_overload_503_retry_after_30s(cluster: chaos.Cluster) -> None:
-    """Issue 18 A. 100 samples, default job settings, every call answered 503 +
-    Retry-After: 5 for 30 s while /health is 200: every sample ends done (before, all
-    100 failed server_error within 27 s); the server got about one probe per
-    Retry-After, not its whole limit again and again."""
-    r = chaos.overload(cluster)
+def test_overload_503_retry_after_outlasting_the_backoff(cluster: chaos.Cluster) -> None:
+    """Issue 18 A. 100 samples, default job settings but a backoff base of 1 s (default
+    2 s), every call answered 503 + Retry-After: 5 while /health is 200, for as long as
+    the 5 attempts' backoffs last at most (1 + 2 + 4 + 8 bases: 30 s at the default
+    base, 15 s here): every sample ends done (before, at the defaults, all 100 failed
+    server_error within 27 s); the server got about one probe per Retry-After, not its
+    whole limit again and again."""
+    from synthq.spec.jobspec import BY_NAME
+
+    base = 1.0
+    attempts = BY_NAME["max_attempts"].default
+    r = chaos.overload(cluster, seconds=base * (2 ** (attempts - 1) - 1), backoff_base=base)
     report(r)
     assert r.figures["failed"] == 0 and r.lost == 0 and r.doubled == 0, r
-    # The first wave (the limit, 64), then one probe per Retry-After (5 s) for 30 s.
-    assert r.figures["overload_answers"] <= 64 + 30 / 5 + 3, r
+    # The first wave (the limit, 64), then one probe per Retry-After (5 s) while it lasts.
+    assert r.figures["overload_answers"] <= (
+        64 + r.figures["overload_s"] / r.figures["retry_after_s"] + 3), r
     assert r.figures["max_attempts_charged"] <= 2, r
     assert r.recovery_s < 15, r
 
