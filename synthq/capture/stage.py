@@ -20,14 +20,15 @@ A server that fails ``stop_after`` captures in a row the same way (``bad_request
 the stage (synthq.queue.streaks): one line naming the server and the cause, kept in
 ``jobs.capture_stopped`` until ``synthq capture JOB --retry-failed``.
 
-A server that stops serving (a restart: its cold start takes minutes) is seen as
-generation sees it (synthq.queue.dispatch.says_down): after ``TRIP_AFTER`` calls in a row
-refused, timed out or answered 5xx, it gets one capture at a time, a probe every
-``PROBE_INTERVAL`` seconds, and a capture whose call it never answered (refused, timed
-out: its server computed nothing) is not charged, so a restart fails no capture; an
+A server that stops serving (a restart: its cold start takes minutes) is seen by the
+rule generation's dispatch uses (synthq.queue.outage), over its calls in SQL
+(``capture_calls``, so every capture process agrees): after ``TRIP_AFTER`` calls in a row
+refused, timed out or answered 5xx, the claim gives it one capture at a time, a probe
+every ``PROBE_INTERVAL`` seconds, and a capture whose call it never answered (refused,
+timed out: its server computed nothing) is not charged, so a restart fails no capture; an
 HTTP 5xx answer is charged, as generation charges it, so a server that answers 500 to
 everything fails its captures after ``max_attempts`` rather than being probed for ever.
-The first probe that goes through gives the server its whole limit back (:class:`Outages`).
+The first probe that goes through gives the server its whole limit back.
 
 Every capture has one deadline, the capture timeout plus the file timeout from its
 start, so it ends within its lease: each call's answer, headers and body in all
@@ -76,9 +77,9 @@ from synthq.core.errors import (
 )
 from synthq.data.examples import split
 from synthq.queue import capture_states as states
-from synthq.queue import ledger, workers
+from synthq.queue import ledger, outage, workers
 from synthq.queue import states as job_states
-from synthq.queue.dispatch import DOWN_OUTCOMES, PROBE_INTERVAL, TRIP_AFTER, says_down
+from synthq.queue.outage import DOWN_OUTCOMES
 from synthq.queue.streaks import CAPTURE_CLASSES, Streaks
 from synthq.queue.sweep import sweep
 from synthq.serving.inference import status_error
@@ -287,62 +288,6 @@ def plan(session: Any, job: Job, *, at: Store | None = None) -> Plan:
     return progress_plan(reader_of(session), job.id, job, free=(at or store()).free_bytes())
 
 
-class Outages:
-    """The servers this process sees down: ``TRIP_AFTER`` failures in a row that say the
-    server is not serving (thread-safe)."""
-
-    def __init__(self, say: Callable[[str], None]) -> None:
-        self.say = say
-        self._lock = threading.Lock()
-        self._runs: dict[str, int] = {}
-        #: A down server's next probe (``time.monotonic()``).
-        self._probe_at: dict[str, float] = {}
-
-    def ok(self, server: str) -> None:
-        with self._lock:
-            self._runs.pop(server, None)
-            was_down = self._probe_at.pop(server, None) is not None
-        if was_down:
-            self.say(f"capture: server {server} answers again; its whole limit is back")
-
-    def failed(self, server: str, error_class: str, message: str) -> bool:
-        """Count a failed call; True when its server is down (this call included): the
-        failure is the server's, not the capture's."""
-        if not says_down(error_class, message):
-            self.ok(server)
-            return False
-        with self._lock:
-            n = self._runs[server] = self._runs.get(server, 0) + 1
-            if n < TRIP_AFTER:
-                return False
-            new = server not in self._probe_at
-            self._probe_at[server] = time.monotonic() + PROBE_INTERVAL
-        if new:
-            self.say(f"capture: server {server} is down ({message[:200]}); one capture at a "
-                     f"time every {PROBE_INTERVAL:g} s until it answers, not charged while "
-                     "it does not answer at all")
-        return True
-
-    def next_probe_s(self) -> float | None:
-        """Seconds until the next probe of a down server; None when none is down."""
-        with self._lock:
-            if not self._probe_at:
-                return None
-            return max(0.0, min(self._probe_at.values()) - time.monotonic())
-
-    def room(self, server: str, room: int, inflight: int) -> int:
-        """How many captures may start on ``server`` now: ``room``, or for a down server
-        one probe when none is in flight and its time has come."""
-        with self._lock:
-            at = self._probe_at.get(server)
-            if at is None:
-                return room
-            if inflight or time.monotonic() < at:
-                return 0
-            self._probe_at[server] = time.monotonic() + PROBE_INTERVAL
-            return min(room, 1)
-
-
 class Stage:
     """Runs a job's capture stage in this process until nothing is left to capture."""
 
@@ -373,8 +318,10 @@ class Stage:
         #: Identical failures in a row per server; the line that stopped the stage.
         self.streaks = Streaks(CAPTURE_CLASSES, settings.stop_after)
         self.stopped: str | None = None
-        #: Servers that stopped serving: probed, their captures not charged meanwhile.
-        self.outages = Outages(self.say)
+        #: The servers this process has said are down (the rule reads SQL: synthq.queue.
+        #: outage), so that it says so once, and once when each answers again.
+        self.down: set[str] = set()
+        self._down_lock = threading.Lock()
 
     # -- setup -------------------------------------------------------------
     def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
@@ -443,7 +390,8 @@ class Stage:
                     pause = 0.5
                     if due_later is not None:
                         pause = min(2.0, max(0.05, (due_later - utcnow()).total_seconds()))
-                    probe = self.outages.next_probe_s()
+                    with session_scope() as s:
+                        probe = states.next_probe_s(s, list(engines), now=utcnow())
                     if probe is not None:  # due, but their servers are down: the probe
                         pause = max(pause, min(2.0, probe))
                     self.stop.wait(pause)
@@ -475,7 +423,7 @@ class Stage:
             if self.streaks.holds(url, time.monotonic()) is not None:
                 continue  # it stopped the stage (its line may not be written yet)
             mine = sum(1 for _, on in self.inflight.values() if on == url)
-            room = self.outages.room(url, job.capture_limit - mine, mine)
+            room = job.capture_limit - mine  # the claim holds the server's (and a probe's)
             if room <= 0:
                 continue
             token = secrets.token_hex(8)
@@ -544,13 +492,16 @@ class Stage:
                 ingest.discard(engine_file)
                 engine_file.folder.close()
         with session_scope() as s:
-            won = states.done(s, claimed, now=utcnow(), path=got.stored.path,
+            now = utcnow()
+            states.record_call(s, claimed.capture_id, server=engine.url, outcome="ok",
+                               error_message=None, now=now)
+            won = states.done(s, claimed, now=now, path=got.stored.path,
                               sha256=got.stored.sha256, nbytes=got.stored.bytes,
                               num_tokens=got.num_tokens, layer_ids=layers,
                               dtype=got.dtype, engine=engine.version,
                               engine_model=engine.model)
         self.streaks.ok(engine.url)
-        self.outages.ok(engine.url)
+        self._seen(engine.url, down=False)
         if self.hidden is None:  # the engine's own, checked: bounds the next files' size
             self.hidden = got.hidden_size
         if not won:
@@ -564,13 +515,17 @@ class Stage:
         stop = self.streaks.failed(server, exc.error_class, message)
         line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
             if stop is not None else None
-        down = self.outages.failed(server, exc.error_class, message)
-        # A down server is probed one capture at a time (Outages). A call it never
-        # answered (refused, timed out: a restart computes nothing) is not charged; one
-        # it answered (HTTP 5xx) is, as generation charges its probes: a server that
-        # answers 500 to every capture fails them after max_attempts, not probed for ever.
-        free = down and exc.error_class in DOWN_OUTCOMES
         with session_scope() as s:
+            # The call, then the rule over the server's latest calls (this one included).
+            states.record_call(s, claimed.capture_id, server=server,
+                               outcome=exc.error_class, error_message=message, now=now)
+            down = states.server_down(s, server)
+            # A down server is probed one capture at a time (the claim's room). A call it
+            # never answered (refused, timed out: a restart computes nothing) is not
+            # charged; one it answered (HTTP 5xx) is, as generation charges its probes: a
+            # server that answers 500 to every capture fails them after max_attempts, not
+            # probed for ever.
+            free = down and exc.error_class in DOWN_OUTCOMES
             if line is not None:  # already stopped by another process: kept as it is
                 job_states.set_capture_stopped(s, job.id, line, now=now)
             delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
@@ -585,11 +540,29 @@ class Stage:
             else:
                 states.fail(s, claimed, now=now, error_class=exc.error_class,
                             error_message=message)
-        # While its server is down, Outages said so in one line: each probe's failure is
-        # only debug detail.
+        self._seen(server, down=down, message=message)
+        # While its server is down, one line said so: each probe's failure is only debug
+        # detail.
         log.log(logging.DEBUG if down else logging.WARNING, "capture of sample %d: %s: %s",
                 claimed.sample_id, exc.error_class, message)
         if line is not None and self.stopped is None:
             # Claim nothing more; the calls in flight end and are recorded.
             self.stopped = line
             self.say(line)
+
+    def _seen(self, server: str, *, down: bool, message: str = "") -> None:
+        """Say once that a server is down (the rule's reading after a call), and once that
+        it answers again."""
+        with self._down_lock:
+            new = down and server not in self.down
+            back = not down and server in self.down
+            if new:
+                self.down.add(server)
+            elif back:
+                self.down.discard(server)
+        if new:
+            self.say(f"capture: server {server} is down ({message[:200]}); one capture at a "
+                     f"time every {outage.PROBE_INTERVAL:g} s until it answers, not charged "
+                     "while it does not answer at all")
+        elif back:
+            self.say(f"capture: server {server} answers again; its whole limit is back")

@@ -50,6 +50,7 @@ adaptive controller and the streaks read it there, not from lists of their own.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -94,6 +95,8 @@ __all__ = [
     "Stage",
     "Policy",
     "POLICY",
+    "answered_status",
+    "retry_after",
 ]
 
 
@@ -406,6 +409,15 @@ class FailureClass(enum.StrEnum):
         """Whether the failure counts toward the "server is down" rule."""
         return POLICY[self].down
 
+    def says_down(self, message: str | None) -> bool:
+        """Whether a call that failed with this class, and ``message``, says its server is
+        not serving (:attr:`down`): always, only when it was answered with an HTTP 5xx
+        (:func:`answered_status`), or never."""
+        if self.down is Down.UNANSWERED:
+            return True
+        status = answered_status(message) if self.down is Down.HTTP_5XX else None
+        return status is not None and status >= 500
+
     @property
     def streak(self) -> frozenset[Stage]:
         """The stages in which a run of these failures stops the server's stage
@@ -426,7 +438,7 @@ class Load(enum.StrEnum):
 
 class Down(enum.StrEnum):
     """Whether a failed call counts toward its server's "down" rule
-    (:func:`synthq.queue.dispatch.says_down`)."""
+    (:meth:`FailureClass.says_down`, :mod:`synthq.queue.outage`)."""
 
     #: The server did not serve it (refused, hanging, stalling): always, and a capture
     #: server's outage does not charge the capture.
@@ -483,6 +495,26 @@ POLICY: dict[FailureClass, Policy] = {
     FailureClass.NO_SUPERVISED_TOKENS: Policy(False, Load.NONE, Down.NEVER, _NONE),
     FailureClass.CAPTURE_MISMATCH:     Policy(False, Load.NONE, Down.NEVER, _CAPTURE),
 }
+
+
+#: How a failure answered by the server begins its message (``synthq.serving.inference.
+#: status_error`` writes it: ``HTTP 503 (Retry-After 5 s): ...``); the attempt rows keep
+#: the message, not the status, so what the policy needs of them is read back here only.
+_ANSWERED = re.compile(r"^HTTP (\d+)(?: \(Retry-After ([0-9.]+) s\))?")
+
+
+def answered_status(message: str | None) -> int | None:
+    """The HTTP status a failed call was answered with, from its stored message; None
+    when the server gave no HTTP answer (refused, timed out, a broken stream)."""
+    found = _ANSWERED.match(message or "")
+    return int(found.group(1)) if found else None
+
+
+def retry_after(message: str | None) -> float | None:
+    """The seconds a failed call's answer asked to wait (its Retry-After), from its stored
+    message; None when it named none."""
+    found = _ANSWERED.match(message or "")
+    return float(found.group(2)) if found and found.group(2) else None
 
 
 def brief(exc: BaseException) -> str:

@@ -31,11 +31,12 @@ from sqlalchemy.orm import Session
 from synthq.core import locks
 from synthq.core.enums import CaptureState, SampleState
 from synthq.core.errors import Lost
-from synthq.queue import ledger
-from synthq.store.models import Capture, Job, Sample, UTCDateTime
+from synthq.queue import ledger, outage
+from synthq.store.models import Capture, CaptureCall, Job, Sample, UTCDateTime
 
 __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail", "expire",
-           "requeue_failed", "running_on"]
+           "requeue_failed", "running_on", "record_call", "latest_calls", "server_down",
+           "next_probe_s"]
 
 #: Captures as a kind of leased work: claimed straight from pending, the lease in
 #: ``expires_at``.
@@ -91,12 +92,45 @@ def running_on(session: Session, server: str) -> int:
         Capture.server == server, Capture.state == CaptureState.RUNNING)) or 0
 
 
+def record_call(session: Session, capture_id: int, *, server: str, outcome: str,
+                error_message: str | None, now: datetime) -> None:
+    """One call to a capture server and how it ended (``ok`` or its failure class), in
+    the transaction that records its capture's outcome: what the down rule reads."""
+    session.execute(insert(CaptureCall).values(
+        capture_id=capture_id, server=server, ended_at=now, outcome=outcome,
+        error_message=None if error_message is None else error_message[:2000]))
+
+
+def latest_calls(session: Session, server: str) -> list[Any]:
+    """The server's latest TRIP_AFTER capture calls (outcome, message, end), newest first:
+    what :mod:`synthq.queue.outage` reads."""
+    return list(session.execute(
+        select(CaptureCall.outcome, CaptureCall.error_message, CaptureCall.ended_at)
+        .where(CaptureCall.server == server)
+        .order_by(CaptureCall.id.desc()).limit(outage.TRIP_AFTER)).all())
+
+
+def server_down(session: Session, server: str) -> bool:
+    """Whether the capture server is down by its latest calls (the one rule)."""
+    return outage.is_down(latest_calls(session, server))
+
+
+def next_probe_s(session: Session, servers: Sequence[str], *, now: datetime) -> float | None:
+    """Seconds until the next probe of those capture servers that are down; None when
+    none is."""
+    waits = [outage.next_probe_s(latest, now) for latest in
+             (latest_calls(session, url) for url in servers) if outage.is_down(latest)]
+    return min(waits) if waits else None
+
+
 def claim(session: Session, job_id: int, *, server: str, limit: int, most: int, worker: str,
           token: str, lease: float, now: datetime) -> list[Claimed]:
     """Up to ``most`` due pending captures of the job → running on ``server``, never
-    more than ``limit`` running there in all."""
+    more than ``limit`` running there in all, nor more than one at a time (a probe, when
+    its time has come) while the server is down (:func:`synthq.queue.outage.room`)."""
     locks.hold(session, f"capture:{server}")
-    room = min(most, limit - running_on(session, server))
+    room = outage.room(limit, running_on(session, server), latest_calls(session, server), now,
+                       most=most)
     if room <= 0:
         return []
     due = select(Capture.id).where(

@@ -19,7 +19,6 @@ broker carries hints.
 from __future__ import annotations
 
 import functools
-import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,16 +31,16 @@ from sqlalchemy.orm import Session
 
 from synthq.core import locks
 from synthq.core.enums import INFLIGHT, JobState, SampleState
-from synthq.core.errors import Down, FailureClass
-from synthq.queue import states
+from synthq.queue import outage, states
 from synthq.queue.limits import current_limits, start_limit
+from synthq.queue.outage import TRIP_AFTER
 from synthq.queue.sweep import database_trouble  # noqa: F401 (worker.tasks reads it here)
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, Job, Sample, Server, Worker
 
 __all__ = ["Dispatched", "Publisher", "LocalClaim", "dispatch", "inflight_by_server",
-           "server_is_down", "says_down", "active_servers", "adopt_stale"]
+           "server_is_down", "active_servers", "adopt_stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,45 +216,12 @@ def _load_statement(capacity: bool, lateral: bool) -> Any:
     return union_all(*parts)
 
 
-#: A server whose last this-many calls all failed to connect, stalled or timed out
-#: is treated as down.
-TRIP_AFTER = 3
-#: Outcomes that say "the server is not serving": refused, hanging, stalling
-#: (:attr:`Down.UNANSWERED <synthq.core.errors.Down.UNANSWERED>`).
-DOWN_OUTCOMES = frozenset(c for c in FailureClass if c.down is Down.UNANSWERED)
-#: Seconds between probes of a down server.
-PROBE_INTERVAL = 2.0
-#: Longest wait between probes that a server's Retry-After can ask for.
-PROBE_INTERVAL_MAX = 60.0
-#: How :func:`synthq.serving.inference._convert_status` names a Retry-After in the message.
-_RETRY_AFTER = re.compile(r"^HTTP \d+ \(Retry-After ([0-9.]+) s\)")
-
-
-def says_down(outcome: str | None, message: str | None) -> bool:
-    """A call that says the server is not serving: refused, hanging, stalling, or an
-    HTTP 5xx answer (overloaded: 503 from a bounded queue or a gateway). A broken
-    stream (an HTML page, no ``[DONE]``) is a ``server_error`` too, but not this: the
-    attempt row keeps no HTTP status, so its message (:func:`synthq.serving.inference.status_error`
-    writes ``HTTP <status>`` first) tells them apart. Each class's rule is its
-    :attr:`FailureClass.down`."""
-    failure = FailureClass.of(outcome)
-    if failure is None or failure.down is Down.NEVER:
-        return False
-    return failure.down is Down.UNANSWERED or (message or "").startswith("HTTP 5")
-
-
 def server_is_down(session: Session, url: str) -> bool:
-    """True when the server's latest calls all failed to connect, stalled, timed out or
-    were answered with an HTTP 5xx.
-
-    A down server gets one request at a time (a probe, at most every
-    PROBE_INTERVAL, or every Retry-After when its last answer said one) instead
-    of its whole limit: samples do not burn their attempts on it, and the first
-    probe that succeeds gives it its full limit back. A server that answers
-    ``/health`` but hangs or answers 503 to every generation is down too.
-    Derived from the attempts table, so every dispatcher agrees.
-    """
-    return _is_down_now(_latest_calls(session, url))
+    """Whether the server is down by its latest generation calls (the one rule,
+    :func:`synthq.queue.outage.is_down`): derived from the attempts table, so every
+    dispatcher agrees. A server that answers ``/health`` but hangs or answers 503 to
+    every generation is down too."""
+    return outage.is_down(_latest_calls(session, url))
 
 
 def _latest_calls(session: Session, url: str) -> list[Any]:
@@ -269,20 +235,6 @@ def _latest_statement() -> Any:
     return (select(Attempt.outcome, Attempt.error_message, Attempt.ended_at)
             .where(Attempt.server == bindparam("url", type_=Attempt.__table__.c["server"].type))
             .order_by(Attempt.id.desc()).limit(TRIP_AFTER))
-
-
-def _is_down_now(latest: Sequence[Any]) -> bool:
-    return len(latest) == TRIP_AFTER and all(says_down(o, m) for o, m, _ in latest)
-
-
-def _probe_due(latest: Sequence[Any], now: datetime) -> bool:
-    if not latest or latest[0][2] is None:
-        return True
-    interval = PROBE_INTERVAL
-    said = _RETRY_AFTER.match(latest[0][1] or "")
-    if said:
-        interval = min(PROBE_INTERVAL_MAX, max(interval, float(said.group(1))))
-    return (now - latest[0][2]).total_seconds() >= interval
 
 
 #: Advisory-lock key that serializes dispatchers (room per server and worker capacity).
@@ -377,14 +329,12 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
         latest = seen.latest
         for entry in servers:
             entry.unhealthy = entry.url in seen.sick
-            entry.down = _is_down_now(latest[entry.url])
+            entry.down = outage.is_down(latest[entry.url])
         # Most room first: when there is less work than room, it goes where room is.
         servers.sort(key=lambda x: load.get(x.url, 0) - x.effective_limit)
-        rooms = {x.url: min(x.effective_limit - load.get(x.url, 0), settings.dispatch_batch)
+        rooms = {x.url: outage.room(0 if x.unhealthy else x.limit, load.get(x.url, 0),
+                                    latest[x.url], now, most=settings.dispatch_batch)
                  for x in servers}
-        for entry in servers:
-            if entry.down and not _probe_due(latest[entry.url], now):
-                rooms[entry.url] = 0
         taken_by: dict[str, list[Dispatched]] = {}
         # Round 1: each server's preferred samples; round 2: whatever is left.
         for preferred in (True, False):

@@ -35,7 +35,7 @@ from synthq.core.enums import CaptureState, JobState, RunState, SampleState
 from synthq.spec.jobspec import default, mask_for
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
-           "TrainingRun", "UTCDateTime", "ApiSession", "Capture"]
+           "TrainingRun", "UTCDateTime", "ApiSession", "Capture", "CaptureCall"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -546,6 +546,27 @@ class Capture(Base):
     updated_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+
+class CaptureCall(Base):
+    """One call to a capture server: where and how it ended (what ``attempts`` is to
+    generation). The "server is down" rule reads a server's latest calls
+    (:mod:`synthq.queue.outage`), so every capture process sees one server alike."""
+
+    __tablename__ = "capture_calls"
+    __table_args__ = (
+        # The down rule: a server's latest calls.
+        Index("ix_capture_calls_server_id", "server", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    capture_id: Mapped[int] = mapped_column(
+        ForeignKey("captures.id", ondelete="CASCADE"), index=True)
+    server: Mapped[str] = mapped_column(String(500))
+    ended_at: Mapped[datetime]
+    #: ``ok`` or a failure class.
+    outcome: Mapped[str] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
 
 
 class ApiSession(Base):

@@ -126,9 +126,9 @@ def test_a_server_that_always_answers_500_fails_its_captures(
     in 90 s) and nothing failed or paused. It is still seen down (one probe at a time), but
     an answer it gives is charged, as generation charges it: each capture fails as
     ``server_error`` after max_attempts, and the calls end."""
-    from synthq.capture import stage
+    from synthq.queue import outage
 
-    monkeypatch.setattr(stage, "PROBE_INTERVAL", 0.05)
+    monkeypatch.setattr(outage, "PROBE_INTERVAL", 0.05)
 
     def always_500(server: HostileServer, conn: socket.socket, req: Request) -> None:
         answer(conn, {"error": "boom"}, status="500 Internal Server Error")

@@ -107,7 +107,7 @@ def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
     from synthq.store.db import utcnow
 
     # Three 500s in a row make the server down (one probe per PROBE_INTERVAL): not tested here.
-    monkeypatch.setattr("synthq.queue.dispatch.PROBE_INTERVAL", 0.0)
+    monkeypatch.setattr("synthq.queue.outage.PROBE_INTERVAL", 0.0)
 
     sim = simulator("--latency", "0")
     report = job_factory(["x [[sim:error]]"], servers=[sim.url], max_attempts=10,

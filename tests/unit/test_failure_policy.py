@@ -8,7 +8,7 @@ import pytest
 
 from synthq.core import errors
 from synthq.core.errors import POLICY, Down, FailureClass, Load, Stage
-from synthq.queue import dispatch, streaks
+from synthq.queue import outage, streaks
 from synthq.serving import controller
 
 
@@ -55,14 +55,14 @@ def test_the_down_rule_reads_the_policy(member: FailureClass) -> None:
     """An HTTP 5xx answer counts where the class's rule says it may; another HTTP status,
     or a message that is no HTTP answer (a broken stream), only where the class always
     counts."""
-    assert dispatch.says_down(member, "HTTP 503: busy") is (member.down is not Down.NEVER)
+    assert outage.says_down(member, "HTTP 503: busy") is (member.down is not Down.NEVER)
     for other in ("HTTP 400: no", "HTTP 408: slow", "malformed stream chunk"):
-        assert dispatch.says_down(member, other) is (member.down is Down.UNANSWERED), other
-    assert (member in dispatch.DOWN_OUTCOMES) is (member.down is Down.UNANSWERED)
+        assert outage.says_down(member, other) is (member.down is Down.UNANSWERED), other
+    assert (member in outage.DOWN_OUTCOMES) is (member.down is Down.UNANSWERED)
 
 
 def test_the_down_rule_ignores_what_is_no_failure() -> None:
-    assert not any(dispatch.says_down(o, "HTTP 503: busy") for o in ("ok", None, "error"))
+    assert not any(outage.says_down(o, "HTTP 503: busy") for o in ("ok", None, "error"))
 
 
 @pytest.mark.parametrize("member", list(FailureClass))
