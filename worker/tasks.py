@@ -15,7 +15,8 @@ from sqlalchemy.exc import DBAPIError
 from synthq.app.tick import Effects, run_tick
 from synthq.jobs.retokenize import retokenize_batch
 from synthq.queue.broker import take_tick
-from synthq.queue.dispatch import Dispatched, adopt_stale, database_trouble, dispatch
+from synthq.queue.dispatch import Dispatched, adopt_stale, dispatch
+from synthq.queue.sweep import database_trouble
 from synthq.serving.executor import Executor
 from synthq.spec.config import get_settings
 from synthq.store.db import disk_full, safe_url

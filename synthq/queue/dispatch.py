@@ -34,7 +34,6 @@ from synthq.core.enums import INFLIGHT, JobState, SampleState
 from synthq.queue import outage, states
 from synthq.queue.limits import current_limits, start_limit
 from synthq.queue.outage import TRIP_AFTER
-from synthq.queue.sweep import database_trouble  # noqa: F401 (worker.tasks reads it here)
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, Job, Sample, Server, Worker
