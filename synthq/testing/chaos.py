@@ -926,11 +926,16 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
                    max_attempts_charged=charged or 0)
 
 
-def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 300,
+def broker_refuses_writes(cluster: Cluster, *, refuse: float | None = 20.0, n: int = 300,
                           limit: int = 32) -> Result:
     """Issue 18 B: Redis reaches ``maxmemory`` under ``noeviction`` for ``refuse`` seconds
     mid-run: acknowledgements (ZREM/HDEL in MULTI), publishes and the unacked index all
     answer OOM. Before the fix Celery logged "Unrecoverable error" and the worker exited.
+
+    ``refuse=None``: Redis refuses writes until the worker and beat have each met a
+    refused write (Redis' OOM answer in their logs) and the worker has finished more
+    samples than its slots since the refusal began, i.e. it worked through the refusal;
+    or until the worker exited (before the fix: at once).
 
     Recovery: from Redis accepting writes again until every sample is done; the
     worker must be the same process throughout.
@@ -944,8 +949,20 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 30
     wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
     pid = worker.proc.pid
     cluster.redis.refuse_writes(True)
+    refused_at = time.monotonic()
     at_refusal = counts(job_id)["done"]
-    time.sleep(refuse)
+    if refuse is None:
+        oom = "used memory > 'maxmemory'"  # Redis' answer, as each process logs it
+
+        def met() -> bool:
+            return worker.proc.poll() is not None or (
+                oom in worker.log() and oom in beat.log()
+                and counts(job_id)["done"] > at_refusal + limit)
+
+        wait_until(met, 90, "the worker and beat to meet the refusal and work through it",
+                   interval=0.2, logs=cluster.logs)
+    else:
+        time.sleep(refuse)
     alive_through = worker.proc.poll() is None
     cluster.redis.refuse_writes(False)
     back = time.monotonic()
@@ -953,7 +970,7 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float = 20.0, n: int = 30
     _poll_done(cluster, job_id, n, 120)
     return _result("broker_refuses_writes", job_id, n, sim.stats()["requests"], started,
                    time.monotonic() - back, "Redis accepts writes again -> every sample done",
-                   refused_s=refuse, done_while_refused=done_during,
+                   refused_s=back - refused_at, done_while_refused=done_during,
                    worker_alive=alive_through and worker.proc.poll() is None
                    and worker.proc.pid == pid,
                    beat_alive=beat.proc.poll() is None,

@@ -177,12 +177,14 @@ def test_overload_503_retry_after_outlasting_the_backoff(cluster: chaos.Cluster)
     assert r.recovery_s < 15, r
 
 
-def test_broker_refuses_writes_20s(cluster: chaos.Cluster) -> None:
-    """Issue 18 B. Redis at maxmemory under noeviction for 20 s (the ack's ZREM answers
-    OOM): the worker survives (before: "Unrecoverable error", exit), keeps what it holds
-    safe (SQL is the truth), and the job finishes once Redis accepts writes again, on
-    the same worker process, each answer paid once."""
-    r = chaos.broker_refuses_writes(cluster)
+def test_broker_refuses_writes_while_the_worker_works(cluster: chaos.Cluster) -> None:
+    """Issue 18 B. Redis at maxmemory under noeviction (the ack's ZREM answers OOM) until
+    the worker and beat have each met a refused write and the worker has done more
+    samples than its slots meanwhile (bench/chaos.py: 20 s): the worker survives (before:
+    "Unrecoverable error", exit), keeps what it holds safe (SQL is the truth), and the
+    job (150 samples) finishes once Redis accepts writes again, on the same worker
+    process, each answer paid once."""
+    r = chaos.broker_refuses_writes(cluster, refuse=None, n=150)
     report(r)
     assert r.figures["worker_alive"] and not r.figures["unrecoverable"], r
     assert r.figures["beat_alive"], r
