@@ -332,6 +332,8 @@ class Stage:
             if not job.capture_servers:
                 raise UserError(f"job {job.name} has no capture server: pass --server URL")
             s.expunge(job)
+        if job.capture_timeout is not None:  # the job's own (synthq capture --timeout)
+            self.timeout = job.capture_timeout
         layers = layers_for(job)
         # Bounded like a capture call (a server that trickles /models stops no stage for
         # good), and as long: an engine busy with prefills may be slow to list its model.

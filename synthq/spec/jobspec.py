@@ -416,6 +416,12 @@ CAPTURE: tuple[Setting, ...] = (
     Setting("capture_limit", int, 8, "Capture requests in flight per server.", low=1,
             high=4096, flags=("--limit",), role=OPERATIONAL_ROLE,
             brief="Captures in flight per server."),
+    Setting("capture_timeout", float, None, "Seconds one capture call may take, its answer "
+            "headers and body in all: the engine's prefill of the job's longest example must "
+            "fit (a capture's lease is this, the file timeout and the lease margin).",
+            flags=("--timeout",), omitted="the service's SYNTHQ_CAPTURE_TIMEOUT (120 s)",
+            role=OPERATIONAL_ROLE, brief="Seconds per capture call [default: the service's].",
+            **_POSITIVE_SECONDS),  # type: ignore[arg-type]
     Setting("train_target", str, None, "The target model's folder (its config.json gives the "
             "layer count and width for the default layers and the disk plan). Stored on the "
             "job as its training target.", max_len=1000, flags=("--target", "-t"),

@@ -197,6 +197,8 @@ class Job(Base):
     #: Most capture requests in flight on each capture server.
     capture_limit: Mapped[int] = mapped_column(Integer, default=default("capture_limit"),
                                                server_default=str(default("capture_limit")))
+    #: Seconds one capture call may take; None: the service's ``capture_timeout``.
+    capture_timeout: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Why synthq stopped the capture stage (identical failures in a row on one server,
     #: synthq.queue.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
     capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)

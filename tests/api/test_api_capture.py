@@ -115,6 +115,7 @@ def test_the_api_sets_the_declared_capture_settings_checked_as_the_cli_does(
     for body, said in (({"capture_layers": [2, 2]}, "--layers 2,2: distinct indices"),
                        ({"capture_limit": 0}, "--limit"),
                        ({"capture_dtype": "int4"}, "--dtype"),
+                       ({"capture_timeout": 0}, "--timeout"),
                        ({"train_target": "/etc"}, "inside the data directory"),
                        ({"capture_limits": 3}, "capture_limits")):
         r = client.put(f"/api/jobs/{job_id}/capture", json=body)
@@ -128,7 +129,8 @@ def test_the_api_sets_the_declared_capture_settings_checked_as_the_cli_does(
     r = client.put(f"/api/jobs/{job_id}/capture", json={"capture_limit": 3})
     assert r.status_code == 200, r.text
     assert r.json() == {"capture_layers": [2, 4, 5, 8], "capture_dtype": "bfloat16",
-                        "capture_limit": 3, "train_target": str(data / "target")}
+                        "capture_limit": 3, "capture_timeout": None,
+                        "train_target": str(data / "target")}
     with session_scope() as s:
         job = s.get_one(Job, job_id)
         assert (job.capture_layers, job.capture_dtype, job.capture_limit) == \

@@ -120,6 +120,37 @@ def test_an_answer_trickled_a_byte_at_a_time_ends_at_the_deadline(
     assert took < 15, took
 
 
+def test_a_jobs_own_capture_timeout_bounds_its_calls(
+        job_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's ``capture_timeout`` (``synthq capture JOB --timeout``, set through the
+    service function the CLI and the API share) bounds its calls, not the service's 120 s:
+    an answer trickling its headers ends as ``timeout`` well before the service's bound."""
+    from synthq.app import service
+    from synthq.spec.config import get_settings
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
+
+    monkeypatch.setenv("SYNTHQ_CAPTURE_FILE_TIMEOUT", "1")  # the service's call timeout kept
+    get_settings.cache_clear()
+    assert get_settings().capture_timeout >= 60
+
+    def trickle(server: HostileServer, conn: socket.socket, req: Request) -> None:
+        server.trickle(conn, b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000, 0.2)
+
+    server = HostileServer(describe_or(trickle))
+    try:
+        job_id = _job(job_factory, 1, server.url, max_attempts=1)
+        with session_scope() as s:
+            after = service.set_capture(s, s.get_one(Job, job_id), {"capture_timeout": 1.0})
+        assert after["capture_timeout"] == 1.0
+        left, took, _ = _run(job_id, seconds=30, within=25, server=server)
+    finally:
+        server.close()
+        get_settings.cache_clear()
+    assert left.failures == {"timeout": 1} and left.done == 0, left
+    assert took < 15, took
+
+
 def test_a_server_that_always_answers_500_fails_its_captures(
         job_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Low item: a capture server answering 500 to every call was probed for ever (47 calls
