@@ -46,7 +46,7 @@ def capture(
     from synthq.app import service
     from synthq.capture import stage as capture_stage
     from synthq.jobs.enqueue import find_job
-    from synthq.queue import capture_states as capture_states
+    from synthq.queue import capture_states
     from synthq.spec.config import get_settings
     from synthq.store.db import session_scope, utcnow
     from synthq.store.models import Job

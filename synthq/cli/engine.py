@@ -32,7 +32,7 @@ def serve_check(
     "dflash"`), then `synthq serve-check 3 -s http://127.0.0.1:8000/v1 -m TARGET`
     """
     from synthq.core.clock import utcnow
-    from synthq.queue import run_states as run_states
+    from synthq.queue import run_states
     from synthq.store.db import session_scope
     from synthq.store.models import TrainingRun
     from synthq.training.served import describe, held_out_prompts, measure, wait_serving

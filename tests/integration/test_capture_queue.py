@@ -211,7 +211,7 @@ def test_a_dead_capture_process_does_not_hold_its_servers_room(
     tick frees its captures and finds the job due, though no stage runs to free them
     (it had stalled the stage for good: the surviving worker was never sent a task)."""
     from synthq.capture.due import due_jobs
-    from synthq.queue import capture_states as capture_states
+    from synthq.queue import capture_states
     from synthq.store.db import session_scope, utcnow
 
     url = "http://127.0.0.1:9/v1"

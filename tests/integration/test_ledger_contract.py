@@ -21,9 +21,7 @@ from sqlalchemy import func, select, update
 
 from synthq.core.enums import JobState
 from synthq.core.errors import BadRequest, TimeoutError_
-from synthq.queue import capture_states as capture_states
-from synthq.queue import ledger
-from synthq.queue import run_states as run_states
+from synthq.queue import capture_states, ledger, run_states
 from synthq.queue import states as sample_states
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, Capture, Sample, TrainingRun

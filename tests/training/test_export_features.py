@@ -57,7 +57,7 @@ def _captured_job(job_factory: Callable[..., Any], sample_factory: Callable[...,
     from synthq.capture import ingest
     from synthq.capture.stage import store
     from synthq.core.packing import pack_ids, pack_mask
-    from synthq.queue import capture_states as capture_states
+    from synthq.queue import capture_states
     from synthq.store.db import session_scope, utcnow
     from synthq.store.models import Job, Sample
 
