@@ -361,7 +361,7 @@ class Stage:
                 return summary(s, self.job_id)
         job, _, engines = self.prepare()
         settings = get_settings()
-        lease = self.timeout + settings.capture_file_timeout + settings.lease_margin
+        lease = states.CAPTURES.lease_seconds(self.timeout)
         slots = job.capture_limit * len(engines)
         self.pool = pool = ThreadPoolExecutor(max_workers=slots,
                                               thread_name_prefix="synthq-capture")

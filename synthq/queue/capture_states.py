@@ -32,14 +32,23 @@ from synthq.core import locks
 from synthq.core.enums import CaptureState, SampleState
 from synthq.core.errors import Lost
 from synthq.queue import ledger, outage
+from synthq.spec.config import get_settings
 from synthq.store.models import Capture, CaptureCall, Job, Sample, UTCDateTime
 
 __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail", "expire",
            "requeue_failed", "running_on", "record_call", "latest_calls", "server_down",
            "next_probe_s"]
 
+def _lease(call_timeout: float) -> float:
+    """A running capture's lease, from its call's timeout (the job's ``capture_timeout``,
+    else the service's): the call, then the engine's file (``capture_file_timeout``), and
+    a margin. The stage ends each call within those, so it never outlives its lease."""
+    settings = get_settings()
+    return call_timeout + settings.capture_file_timeout + settings.lease_margin
+
+
 #: Captures as a kind of leased work: claimed straight from pending, the lease in
-#: ``expires_at``.
+#: ``expires_at``, set at the claim to outlive the call and its file, never renewed.
 CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        held=CaptureState.RUNNING, done=CaptureState.DONE,
                        failed=CaptureState.FAILED, lease="expires_at", charge="claim",
@@ -47,7 +56,8 @@ CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        owner=(Job, Job.id == Capture.job_id),
                        expired_class=Lost.error_class,
                        expired_message="the capture process stopped before it recorded the "
-                                       "call")
+                                       "call",
+                       lease_length=_lease)
 
 
 @dataclass(frozen=True, slots=True)

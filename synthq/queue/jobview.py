@@ -14,11 +14,10 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from synthq.spec import jobspec
-from synthq.spec.config import get_settings
 from synthq.store.db import CLAIM_PATH_ATTEMPTS, session_scope, with_db_retry
 from synthq.store.models import Job
 
-__all__ = ["OVERRIDABLE", "Effective", "effective", "get_job", "lease_seconds"]
+__all__ = ["OVERRIDABLE", "Effective", "effective", "get_job"]
 
 
 #: Per-sample settings ``synthq requeue`` may set (``samples.overrides``), as declared.
@@ -79,12 +78,3 @@ def get_job(job_id: int, session: Session | None = None) -> Job:
     _jobs[job_id] = (now, job)
     return job
 
-
-def lease_seconds(job: Job) -> float:
-    """A running sample's lease: the worker gives up on a silent server after the
-    stall timeout, and the lease outlives that by a margin, so a live worker never
-    loses it."""
-    # Bounded (a job stored before its timeouts were): now + the lease must stay a date, or
-    # one job's value would fail the dispatch of every job.
-    return min(job.stall_timeout, job.total_timeout, jobspec.MAX_SECONDS) + \
-        get_settings().lease_margin

@@ -94,6 +94,15 @@ class Kind:
     #: The failure class (``error_class``) and message of an expired last attempt.
     expired_class: str | None = None
     expired_message: str | None = None
+    #: How long a claim's lease lasts, in seconds, from what the kind's holder knows of its
+    #: work (:meth:`lease_seconds`: a sample's job, a capture call's timeout; a training
+    #: run's, nothing: the service's setting).
+    lease_length: Callable[..., float] | None = None
+    #: How often its holder renews the lease: ``n`` times a lease (after each ``1/n`` of
+    #: it), and at most once in ``renew_floor`` seconds (:meth:`renew_every`); None: never
+    #: renewed, the lease set at the claim outlives the work it covers.
+    renew_per_lease: int | None = None
+    renew_floor: float = 0.0
 
     @property
     def lease_is_deadline(self) -> bool:
@@ -112,6 +121,19 @@ class Kind:
     def column(self, name: str) -> Any:
         return getattr(self.model, name)
 
+    def lease_seconds(self, of: Any = None) -> float:
+        """Seconds a claim's lease lasts (:attr:`lease_length`), from ``of``: what the
+        kind's lease is computed from."""
+        if self.lease_length is None:
+            raise ValueError(f"{self.name} declares no lease length")
+        return float(self.lease_length(of))
+
+    def renew_every(self, lease: float) -> float:
+        """Seconds after which the holder of a ``lease``-second lease renews it."""
+        if self.renew_per_lease is None:
+            raise ValueError(f"{self.name}: its lease is not renewed")
+        return max(self.renew_floor, lease / self.renew_per_lease)
+
     def __post_init__(self) -> None:
         if self.charge not in (None, "claim", "call") or \
                 (self.charge == "call") is (self.answer is None):
@@ -121,6 +143,8 @@ class Kind:
         if self.holder not in ("worker", "row") or \
                 (self.holder == "row") is self.lease_is_deadline:
             raise ValueError(f"{self.name}: holder {self.holder!r} with lease {self.lease!r}")
+        if self.renew_per_lease is not None and self.renew_per_lease < 2:
+            raise ValueError(f"{self.name}: a lease renewed {self.renew_per_lease} times")
 
 
 class Transition(NamedTuple):

@@ -32,16 +32,24 @@ from sqlalchemy.orm import Session
 
 from synthq.core.enums import RunState
 from synthq.queue import ledger
+from synthq.spec.config import get_settings
 from synthq.store.models import TrainingRun
 
 __all__ = ["RUNS", "RunState", "OPEN", "create", "claim", "progress", "finish", "fail",
            "cancel", "release", "sweep_stale", "record_served"]
 
+def _lease(_: Any = None) -> float:
+    """A run's lease: the service's ``train_lease`` seconds after its holder's last beat."""
+    return get_settings().train_lease
+
+
 #: Training runs as a kind of leased work: claimed from pending, the lease their
-#: holder's heartbeat.
+#: holder's heartbeat (``train_lease`` seconds), which beats every quarter of the lease,
+#: at least 1 s apart (a training worker's own readiness check keeps the same period).
 RUNS = ledger.Kind("training run", TrainingRun, waiting=RunState.PENDING,
                    held=RunState.RUNNING, done=RunState.DONE, failed=RunState.FAILED,
-                   cancelled=RunState.CANCELLED, lease="heartbeat_at", holder="row")
+                   cancelled=RunState.CANCELLED, lease="heartbeat_at", holder="row",
+                   lease_length=_lease, renew_per_lease=4, renew_floor=1.0)
 
 
 #: States in which a run still has work to do.

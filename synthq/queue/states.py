@@ -58,6 +58,8 @@ from sqlalchemy.orm import Session
 from synthq.core.enums import FINISHED, INFLIGHT, JobState, SampleState
 from synthq.core.errors import FailureClass
 from synthq.queue import ledger
+from synthq.spec import jobspec
+from synthq.spec.config import get_settings
 from synthq.store.models import Attempt, Job, Sample
 
 __all__ = [
@@ -81,17 +83,31 @@ def _max_attempts(dialect: str) -> Any:
     return func.coalesce(number, Job.max_attempts)
 
 
+def _lease(job: Any) -> float:
+    """A running sample's lease, from its job (or the sample's view of it): the worker
+    gives up on a silent server after the stall timeout, and the lease outlives that by a
+    margin, so a live worker never loses it. No job (a message that names none): a
+    generous one, which the first renewal makes the job's own."""
+    margin = get_settings().lease_margin
+    if job is None:
+        return margin + 3600
+    # Bounded (a job stored before its timeouts were): now + the lease must stay a date, or
+    # one job's value would fail the dispatch of every job.
+    return min(job.stall_timeout, job.total_timeout, jobspec.MAX_SECONDS) + margin
+
+
 #: Samples as a kind of leased work: queued (offered) before they are claimed; the lease
-#: (or a queued sample's claim deadline) in ``expires_at``; a claim that makes a call is
-#: charged; an expired last attempt fails as ``connection``.
+#: (or a queued sample's claim deadline) in ``expires_at``, as long as the job's stall
+#: timeout and a margin, renewed after each third of it (by the worker's keepalive); a
+#: claim that makes a call is charged; an expired last attempt fails as ``connection``.
 SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
                       done=SampleState.DONE, failed=SampleState.FAILED,
                       offered=SampleState.QUEUED, lease="expires_at", hot=True,
                       charge="call", answer="response_content", budget=_max_attempts,
                       owner=(Job, Job.id == Sample.job_id),
                       expired_class=FailureClass.CONNECTION.value,
-                      expired_message="the worker stopped reporting during its last attempt")
-
+                      expired_message="the worker stopped reporting during its last attempt",
+                      lease_length=_lease, renew_per_lease=3)
 
 
 #: Sample states that keep a job from being finished.

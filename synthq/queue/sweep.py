@@ -114,7 +114,7 @@ def sweep_runs(session: Session, *, now: datetime) -> list[int]:
     with the broker) is touched. Each is logged; the caller publishes a message for each
     after its commit (a duplicate is harmless: the claim is a compare-and-set)."""
     settings = get_settings()
-    lease = settings.train_lease
+    lease = run_states.RUNS.lease_seconds()
     orphans = {int(run_id): (str(worker), (now - beat).total_seconds() if beat else lease)
                for run_id, worker, beat in session.execute(
                    select(TrainingRun.id, TrainingRun.worker, TrainingRun.heartbeat_at)

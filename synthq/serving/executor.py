@@ -17,8 +17,10 @@ or ``synthq run``) has one :class:`Executor`:
   ``heartbeat_interval`` seconds on a connection of its own (:mod:`synthq.queue.heartbeat`:
   a stranded writer no longer silences it), and the leases of its running samples
   are renewed through the writer in one statement when a third of a lease has
-  passed. A sample whose lease turns out lost (the sweep gave it away) has its call
-  cancelled. While its heartbeat is late the process starts no call.
+  passed (their lease and its renewal are the samples' declaration,
+  :data:`synthq.queue.states.SAMPLES`). A sample whose lease turns out lost (the
+  sweep gave it away) has its call cancelled. While its heartbeat is late the
+  process starts no call.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from synthq.core.errors import DiskFull, WorkerError, brief
 from synthq.queue import ledger, states, workers
 from synthq.queue.dispatch import LocalClaim
 from synthq.queue.heartbeat import Heartbeat
-from synthq.queue.jobview import effective, get_job, lease_seconds
+from synthq.queue.jobview import effective, get_job
 from synthq.queue.streaks import GENERATION_CLASSES, Streaks
 from synthq.serving.call import Call, Outcome, run_claimed
 from synthq.serving.inference import InferenceClient
@@ -120,8 +122,8 @@ class Executor:
         job_ids = {j for _, _, j in items if j is not None}
         # The message names the jobs, so the lease is theirs from the start
         # (a generous one otherwise; the first renewal makes it the job's own).
-        lease = max((lease_seconds(get_job(j)) for j in job_ids),
-                    default=get_settings().lease_margin + 3600)
+        lease = max((states.SAMPLES.lease_seconds(get_job(j)) for j in job_ids),
+                    default=states.SAMPLES.lease_seconds(None))
         token = secrets.token_hex(16)
 
         def claim() -> list[states.Claimed]:
@@ -165,7 +167,8 @@ class Executor:
             return None
         claimed_mono = time.monotonic()  # before the dispatch that claims (Streaks.holds)
         return LocalClaim(self.name, room,
-                          lambda session, job_id: lease_seconds(get_job(job_id, session)),
+                          lambda session, job_id: states.SAMPLES.lease_seconds(
+                              get_job(job_id, session)),
                           lambda claimed: self.start_claimed(claimed, claimed_mono))
 
     def start_claimed(self, claimed: list[states.Claimed],
@@ -299,7 +302,7 @@ class Executor:
 
     async def _one(self, c: states.Claimed, job: Any,
                    claimed_mono: float | None = None) -> Outcome:
-        call = Call(c, lease_seconds(job), claimed_mono)
+        call = Call(c, states.SAMPLES.lease_seconds(job), claimed_mono)
         call.task = asyncio.current_task()
         self._calls[c.sample_id] = call
         try:
@@ -388,11 +391,14 @@ class Executor:
         interval = get_settings().heartbeat_interval
         while True:
             calls = list(self._calls.values())
-            # Renew often enough for the shortest lease (a third of it), at most every beat.
-            step = min([interval, *(c.lease_s / 3 for c in calls)])
+            # Renew often enough for the shortest lease (as the samples' kind declares), at
+            # most every beat.
+            every = states.SAMPLES.renew_every
+            step = min([interval, *(every(c.lease_s) for c in calls)])
             await asyncio.sleep(max(0.2, step))
             now_mono = time.monotonic()
-            due = [c for c in self._calls.values() if now_mono - c.renewed_at >= c.lease_s / 3]
+            due = [c for c in self._calls.values()
+                   if now_mono - c.renewed_at >= every(c.lease_s)]
             if not due:
                 continue
             try:

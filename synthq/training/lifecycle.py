@@ -63,14 +63,15 @@ def execute_run(run_id: int, *, worker: str | None = None,
     settings = get_settings()
     token = secrets.token_hex(8)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    lease = states.RUNS.lease_seconds()
     with session_scope() as s:
         if not states.claim(s, run_id, token, worker=worker, now=utcnow(),
-                            lease=settings.train_lease, dead_worker=_dead_local_holder(s, run_id)):
+                            lease=lease, dead_worker=_dead_local_holder(s, run_id)):
             return "stale"
     ctx = RunContext(run_id, token)
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(ctx, max(1.0, settings.train_lease / 4),
-                                                      stop), daemon=True, name="synthq-train-hb")
+    beat = threading.Thread(target=_heartbeat, args=(ctx, states.RUNS.renew_every(lease), stop),
+                            daemon=True, name="synthq-train-hb")
     beat.start()
     try:
         procs = _processes(settings.train_procs)

@@ -28,9 +28,9 @@ from sqlalchemy.orm import Session
 
 from synthq.core import locks
 from synthq.core.errors import UserError
+from synthq.queue import run_states
 from synthq.queue.states import INFLIGHT, JobState, SampleState
 from synthq.queue.sweep import sweep_runs
-from synthq.spec.config import get_settings
 from synthq.store.counts import state_counts
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job, TrainingRun
@@ -103,8 +103,9 @@ def _lock(session: Session) -> bool:
 
 def watch_interval() -> float:
     """Seconds between a training worker's own readiness checks: a quarter of the run
-    lease (its heartbeat's period too; 30 s by default), at least 1 s."""
-    return max(1.0, get_settings().train_lease / 4)
+    lease (its heartbeat's period too, as the runs' kind declares: 30 s by default), at
+    least 1 s."""
+    return run_states.RUNS.renew_every(run_states.RUNS.lease_seconds())
 
 
 class Watch:

@@ -322,6 +322,9 @@ def test_the_table_matches_each_kinds_declaration(kind: Kind) -> None:
     # The class of an expired last attempt is the kind's declaration (None: no budget).
     assert lk.expired_class == expect(kind.name, "expired last attempt fails as")
     assert (lk.budget is None) is (lk.expired_class is None)
+    # The lease's renewal is the kind's declaration (None: never renewed), as is its length.
+    assert (lk.renew_per_lease is None) is (expect(kind.name, "renew") is None)
+    assert lk.lease_length is not None
     # The charge at claim is the kind's declaration, which ledger.claim applies.
     assert {"call": "a call", "claim": "every claim", None: None}[lk.charge] == \
         expect(kind.name, "claim charges")

@@ -157,3 +157,31 @@ def test_one_dead_holder_rule_reads_each_kinds_holder() -> None:
         "training_runs.state = :state_1 AND training_runs.heartbeat_at < :heartbeat_at_1")
     with pytest.raises(ValueError, match="needs the lease"):
         ledger.gone(RUNS, now=t)
+
+
+def test_each_kind_declares_its_lease_and_its_renewal() -> None:
+    """A sample's lease is its job's stall timeout (bounded) and the margin, renewed after
+    each third; a capture's, its call's timeout, the file's and the margin, never renewed;
+    a run's, the service's ``train_lease``, its heartbeat every quarter of it, >= 1 s. The
+    executor, the capture stage, the training lifecycle and the sweep read these."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from synthq.queue.run_states import RUNS
+    from synthq.spec import jobspec
+    from synthq.spec.config import get_settings
+
+    settings = get_settings()
+    margin = settings.lease_margin
+    job = SimpleNamespace(stall_timeout=50.0, total_timeout=900.0)
+    assert SAMPLES.lease_seconds(job) == 50.0 + margin
+    job = SimpleNamespace(stall_timeout=1e308, total_timeout=1e308)
+    assert SAMPLES.lease_seconds(job) == jobspec.MAX_SECONDS + margin
+    assert SAMPLES.lease_seconds(None) == margin + 3600
+    assert SAMPLES.renew_every(90.0) == 30.0
+    assert CAPTURES.lease_seconds(7.0) == 7.0 + settings.capture_file_timeout + margin
+    with pytest.raises(ValueError, match="not renewed"):
+        CAPTURES.renew_every(60.0)
+    assert RUNS.lease_seconds() == settings.train_lease
+    assert (RUNS.renew_every(120.0), RUNS.renew_every(2.0)) == (30.0, 1.0)
