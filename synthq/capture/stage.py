@@ -530,8 +530,7 @@ class Stage:
             free = down and exc.error_class in DOWN_OUTCOMES
             if line is not None:  # already stopped by another process: kept as it is
                 job_states.set_capture_stopped(s, job.id, line, now=now)
-            delay = ledger.retry_delay(exc, claimed.attempts, max_attempts=job.max_attempts,
-                                       base=job.backoff_base, cap=job.backoff_cap)
+            delay = ledger.retry_or_fail(states.CAPTURES, exc, claimed.attempts, job)
             if free:  # the server's outage: due at once, paced by the probes, not charged
                 states.retry(s, claimed, now=now, error_class=exc.error_class,
                              error_message=message, next_attempt_at=now, charge=False)

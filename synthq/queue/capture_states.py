@@ -48,7 +48,8 @@ def _lease(call_timeout: float) -> float:
 
 
 #: Captures as a kind of leased work: claimed straight from pending, the lease in
-#: ``expires_at``, set at the claim to outlive the call and its file, never renewed.
+#: ``expires_at``, set at the claim to outlive the call and its file, never renewed; every
+#: claim charged; a failed call backs off within its budget.
 CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        held=CaptureState.RUNNING, done=CaptureState.DONE,
                        failed=CaptureState.FAILED, lease="expires_at", charge="claim",
@@ -57,7 +58,7 @@ CAPTURES = ledger.Kind("capture", Capture, waiting=CaptureState.PENDING,
                        expired_class=Lost.error_class,
                        expired_message="the capture process stopped before it recorded the "
                                        "call",
-                       lease_length=_lease)
+                       lease_length=_lease, retry="backoff")
 
 
 @dataclass(frozen=True, slots=True)

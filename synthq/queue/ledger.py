@@ -47,7 +47,7 @@ from synthq.store.models import Worker
 __all__ = ["Kind", "Transition", "TRANSITIONS", "Expired", "allowed", "cas", "cas_many", "move",
            "move_many", "apply", "moved",
            "claim_statement", "claim", "live_workers", "gone", "expire", "requeue",
-           "charged", "refund", "retry_delay"]
+           "charged", "refund", "retry_or_fail", "retry_delay"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,6 +103,12 @@ class Kind:
     #: renewed, the lease set at the claim outlives the work it covers.
     renew_per_lease: int | None = None
     renew_floor: float = 0.0
+    #: What becomes of a held row whose work failed (:func:`retry_or_fail`): ``"backoff"``,
+    #: a retryable failure due again after the job's backoff (exponential with full jitter,
+    #: the server's Retry-After a floor) until its charged attempts reach the job's
+    #: ``max_attempts``, a permanent one failed at once; None: no retry (no ``retry``
+    #: transition), its holder only hands it back (``release``) or fails it.
+    retry: str | None = None
 
     @property
     def lease_is_deadline(self) -> bool:
@@ -143,6 +149,9 @@ class Kind:
         if self.holder not in ("worker", "row") or \
                 (self.holder == "row") is self.lease_is_deadline:
             raise ValueError(f"{self.name}: holder {self.holder!r} with lease {self.lease!r}")
+        if self.retry not in (None, "backoff") or \
+                (self.retry is not None and self.charge is None):
+            raise ValueError(f"{self.name}: retry {self.retry!r} needs an attempt budget")
         if self.renew_per_lease is not None and self.renew_per_lease < 2:
             raise ValueError(f"{self.name}: a lease renewed {self.renew_per_lease} times")
 
@@ -211,6 +220,8 @@ def allowed(kind: Kind, transition: str) -> tuple[str, ...]:
     """The states of ``kind`` that ``transition`` accepts (a ValueError when the kind has
     no state of one of its roles)."""
     t = TRANSITIONS[transition]
+    if transition == "retry" and kind.retry is None:
+        raise ValueError(f"{kind.name} has no retry: its holder hands it back (release)")
     if t.target is not None:
         _states(kind, t.target)
     return tuple(s for role in t.sources for s in _states(kind, role))
@@ -532,6 +543,18 @@ def refund(kind: Kind) -> dict[str, Any]:
         raise ValueError(f"{kind.name} keeps no attempt budget")
     attempts = kind.column("attempts")
     return {"attempts": attempts - 1}
+
+
+def retry_or_fail(kind: Kind, exc: Any, attempts: int, job: Any, *,
+                  charged: bool = True) -> float | None:
+    """The kind's declared retry (:attr:`Kind.retry`) of a held row whose work failed with
+    ``exc`` after ``attempts`` charged attempts: seconds before it is due again, or None
+    when it fails. ``job``: the job's settings as the row sees them (``max_attempts``,
+    ``backoff_base``, ``backoff_cap``; a sample's own overrides on top)."""
+    if kind.retry is None:
+        raise ValueError(f"{kind.name} has no retry: its holder hands it back (release)")
+    return retry_delay(exc, attempts, max_attempts=job.max_attempts, base=job.backoff_base,
+                       cap=job.backoff_cap, charged=charged)
 
 
 def retry_delay(exc: Any, attempts: int, *, max_attempts: int, base: float, cap: float,

@@ -45,7 +45,8 @@ def _lease(_: Any = None) -> float:
 
 #: Training runs as a kind of leased work: claimed from pending, the lease their
 #: holder's heartbeat (``train_lease`` seconds), which beats every quarter of the lease,
-#: at least 1 s apart (a training worker's own readiness check keeps the same period).
+#: at least 1 s apart (a training worker's own readiness check keeps the same period); no
+#: attempt budget and no retry: the holder hands a run back (release) or fails it.
 RUNS = ledger.Kind("training run", TrainingRun, waiting=RunState.PENDING,
                    held=RunState.RUNNING, done=RunState.DONE, failed=RunState.FAILED,
                    cancelled=RunState.CANCELLED, lease="heartbeat_at", holder="row",

@@ -99,7 +99,8 @@ def _lease(job: Any) -> float:
 #: Samples as a kind of leased work: queued (offered) before they are claimed; the lease
 #: (or a queued sample's claim deadline) in ``expires_at``, as long as the job's stall
 #: timeout and a margin, renewed after each third of it (by the worker's keepalive); a
-#: claim that makes a call is charged; an expired last attempt fails as ``connection``.
+#: claim that makes a call is charged; a failed call backs off within its budget; an
+#: expired last attempt fails as ``connection``.
 SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=SampleState.RUNNING,
                       done=SampleState.DONE, failed=SampleState.FAILED,
                       offered=SampleState.QUEUED, lease="expires_at", hot=True,
@@ -107,7 +108,7 @@ SAMPLES = ledger.Kind("sample", Sample, waiting=SampleState.PENDING, held=Sample
                       owner=(Job, Job.id == Sample.job_id),
                       expired_class=FailureClass.CONNECTION.value,
                       expired_message="the worker stopped reporting during its last attempt",
-                      lease_length=_lease, renew_per_lease=3)
+                      lease_length=_lease, renew_per_lease=3, retry="backoff")
 
 
 #: Sample states that keep a job from being finished.

@@ -378,8 +378,7 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     # An overload answer (Retry-After) is not charged to the budget, within a cap on
     # the sample's calls in all (counted in the write's transaction).
     overload = isinstance(exc, errors.RetryableError) and exc.overload
-    due = ledger.retry_delay(exc, c.attempts, max_attempts=job.max_attempts,
-                             base=job.backoff_base, cap=job.backoff_cap, charged=not overload)
+    due = ledger.retry_or_fail(states.SAMPLES, exc, c.attempts, job, charged=not overload)
     retry, delay = due is not None, due or 0.0
     gave_up = f"{message} (gave up after {c.attempts} attempts)" if exc.retryable else message
     if overload:

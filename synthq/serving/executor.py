@@ -357,9 +357,8 @@ class Executor:
         settings = effective(job, c.overrides) if job is not None else None
         delay, retry = 0.0, True
         if settings is not None:
-            due = ledger.retry_delay(WorkerError(message), c.attempts,
-                                     max_attempts=settings.max_attempts,
-                                     base=settings.backoff_base, cap=settings.backoff_cap)
+            due = ledger.retry_or_fail(states.SAMPLES, WorkerError(message), c.attempts,
+                                       settings)
             retry, delay = due is not None and c.response_content is None, due or 0.0
 
         def record(s: Any, now: datetime) -> bool:

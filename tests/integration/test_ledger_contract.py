@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -60,7 +61,8 @@ CONTRACT: dict[str, tuple[Any, Any, Any]] = {
     "uncharged retry (charge=False)": (True, True, None),
     # Where a retry's due time is enforced: the claim itself, or the dispatcher's offer.
     "due time kept by": ("dispatcher (queue.dispatch)", "claim", None),
-    # Where retry-or-fail is decided: ledger.retry_delay, or inline in the caller.
+    # Where retry-or-fail is decided: ledger.retry_delay (through the kind's declared retry,
+    # ledger.retry_or_fail), or inline in the caller.
     "retry-or-fail decided by": ("ledger.retry_delay (serving.call._failure, serving.executor)",
                                  "ledger.retry_delay (capture.stage)", None),
     # The holder's hand-back (held → waiting, now, uncharged).
@@ -322,6 +324,8 @@ def test_the_table_matches_each_kinds_declaration(kind: Kind) -> None:
     # The class of an expired last attempt is the kind's declaration (None: no budget).
     assert lk.expired_class == expect(kind.name, "expired last attempt fails as")
     assert (lk.budget is None) is (lk.expired_class is None)
+    # The retry is the kind's declaration (None: no retry transition; the holder hands back).
+    assert (lk.retry is None) is (expect(kind.name, "retry") is None)
     # The lease's renewal is the kind's declaration (None: never renewed), as is its length.
     assert (lk.renew_per_lease is None) is (expect(kind.name, "renew") is None)
     assert lk.lease_length is not None
@@ -501,6 +505,9 @@ def test_an_expired_last_attempt_fails_with_its_kinds_class(kind: Kind) -> None:
 
 # -- retry-or-fail --------------------------------------------------------------------------
 
+#: The settings a retry reads (a job's, or a sample's view of it).
+_JOB = SimpleNamespace(max_attempts=2, backoff_base=0.1, backoff_cap=0.5)
+
 
 def test_retry_waits_in_sql_and_an_uncharged_retry_gives_the_call_back(kind: Kind) -> None:
     if expect(kind.name, "retry") is None:
@@ -539,11 +546,17 @@ def test_retry_or_fail_by_the_attempt_budget(kind: Kind) -> None:
         assert kind.fail(row, "tok2", now=now, error_class="boom")
         assert kind.read(row).state == kind.ledger_kind.failed
         assert not kind.claim(row, "tok3", now=now + timedelta(days=1))
+        # The ledger refuses a retry the kind does not declare.
+        for refused in (lambda: ledger.allowed(kind.ledger_kind, "retry"),
+                        lambda: ledger.retry_or_fail(kind.ledger_kind, TimeoutError_("slow"),
+                                                     1, _JOB)):
+            with pytest.raises(ValueError, match="no retry"):
+                refused()
         return
 
     def decide(attempts: int, exc: Any) -> float | None:
         assert decided_by.startswith("ledger.retry_delay")
-        return ledger.retry_delay(exc, attempts, max_attempts=2, base=0.1, cap=0.5)
+        return ledger.retry_or_fail(kind.ledger_kind, exc, attempts, _JOB)
 
     t = now
     for attempt in (1, 2):

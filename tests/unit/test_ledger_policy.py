@@ -185,3 +185,33 @@ def test_each_kind_declares_its_lease_and_its_renewal() -> None:
         CAPTURES.renew_every(60.0)
     assert RUNS.lease_seconds() == settings.train_lease
     assert (RUNS.renew_every(120.0), RUNS.renew_every(2.0)) == (30.0, 1.0)
+
+
+def test_the_retry_is_the_kinds_declaration_over_the_jobs_settings() -> None:
+    """Samples and captures back off within the job's budget (ledger.retry_or_fail, what
+    generation, the worker's hand-back and capture call); runs have no retry: the ledger
+    refuses one, their holder hands them back."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from synthq.queue.run_states import RUNS
+
+    job = SimpleNamespace(max_attempts=3, backoff_base=1.0, backoff_cap=10.0)
+    slow, busy = errors.TimeoutError_("slow"), errors.RateLimited("busy", retry_after=5.0)
+    for kind in (SAMPLES, CAPTURES):
+        assert kind.retry == "backoff"
+        delay = ledger.retry_or_fail(kind, slow, 2, job)
+        assert delay is not None and 0.0 <= delay <= 2.0
+        assert ledger.retry_or_fail(kind, slow, 3, job) is None
+        low = SimpleNamespace(max_attempts=3, backoff_base=1.0, backoff_cap=2.0)
+        assert ledger.retry_or_fail(kind, busy, 9, low, charged=False) == 5.0
+        assert ledger.retry_or_fail(kind, busy, 9, low) is None
+        assert ledger.retry_or_fail(kind, errors.BadRequest("no"), 1, job) is None
+        assert ledger.allowed(kind, "retry") == (kind.held,)
+    assert RUNS.retry is None
+    with pytest.raises(ValueError, match="no retry"):
+        ledger.retry_or_fail(RUNS, slow, 1, job)
+    with pytest.raises(ValueError, match="no retry"):
+        ledger.allowed(RUNS, "retry")
+    assert ledger.allowed(RUNS, "release") == ("running",)
