@@ -41,6 +41,7 @@ from synthq.capture import confine, files
 from synthq.capture.plan import AUTO
 from synthq.capture.store import Store, Stored
 from synthq.core.errors import BadRequest, CaptureIncomplete, CaptureMismatch
+from synthq.core.retry import exponential
 
 __all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard",
            "largest_file", "MAX_HIDDEN"]
@@ -81,7 +82,7 @@ def wait_whole(file: confine.EngineFile | Path, *, timeout: float | None = None,
     ends = [t for t in (deadline, None if timeout is None else time.monotonic() + timeout)
             if t is not None]
     until = min(ends) if ends else time.monotonic()
-    delay = 0.005
+    polls = 0
     with _file(file) as engine_file:
         while True:
             if engine_file.present() and engine_file.unlocked():
@@ -90,8 +91,8 @@ def wait_whole(file: confine.EngineFile | Path, *, timeout: float | None = None,
             if left <= 0:
                 raise CaptureIncomplete(f"the engine's file {engine_file} did not appear "
                                         "whole within the capture's deadline")
-            time.sleep(min(delay, left))
-            delay = min(0.1, delay * 2)
+            polls += 1  # the one backoff curve: 5 ms doubling to 0.1 s
+            time.sleep(min(exponential(polls, base=0.005, cap=0.1), left))
 
 
 def ingest(path: confine.EngineFile | Path, *, input_ids: np.ndarray, layers: list[int],

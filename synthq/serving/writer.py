@@ -26,10 +26,11 @@ their rows as any two workers' do: each row is a compare-and-set.
 SQLite takes one writer at a time anyway (``BEGIN IMMEDIATE``): one thread there.
 
 A database outage does not drop answers in hand: the batch is retried with
-backoff for up to ``write_retry_seconds`` (the leases outlive that by
-default, so the rows are still ours when PostgreSQL returns). A write that
-fails on its own (bad data, a bug) is isolated: the batch is replayed one
-write per transaction and only that write's future gets the exception.
+backoff (:func:`synthq.core.retry.exponential`, 0.1 s doubling to 5 s) for up
+to ``write_retry_seconds`` (the leases outlive that by default, so the rows are
+still ours when PostgreSQL returns). A write that fails on its own (bad data, a
+bug) is isolated: the batch is replayed one write per transaction and only that
+write's future gets the exception.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from synthq.core.errors import DiskFull
+from synthq.core.retry import exponential
 from synthq.queue.ledger import Move
 from synthq.store.db import database_location, disk_full, session_scope, utcnow
 
@@ -259,7 +261,7 @@ class Writer:
 
     def _commit(self, batch: list[tuple[Write, Future[Any]]]) -> None:
         deadline = time.monotonic() + self.retry_seconds
-        delay = 0.1
+        tries = 0
         while True:
             try:
                 results = self._transaction([w for w, _ in batch])
@@ -288,11 +290,13 @@ class Writer:
                     for _, future in batch:
                         self._fail(future, exc)
                     return
+                tries += 1
+                # The one backoff curve, without jitter: 0.1 s doubling to 5 s.
+                delay = exponential(tries, base=0.1, cap=5.0)
                 if not full:
                     log.warning("writer: transient database error (%s); retrying %d writes "
                                 "in %.1f s", str(exc).splitlines()[0][:200], len(batch), delay)
                 self._abandoned.wait(delay)
-                delay = min(5.0, delay * 2)
                 continue
             if self.disk_full is not None:
                 log.log(self.disk_full_level, "writer: the database accepts writes again")
