@@ -102,6 +102,19 @@ def unavailable() -> str | None:
 _template: Path | None = None
 
 
+def _data_root() -> str | None:
+    """Where the clusters' data folders go: ``/dev/shm`` (memory) when it has a GiB free,
+    else the temporary directory (None). A copy of the template is 1,300 files: 0.2 s
+    in memory, 1.5-3 s on the shared 2-core machine's disk, for every chaos test."""
+    shm = Path("/dev/shm")
+    try:
+        if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 1 << 30:
+            return str(shm)
+    except OSError:
+        pass
+    return None
+
+
 def _template_cluster(bindir: Path, as_root: bool) -> Path:
     global _template
     if _template is None:
@@ -134,7 +147,7 @@ class PrivatePostgres:
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/synthq"
         if template:
             source = _template_cluster(bindir, self._as_root)
-            self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
+            self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-", dir=_data_root()))
             # cp -a keeps the owner (postgres) and the data folder's 0700.
             subprocess.run(["cp", "-a", f"{source}/.", str(self.data)], check=True,
                            capture_output=True, timeout=120)
@@ -142,7 +155,7 @@ class PrivatePostgres:
                 shutil.chown(self.data, "postgres", "postgres")
             self.start()
             return
-        self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-"))
+        self.data = Path(tempfile.mkdtemp(prefix="synthq-pg-", dir=_data_root()))
         if self._as_root:
             shutil.chown(self.data, "postgres", "postgres")
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-N")
