@@ -637,11 +637,11 @@ def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 
                    SYNTHQ_ADOPT_AFTER="600")
     sim = cluster.simulator("--latency", "0", "--tokens-per-second", "5",
                             "--response-tokens", "20", "--capacity", "128")
+    victim = cluster.worker(concurrency=4, name="victim", extra=["--prefetch-multiplier", "2"])
+    cluster.beat()  # it starts meanwhile; the job comes once the victim is live
+    cluster.wait_workers(1)
     job_id = create_job(prompts(n, "dead"), [sim.url], inflight_limit=limit,
                         stall_timeout=300.0)
-    victim = cluster.worker(concurrency=4, name="victim", extra=["--prefetch-multiplier", "2"])
-    cluster.wait_workers(1)
-    cluster.beat()
 
     def loaded() -> bool:
         c = counts(job_id)
@@ -702,11 +702,11 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
     texts = prompts(n, "term")
     for i in range(hanging):  # every 8th: spread over the batches of both workers
         texts[i * 8] += f" [[sim:hang*1]] {i}"
-    job_id = create_job(texts, [sim.url], inflight_limit=limit, stall_timeout=8.0)
     a = cluster.worker(concurrency=16, name="a")
     cluster.worker(concurrency=16, name="b")
+    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
     cluster.wait_workers(2)
-    cluster.beat()
+    job_id = create_job(texts, [sim.url], inflight_limit=limit, stall_timeout=8.0)
     wait_until(lambda: counts(job_id)["done"] >= 20 and counts(job_id)["running"] >= limit // 2,
                60, "the run under way", logs=cluster.logs)
     term = time.monotonic()
@@ -912,15 +912,15 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
     started = time.monotonic()
     sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
     cluster.worker(concurrency=64)
+    cluster.beat()
     cluster.wait_workers(1)
     # The overload starts once the worker is up: it meets all of it, however long its
-    # start took.
+    # (or beat's) start took.
     sim.http.post("/sim/overload", json={"seconds": seconds, "status": 503,
                                          "retry_after": retry_after}).raise_for_status()
     overload_ends = time.monotonic() + seconds
     job_id = create_job(prompts(n, "overload"), [sim.url], backoff_base=backoff_base,
                         backoff_cap=300.0, max_attempts=5, inflight_limit=64)
-    cluster.beat()
 
     def settled() -> bool:
         c = counts(job_id)
@@ -1010,6 +1010,7 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
     cluster.setenv(SYNTHQ_WORKER_TIMEOUT="3", SYNTHQ_BATCH_SIZE="1")
     sim = cluster.simulator("--latency", "0", "--capacity", "64")
     cluster.worker(concurrency=2, name="other")
+    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
     cluster.wait_workers(1)
     victim = cluster.worker(concurrency=n, name="victim")
     cluster.wait_workers(2)
@@ -1018,7 +1019,6 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
     # Each prompt's first call hangs (until the caller gives up); the next one answers.
     job_id = create_job([f"{p} [[sim:hang*1]]" for p in prompts(n, "silent")], [sim.url],
                         inflight_limit=n, stall_timeout=5.0)
-    cluster.beat()
 
     def on_victim() -> set[int]:
         with session_scope() as s:
@@ -1149,11 +1149,11 @@ def stranded_heartbeat(cluster: Cluster, *, n: int = 300, limit: int = 16, worke
     proxy = cluster.stranding_proxy(cluster.pg.port)
     via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
     sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-    job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
     for _ in range(workers):
         cluster.worker(concurrency=limit, **via)
+    cluster.beat(**via)  # it starts meanwhile; the job comes once the workers are live
     cluster.wait_workers(workers)
-    cluster.beat(**via)
+    job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= n // 5, 90, f"{n // 5} samples done",
                logs=cluster.logs)
     ports = _heartbeat_ports() if heartbeat_only else None
@@ -1216,11 +1216,11 @@ def clock_skew(cluster: Cluster, *, offset: str = "-120s", n: int = 96,
     sim = cluster.simulator("--latency", "0.4", "--capacity", "64")
     texts = [p + (" [[sim:error*1]]" if i % 4 == 0 else "")
              for i, p in enumerate(prompts(n, "skew"))]
-    job_id = create_job(texts, [sim.url], inflight_limit=limit)
     cluster.worker(concurrency=limit // 2, name="skewed", **faked(offset))
     cluster.worker(concurrency=limit // 2, name="true")
+    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
     cluster.wait_workers(2)
-    cluster.beat()
+    job_id = create_job(texts, [sim.url], inflight_limit=limit)
     _poll_done(cluster, job_id, n, 120)
     took = time.monotonic() - started
     stats = sim.stats()
