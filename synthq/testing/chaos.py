@@ -360,9 +360,9 @@ class Cluster:
 
     def stranding_proxy(self, port: int) -> StrandingProxy:
         """A :class:`~synthq.testing.halfopen.StrandingProxy` to ``127.0.0.1:port`` that
-        stays open until :meth:`close` has stopped the processes: a worker that connects
-        through it does its warm shutdown's last writes through it too (a proxy closed
-        first refused them, and each worker retried until its stop timeout, 10 s)."""
+        stays open until :meth:`close` has stopped the processes that connect through it
+        (a proxy closed first refused a worker's last writes, and it retried them until
+        its stop timeout, 10 s)."""
         from synthq.testing.halfopen import StrandingProxy
 
         proxy = StrandingProxy("127.0.0.1", port)
@@ -370,22 +370,16 @@ class Cluster:
         return proxy
 
     def stop_processes(self) -> None:
-        """Stop every process at once (SIGTERM, then SIGKILL after each one's timeout):
-        the slowest one's shutdown, not the sum. Simulators last, so a worker's warm
-        shutdown still reaches its server."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def stop(p: Proc) -> None:
+        """SIGKILL every process group at once: the cluster is thrown away after them
+        (PostgreSQL stopped ``immediate``, Redis killed), so a warm shutdown buys nothing
+        and cost 2-3 s a test under load (a worker's drain, beat's). A scenario that tests
+        a graceful stop sends its own SIGTERM (:func:`warm_shutdown`)."""
+        for p in reversed(self.procs):
             with contextlib.suppress(Exception):
-                p.stop()
-
-        procs = list(reversed(self.procs))
-        first = [p for p in procs if not isinstance(p, Simulator)]
-        last = [p for p in procs if isinstance(p, Simulator)]
-        for group in (first, last):
-            if group:
-                with ThreadPoolExecutor(len(group)) as pool:
-                    list(pool.map(stop, group))
+                p.kill9()
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.stop()  # reaps the group and closes the log
         self.procs.clear()
 
     def close(self) -> None:
