@@ -987,7 +987,7 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float | None = 20.0, n: i
 def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Result:
     """Issue 18 E: a worker is SIGSTOPped with its calls hanging, past its
     ``SYNTHQ_WORKER_TIMEOUT`` (3 s here), then SIGCONTed; a second worker (started
-    first, 2 slots) runs the sweep, which reclaims the stopped worker's samples and
+    beside it, 2 slots) runs the sweep, which reclaims the stopped worker's samples and
     logs each cut call ``lost``. The woken worker's calls then stall (5 s, passed while
     it was stopped) and their results find the lease gone: before the fix each was
     logged ``lost`` again (2 rows per call).
@@ -1004,9 +1004,8 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
     cluster.setenv(SYNTHQ_WORKER_TIMEOUT="3", SYNTHQ_BATCH_SIZE="1")
     sim = cluster.simulator("--latency", "0", "--capacity", "64")
     cluster.worker(concurrency=2, name="other")
-    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
-    cluster.wait_workers(1)
     victim = cluster.worker(concurrency=n, name="victim")
+    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
     cluster.wait_workers(2)
     with session_scope() as s:
         name = s.scalar(select(Worker.name).order_by(Worker.capacity.desc()).limit(1))
