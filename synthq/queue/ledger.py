@@ -24,9 +24,10 @@ claim token the claim wrote, so a holder whose lease was taken over cannot
 write (docs/design.md, invariant 2).
 
 The dead-holder rule is :func:`gone` (a lease passed, or a holder whose heartbeat went
-silent: its ``workers`` row's, or for a kind whose row carries it, the row's own) with
-:func:`synthq.queue.workers.gone_here` (a process of this host that no longer exists):
-every kind's expiry and takeover use them.
+silent: its ``workers`` row's, or for a kind whose row carries it, the row's own, or a
+holder known dead) with :func:`synthq.queue.workers.dead_holder_here` (a row's holder that
+is a process of this host that no longer exists): every kind's expiry and takeover use
+them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, case, select, text, tuple_, update
+from sqlalchemy import and_, bindparam, case, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 
@@ -450,26 +451,30 @@ def live_workers(*, now: datetime, timeout: float) -> Any:
 
 
 def gone(kind: Kind, *, now: datetime, cutoff: datetime | None = None,
-         lease: float | None = None, worker_timeout: float | None = None) -> Any:
+         lease: float | None = None, worker_timeout: float | None = None,
+         dead: Sequence[str] = ()) -> Any:
     """The dead-holder rule, for every kind (by its :attr:`Kind.holder`): an in-flight row
     whose lease passed (its end before ``cutoff``, default ``now``; a heartbeat lease: the
     holder's last beat more than ``lease`` seconds before it), or, with
     ``worker_timeout``, a held row whose holder's ``workers`` row has been silent that
-    long (``kill -9``: at once, not after its lease). A process of this host that no
-    longer exists is :func:`synthq.queue.workers.gone_here`'s."""
+    long (``kill -9``: at once, not after its lease), or a held row of a holder in
+    ``dead`` (known gone: :func:`synthq.queue.workers.dead_holder_here`)."""
     model = kind.model
     cutoff = cutoff or now
     if kind.holder == "row":
         if lease is None:
             raise ValueError(f"{kind.name}: its holder's heartbeat needs the lease")
-        return and_(model.state == kind.held,
+        rule = and_(model.state == kind.held,
                     kind.column(kind.lease) < cutoff - timedelta(seconds=lease))
-    passed = kind.column(kind.lease) < cutoff
-    if worker_timeout is None:
-        return passed
-    live = live_workers(now=now, timeout=worker_timeout)
-    return passed | and_(model.state == kind.held, model.worker.is_not(None),
-                         model.worker.not_in(live))
+    else:
+        rule = kind.column(kind.lease) < cutoff
+        if worker_timeout is not None:
+            live = live_workers(now=now, timeout=worker_timeout)
+            rule = rule | and_(model.state == kind.held, model.worker.is_not(None),
+                               model.worker.not_in(live))
+    if dead:
+        rule = or_(rule, and_(model.state == kind.held, model.worker.in_(list(dead))))
+    return rule
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ sources; the process that trains a run holds a random
 A run's lease is its holder's heartbeat (``heartbeat_at``): a running run whose
 heartbeat is older than the lease is claimable again. It is claimed again at
 once, not after the lease, when its holder is a process on the claiming host
-that no longer exists (``dead_worker``, found by :func:`synthq.queue.workers.gone_here`:
+that no longer exists (``dead_worker``, found by :func:`synthq.queue.workers.dead_holder_here`:
 kill -9). Runs have no attempt cap: a stale run always goes back to pending.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from synthq.core.enums import RunState
@@ -72,12 +72,12 @@ def create(session: Session, *, job_id: int, trigger: str, target: str,
 
 def claim(session: Session, run_id: int, token: str, *, worker: str, now: datetime,
           lease: float, dead_worker: str | None = None) -> bool:
-    """pending → running, or a running run whose heartbeat is older than ``lease`` seconds,
-    or one still held by ``dead_worker`` (a process the caller knows is gone)."""
-    sources = [TrainingRun.state.in_(ledger.allowed(RUNS, "claim")), _stale(now, lease)]
-    if dead_worker is not None:
-        sources.append(and_(TrainingRun.state == RunState.RUNNING,
-                            TrainingRun.worker == dead_worker))
+    """pending → running, or a running run whose holder is gone (:func:`synthq.queue.
+    ledger.gone`): its heartbeat older than ``lease`` seconds, or it is ``dead_worker`` (a
+    process the caller knows is gone: :func:`synthq.queue.workers.dead_holder_here`)."""
+    gone = ledger.gone(RUNS, now=now, lease=lease,
+                       dead=[dead_worker] if dead_worker is not None else [])
+    sources = [TrainingRun.state.in_(ledger.allowed(RUNS, "claim")), gone]
     result = ledger.claim(session, RUNS, [TrainingRun.id == run_id, or_(*sources)],
                           token=token, worker=worker, lease=now, now=now,
                           values=dict(error=None))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from synthq.store.sqlread import Reader, read_time, reader_of
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # `synthq status` reads live() (plain SQL) on its fast path, which must not load them.
 
 __all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity",
-           "pid_alive", "gone_here"]
+           "pid_alive", "gone_here", "dead_holder_here"]
 
 
 def new_name() -> str:
@@ -106,6 +106,21 @@ def gone_here(host: str, pid: int) -> bool:
     import socket
 
     return host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid)
+
+
+def dead_holder_here(session: Session, kind: Any, row_id: int) -> str | None:
+    """The holder of a held row of ``kind`` (a :class:`synthq.queue.ledger.Kind`) when it is
+    a process of this host that no longer exists (named ``host:pid``, no such pid:
+    :func:`gone_here`): its claim may be taken at once, not after its lease (the ``dead``
+    of :func:`synthq.queue.ledger.gone`). None otherwise (another host's process, a live
+    one, a holder named another way)."""
+    from sqlalchemy import select
+
+    model = kind.model
+    held = session.scalar(select(model.worker).where(model.id == row_id,
+                                                     model.state == kind.held))
+    host, _, pid = (held or "").rpartition(":")
+    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
 
 
 def pid_alive(pid: int) -> bool:

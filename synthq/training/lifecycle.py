@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sqlalchemy import select
 
 from synthq.core.errors import UserError
 from synthq.queue import run_states as states
+from synthq.queue import workers
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import TrainingRun
@@ -66,7 +66,8 @@ def execute_run(run_id: int, *, worker: str | None = None,
     lease = states.RUNS.lease_seconds()
     with session_scope() as s:
         if not states.claim(s, run_id, token, worker=worker, now=utcnow(),
-                            lease=lease, dead_worker=_dead_local_holder(s, run_id)):
+                            lease=lease,
+                            dead_worker=workers.dead_holder_here(s, states.RUNS, run_id)):
             return "stale"
     ctx = RunContext(run_id, token)
     stop = threading.Event()
@@ -109,18 +110,6 @@ def _processes(configured: int) -> int:
     if os.environ.get("SYNTHQ_NO_DDP"):
         return 1
     return max(1, torch.cuda.device_count())
-
-
-def _dead_local_holder(session: Any, run_id: int) -> str | None:
-    """The worker holding ``run_id`` when it is a process of this host that is gone
-    (``host:pid`` with no such pid): its claim can be taken at once. None otherwise
-    (another host's worker, a live process, a worker name of another form)."""
-    held = session.scalar(select(TrainingRun.worker).where(
-        TrainingRun.id == run_id, TrainingRun.state == states.RunState.RUNNING))
-    from synthq.queue.workers import gone_here
-
-    host, _, pid = (held or "").rpartition(":")
-    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
 
 
 def _state(run_id: int) -> str:

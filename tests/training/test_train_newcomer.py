@@ -127,8 +127,12 @@ def test_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_is_not(
     import socket
 
     from synthq.queue import run_states as states
+    from synthq.queue import workers
     from synthq.store.db import session_scope, utcnow
-    from synthq.training.lifecycle import _dead_local_holder
+
+    def _dead_local_holder(s: Any, run_id: int) -> str | None:
+        """What the training lifecycle asks before its claim: the ledger's dead-holder rule."""
+        return workers.dead_holder_here(s, states.RUNS, run_id)
 
     run_id = start_run(greedy_job(2), tiny_target_dir)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -215,3 +215,25 @@ def test_the_retry_is_the_kinds_declaration_over_the_jobs_settings() -> None:
     with pytest.raises(ValueError, match="no retry"):
         ledger.allowed(RUNS, "retry")
     assert ledger.allowed(RUNS, "release") == ("running",)
+
+
+def test_a_holder_known_dead_is_part_of_the_one_dead_holder_rule() -> None:
+    """ledger.gone's ``dead``: the holders workers.dead_holder_here found gone (a process of
+    this host that no longer exists), whose held rows are taken at once: what a training
+    run's claim reads (the lifecycle no longer writes its own rule)."""
+    from synthq.queue.run_states import RUNS
+
+    t = datetime(2026, 12, 1, tzinfo=UTC)
+
+    def sql(expr: object) -> str:
+        return " ".join(str(expr).split())
+
+    assert sql(ledger.gone(RUNS, now=t, lease=60.0, dead=["host:1"])) == (
+        "training_runs.state = :state_1 AND training_runs.heartbeat_at < :heartbeat_at_1 "
+        "OR training_runs.state = :state_2 AND training_runs.worker IN "
+        "(__[POSTCOMPILE_worker_1])")
+    assert sql(ledger.gone(SAMPLES, now=t, dead=["host:1"])) == (
+        "samples.expires_at < :expires_at_1 OR samples.state = :state_1 AND samples.worker "
+        "IN (__[POSTCOMPILE_worker_1])")
+    assert sql(ledger.gone(RUNS, now=t, lease=60.0, dead=[])) == sql(
+        ledger.gone(RUNS, now=t, lease=60.0))
