@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from synthq.app.tick import Effects, run_tick
 from synthq.core.enums import INFLIGHT, JobState
 from synthq.core.errors import DiskFull, UserError
-from synthq.queue import states
+from synthq.queue import jobs
 from synthq.queue.dispatch import Dispatched
 from synthq.queue.sweep import sweep
 from synthq.serving.adaptive import START_TICK_SECONDS, in_slow_start
@@ -118,7 +118,7 @@ def run_job(job_id: int, *, on_tick: Callable[[JobStatus], None] | None = None,
             if status.finished:
                 # Every sample is terminal: the job holds no server's limit any more.
                 with session_scope() as s:
-                    if states.finish_jobs(s, now=utcnow(), job_ids=[job_id]):
+                    if jobs.finish_jobs(s, now=utcnow(), job_ids=[job_id]):
                         status = replace(status, state=str(JobState.FINISHED))
             if on_tick:
                 on_tick(status)

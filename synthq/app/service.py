@@ -2,7 +2,8 @@
 
 Each function does one thing a person asks for (create a job from a file,
 requeue, pause) with the same validation in both front ends; the writes go
-through :mod:`synthq.queue.states` and :func:`synthq.jobs.enqueue.enqueue`.
+through :mod:`synthq.queue.states` (samples), :mod:`synthq.queue.jobs` (a job's state
+and settings) and :func:`synthq.jobs.enqueue.enqueue`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from synthq.core.enums import JobState
 from synthq.core.errors import ALL_CLASSES, TOKENIZATION_CLASSES, UserError
 from synthq.core.secrets import safe_url
 from synthq.jobs.enqueue import EnqueueReport, JobSpec, enqueue
-from synthq.queue import states
+from synthq.queue import jobs, states
 from synthq.spec import jobspec
 from synthq.store.db import utcnow
 from synthq.store.models import Job
@@ -60,7 +61,7 @@ def requeue_with(session: Session, job: Job, *, classes: Sequence[str] = (),
     overrides, limits = jobspec.requeue_settings(settings or {})
     n = requeue(session, job, classes=classes, sample_ids=sample_ids, overrides=overrides)
     if limits is not None:
-        states.update_job(session, job, limits, now=utcnow())
+        jobs.update_job(session, job, limits, now=utcnow())
     return n
 
 
@@ -136,14 +137,14 @@ def set_capture(session: Session, job: Job, values: dict[str, Any]) -> dict[str,
         merged = {**(job.capture_files or {}), **given}
         changes["capture_files"] = {url: folder for url, folder in merged.items() if folder}
     if changes:
-        states.update_job(session, job, changes, now=utcnow())
+        jobs.update_job(session, job, changes, now=utcnow())
     return {s.name: getattr(job, s.name) for s in jobspec.CAPTURE}
 
 
 def set_job_state(session: Session, job: Job, target: JobState) -> str:
     """Pause, resume or cancel ``job``; the state it had. UserError if it cannot."""
     before = str(job.state)
-    if not states.set_job_state(session, job.id, target, now=utcnow()):
+    if not jobs.set_job_state(session, job.id, target, now=utcnow()):
         if job.state == JobState.CANCELLED:
             raise UserError(f"job {job.name} is cancelled; it cannot be resumed or paused")
         raise UserError(f"job {job.name} is {before}; it cannot become {target}")

@@ -51,7 +51,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from synthq.queue import states
+from synthq.queue import jobs
 from synthq.queue.dispatch import LocalClaim, Publisher, active_servers, dispatch
 from synthq.queue.sweep import sweep
 from synthq.serving import adaptive
@@ -137,7 +137,7 @@ def _dispatch(t: Tick) -> int:
 
 def _finish(t: Tick) -> list[int]:
     with session_scope() as s:
-        return states.finish_jobs(s, now=utcnow(), job_ids=t.job_ids)
+        return jobs.finish_jobs(s, now=utcnow(), job_ids=t.job_ids)
 
 
 def _train(t: Tick) -> list[int]:

@@ -77,8 +77,7 @@ from synthq.core.errors import (
 )
 from synthq.data.examples import split
 from synthq.queue import capture_states as states
-from synthq.queue import ledger, outage, workers
-from synthq.queue import states as job_states
+from synthq.queue import jobs, ledger, outage, workers
 from synthq.queue.outage import DOWN_OUTCOMES
 from synthq.queue.streaks import CAPTURE_CLASSES, Streaks
 from synthq.queue.sweep import sweep
@@ -529,7 +528,7 @@ class Stage:
             # probed for ever.
             free = down and exc.error_class in DOWN_OUTCOMES
             if line is not None:  # already stopped by another process: kept as it is
-                job_states.set_capture_stopped(s, job.id, line, now=now)
+                jobs.set_capture_stopped(s, job.id, line, now=now)
             delay = ledger.retry_or_fail(states.CAPTURES, exc, claimed.attempts, job)
             if free:  # the server's outage: due at once, paced by the probes, not charged
                 states.retry(s, claimed, now=now, error_class=exc.error_class,

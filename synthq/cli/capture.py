@@ -60,9 +60,9 @@ def capture(
             # Checked, probed and stored as the API's PUT /api/jobs/{id}/capture does.
             service.set_capture(s, row, given)
             if retry_failed:
-                from synthq.queue import states as job_states
+                from synthq.queue import jobs
 
-                job_states.set_capture_stopped(s, job_id, None, now=utcnow())
+                jobs.set_capture_stopped(s, job_id, None, now=utcnow())
                 capture_states.requeue_failed(s, job_id, now=utcnow())
         if plan_only:
             with session_scope() as s:

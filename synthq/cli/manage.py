@@ -54,7 +54,7 @@ def requeue(
     from synthq.app import service
     from synthq.cli.options import api_values
     from synthq.jobs.enqueue import JobSpec
-    from synthq.queue import states
+    from synthq.queue import jobs, states
     from synthq.serving.health import check_model
     from synthq.store.db import utcnow
     from synthq.store.models import Sample
@@ -82,7 +82,7 @@ def requeue(
         n = service.requeue_with(s, j, classes=error_class or [], sample_ids=sample or [],
                                  settings=values)
         if model is not None or servers is not None:
-            states.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
+            jobs.move_job(s, j, model=model, servers=servers, requeued=n, now=now)
         done = 0
         if model is not None and model != old_model:
             done = s.scalar(select(func.count()).select_from(Sample).where(

@@ -115,7 +115,7 @@ def train(
 
     Each option in full: the docs' CLI reference (docs/cli.md).
     """
-    from synthq.queue import states
+    from synthq.queue import jobs
     from synthq.spec.config import get_settings
     from synthq.store.db import utcnow
     from synthq.training.config import parse_when
@@ -152,7 +152,7 @@ def train(
         if threshold is not None:
             if chosen is None and threshold.kind != "never":
                 raise UserError("give --target: the job has no stored target model")
-            states.update_job(s, j, {"train_when": str(threshold), "train_target": chosen,
+            jobs.update_job(s, j, {"train_when": str(threshold), "train_target": chosen,
                                      "train_settings": cfg.to_dict()}, now=utcnow())
             return {"job": j.name, "train_when": str(threshold), "target": chosen}
         if chosen is None:

@@ -33,7 +33,7 @@ from synthq.data.dataset import (
     iter_rows,
 )
 from synthq.jobs.samplecopy import insert_rows
-from synthq.queue import states
+from synthq.queue import jobs
 from synthq.spec import jobspec
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job, Sample
@@ -237,7 +237,7 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     if job is None:
         values = asdict(spec)
         values["examples"] = spec.examples or "conversation"
-        job = states.create_job(session, values, key_version=KEY_VERSION, now=now)
+        job = jobs.create_job(session, values, key_version=KEY_VERSION, now=now)
         if job is not None:
             return job, True, []
         # Another enqueue created it a moment ago: treat it as found.
@@ -266,7 +266,7 @@ def get_or_create_job(session: Session, spec: JobSpec) -> tuple[Job, bool, list[
     changed = [k for k in jobspec.OPERATIONAL if getattr(job, k) != getattr(spec, k)
                and not (jobspec.kept_when_omitted(k) and not getattr(spec, k))]
     described = [safe_url(f"{k} {getattr(job, k)!r} -> {getattr(spec, k)!r}") for k in changed]
-    states.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
+    jobs.update_job(session, job, {k: getattr(spec, k) for k in changed}, now=now)
     return job, False, described
 
 

@@ -27,7 +27,7 @@ from synthq.core.errors import UserError
 from synthq.core.packing import unpack_ids
 from synthq.data.examples import choose, tokenization_failure, tokenize_sample
 from synthq.data.tokenize import TokenizeSettings, get_chat_tokenizer
-from synthq.queue import states
+from synthq.queue import jobs, states
 from synthq.queue.jobview import effective
 from synthq.spec import jobspec
 from synthq.store.db import session_scope, utcnow, with_db_retry
@@ -71,7 +71,7 @@ def configure(session: Session, job: Job, changes: dict[str, Any]) -> int:
     writes = {**changes, "tokenize_version": job.tokenize_version + 1}
     if merged["reasoning"] == "auto":  # stored resolved, as enqueue does
         writes["reasoning"] = tok.reasoning
-    states.update_job(session, job, writes, now=utcnow())
+    jobs.update_job(session, job, writes, now=utcnow())
     return job.tokenize_version
 
 

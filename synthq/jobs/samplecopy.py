@@ -16,7 +16,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from synthq.data.dataset import KEY_VERSION, ContentKeys, Row, raw_key
 from synthq.data.turns import turn_positions
-from synthq.queue import states
+from synthq.queue import jobs
 from synthq.queue.states import SampleState
 from synthq.store.db import get_engine, utcnow
 from synthq.store.models import Sample
@@ -182,7 +182,7 @@ def insert_rows(job_id: int, settings: dict[str, Any], rows: Iterable[Row],
         with engine.begin() as conn:
             added = write(conn, _bounded(peek, values), batch)
             if added:  # a finished job has work again
-                states.reactivate(conn, job_id, now=utcnow())
+                jobs.reactivate(conn, job_id, now=utcnow())
         report.inserted += added
         report.duplicates += len(batch) - added
         if progress:

@@ -34,7 +34,7 @@ from synthq.core.enums import SampleState
 from synthq.core.packing import pack_ids, unpack_ids
 from synthq.data import turns
 from synthq.data.examples import tokenization_failure, tokenize_sample
-from synthq.queue import ledger, states
+from synthq.queue import jobs, ledger, states
 from synthq.queue.jobview import effective
 from synthq.queue.states import Claimed
 from synthq.queue.streaks import Streaks
@@ -344,7 +344,7 @@ async def _wrong_base(c: Claimed, hint: str, attempt: dict[str, Any],
     from synthq.core.enums import JobState
 
     def record(s: Session, now: datetime) -> bool:
-        states.set_job_state(s, c.job_id, JobState.PAUSED, now=now, reason=hint)
+        jobs.set_job_state(s, c.job_id, JobState.PAUSED, now=now, reason=hint)
         return states.retry(s, c.sample_id, c.token, now=now, next_attempt_at=now,
                             error_class="bad_request", error_message=hint, attempt=attempt,
                             charge=False)
@@ -389,7 +389,7 @@ async def _failure(c: Claimed, job: Any, exc: errors.SampleError, attempt: dict[
     def record(s: Session, now: datetime) -> bool:
         from synthq.core.enums import JobState
 
-        if pause is not None and states.set_job_state(s, c.job_id, JobState.PAUSED, now=now,
+        if pause is not None and jobs.set_job_state(s, c.job_id, JobState.PAUSED, now=now,
                                                       reason=pause):
             log.warning("job %s paused: %s", c.job_id, pause)
         charge = True

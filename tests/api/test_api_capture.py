@@ -80,7 +80,7 @@ def test_the_api_takes_capture_servers_checked_as_the_cli_does(
     assert 'data-class="capture_mismatch"' in page and "4.1 kB" in page
     assert "the engine&#39;s token ids are not the sample&#39;s" in page
     # A stage synthq stopped (issue 30 item 2) says why in the record and on the page.
-    from synthq.queue import states as job_states
+    from synthq.queue import jobs as job_states
     from synthq.store.db import utcnow
 
     line = f"capture stopped: server {sim.url} failed 5 captures in a row with bad_request: x"

@@ -51,7 +51,7 @@ def test_a_capture_server_that_does_not_answer_is_refused_and_nothing_stored(
 
 def test_a_capture_server_that_answers_is_stored_and_status_shows_the_stage(
         pg: str, simulator: Any, tmp_path: Path) -> None:
-    from synthq.queue import states
+    from synthq.queue import jobs
     from synthq.store.db import session_scope, utcnow
     from synthq.store.models import Job
 
@@ -65,7 +65,7 @@ def test_a_capture_server_that_answers_is_stored_and_status_shows_the_stage(
     with session_scope() as s:
         job = s.get_one(Job, job_id)
         assert job.capture_servers == [secret]  # as given, its trailing / dropped
-        states.update_job(s, job, {"capture_layers": [2, 4, 5, 8]}, now=utcnow())
+        jobs.update_job(s, job, {"capture_layers": [2, 4, 5, 8]}, now=utcnow())
     before = json.loads(run_cli("status", str(job_id), "--json").stdout)["capture"]
     assert before["servers"] == [sim.url.replace("http://", "http://user:***@")]
     assert before["total"] == 0 and before["counts"] == {

@@ -21,7 +21,7 @@ from synthq.data.dataset import Row
 from synthq.jobs.enqueue import EnqueueReport, JobSpec, get_or_create_job
 from synthq.jobs.retokenize import stale_query
 from synthq.jobs.samplecopy import insert_rows
-from synthq.queue import states
+from synthq.queue import jobs, states
 from synthq.queue.dispatch import Dispatched, dispatch
 from synthq.store.counts import call_counts, compact_counts, state_counts
 from synthq.store.db import session_scope, utcnow
@@ -176,7 +176,7 @@ def test_counters_equal_a_group_by_after_a_mixed_workload(backend: str) -> None:
     taken: list[Dispatched] = []
     dispatch(taken.extend, job_ids=[b], capacity=10)
     with session_scope() as s:
-        assert states.set_job_state(s, b, JobState.CANCELLED, now=utcnow())
+        assert jobs.set_job_state(s, b, JobState.CANCELLED, now=utcnow())
     with session_scope() as s:
         assert states.claim_batch(s, [(d.sample_id, d.token) for d in taken],
                                   new_token="t" * 32, lease_until=utcnow(), worker="w",

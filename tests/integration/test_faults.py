@@ -251,7 +251,7 @@ def test_bad_requests_in_a_row_on_a_server_pause_the_job(simulator: Callable[...
     the job is paused, with one line naming the server and the cause; resumed after the
     fix, and requeued, it finishes."""
     from synthq.app.embedded import run_job
-    from synthq.queue import states
+    from synthq.queue import jobs, states
 
     sim = simulator("--latency", "0.05")
     n, limit = 40, 2
@@ -272,6 +272,6 @@ def test_bad_requests_in_a_row_on_a_server_pause_the_job(simulator: Callable[...
     from synthq.store.db import utcnow
 
     with session_scope() as s:
-        assert states.set_job_state(s, report.job_id, JobState.ACTIVE, now=utcnow())
+        assert jobs.set_job_state(s, report.job_id, JobState.ACTIVE, now=utcnow())
         assert states.requeue(s, report.job_id, classes=["bad_request"], now=utcnow()) == calls
     assert run_job(report.job_id).counts["done"] == n

@@ -22,7 +22,7 @@ from sqlalchemy import func, select, update
 
 from synthq.core.enums import JobState
 from synthq.core.errors import BadRequest, TimeoutError_
-from synthq.queue import capture_states, ledger, run_states
+from synthq.queue import capture_states, jobs, ledger, run_states
 from synthq.queue import states as sample_states
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Attempt, Capture, Sample, TrainingRun
@@ -137,7 +137,7 @@ class Kind:
 
     def cancel(self, row: Row, *, now: datetime) -> None:
         with session_scope() as s:
-            assert sample_states.set_job_state(s, row.job_id, JobState.CANCELLED, now=now)
+            assert jobs.set_job_state(s, row.job_id, JobState.CANCELLED, now=now)
 
     def read(self, row: Row) -> Any:
         with session_scope() as s:

@@ -149,7 +149,7 @@ def test_the_jobs_columns_store_the_declared_settings() -> None:
     """Each declared setting's column holds its type, is nullable where the setting may be
     None once the job is made, fits its longest value, and defaults to the declared
     default (or what an enqueue resolves it to, RESOLVED); every JobSpec field is a
-    column (states.create_job inserts them)."""
+    column (jobs.create_job inserts them)."""
     from sqlalchemy import JSON, Boolean, String
 
     from synthq.jobs.enqueue import JobSpec

@@ -1,4 +1,5 @@
-"""states.py is the only writer of samples, attempts and job states (a grep, as the rule says)."""
+"""states.py is the only writer of samples and attempts, jobs.py of job states (a grep, as the
+rule says)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Writes that belong in synthq/queue/states.py only.
+#: The one writer of samples and attempts, and the one writer of jobs' states and settings.
+SAMPLE_WRITER, JOB_WRITER = Path("synthq/queue/states.py"), Path("synthq/queue/jobs.py")
+#: Writes that belong in synthq/queue/states.py (samples, attempts) or jobs.py (jobs) only.
 FORBIDDEN = re.compile(
     r"update\(\s*(Sample|Attempt|Job)\b|insert\(\s*(Sample|Attempt)\b|delete\(\s*(Sample|Attempt)\b"
     r"|\.state\s*=[^=]|session\.add\(\s*(Sample|Attempt)\(")
@@ -22,7 +25,7 @@ def offenders() -> list[str]:
     found = []
     for folder in ("synthq", "worker", "api"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "synthq" / "queue" / "states.py":
+            if path.relative_to(ROOT) in (SAMPLE_WRITER, JOB_WRITER):
                 continue
             for no, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
@@ -38,6 +41,18 @@ def test_only_states_writes_samples_attempts_and_job_states() -> None:
     assert offenders() == []
 
 
+def test_the_two_writers_keep_to_their_tables() -> None:
+    """states.py writes no job row, jobs.py no sample or attempt row."""
+    jobs_only = re.compile(r"update\(\s*Job\b")
+    samples_only = re.compile(r"(update|insert|delete)\(\s*(Sample|Attempt)\b"
+                              r"|session\.add\(\s*(Sample|Attempt)\(")
+    for path, theirs in ((SAMPLE_WRITER, jobs_only), (JOB_WRITER, samples_only)):
+        code = [line.split("#", 1)[0] for line in (ROOT / path).read_text().splitlines()]
+        assert not [c for c in code if theirs.search(c)], path
+    assert samples_only.search("session.execute(insert(Attempt), rows)")
+    assert jobs_only.search("update(Job).where(Job.id == job_id)")
+
+
 def test_the_rule_can_fail(tmp_path: Path) -> None:
     assert FORBIDDEN.search("s.execute(update(Sample).where(Sample.id == 1))")
     assert FORBIDDEN.search("session.execute(insert(Attempt).values(**row))")
@@ -45,7 +60,7 @@ def test_the_rule_can_fail(tmp_path: Path) -> None:
     assert not FORBIDDEN.search("if job.state == JobState.PAUSED:")
 
 
-# -- job settings: states.update_job is their one writer; the API writes through service.py ---
+# -- job settings: jobs.update_job is their one writer; the API writes through service.py -----
 
 #: The names a Job row goes by in the code (``j`` in a CLI callback, ``job`` elsewhere).
 JOB_NAMES = {"j", "job"}
@@ -92,7 +107,7 @@ def attribute_writes(tree: ast.AST, names: set[str] | frozenset[str], columns: s
 def test_job_settings_are_written_by_states_only(tmp_path: Path) -> None:
     found = [w for folder in ("synthq", "worker", "api")
              for path in sorted((ROOT / folder).rglob("*.py"))
-             if path != ROOT / "synthq" / "queue" / "states.py" for w in settings_writes(path)]
+             if path.relative_to(ROOT) != JOB_WRITER for w in settings_writes(path)]
     assert found == []
     # The check can fail: the two writes it replaced.
     bad = tmp_path / "bad.py"
@@ -105,10 +120,12 @@ def test_job_settings_are_written_by_states_only(tmp_path: Path) -> None:
 
 
 def test_the_api_writes_through_service_only() -> None:
-    """The REST API's routes call synthq.app.service, never synthq.queue.states itself."""
+    """The REST API's routes call synthq.app.service, never synthq.queue.states (or
+    synthq.queue.jobs) itself."""
     for path in sorted((ROOT / "api").rglob("*.py")):
         code = path.read_text()
-        assert not re.search(r"from synthq import [^\n]*\bstates\b|synthq\.states\b|\bstates\.",
+        assert not re.search(r"from synthq import [^\n]*\bstates\b|synthq\.states\b|\bstates\."
+                             r"|from synthq\.queue import [^\n]*\bjobs\b|synthq\.queue\.jobs\b",
                              code), path
 
 

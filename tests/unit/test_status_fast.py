@@ -33,7 +33,7 @@ from synthq.core.enums import JobState
 from synthq.data.dataset import Row
 from synthq.jobs.enqueue import EnqueueReport, JobSpec, find_job, get_or_create_job
 from synthq.jobs.samplecopy import insert_rows
-from synthq.queue import states
+from synthq.queue import jobs, states
 from synthq.queue.dispatch import Dispatched, dispatch
 from synthq.store.db import session_scope, utcnow
 from synthq.views.report import job_status
@@ -156,7 +156,7 @@ def _build(now: datetime) -> None:
         _record(s, B, "ConnectError: refused")
         heartbeat(s, "host:1:live", capacity=8, inflight=3, now=now - timedelta(seconds=2))
         heartbeat(s, "host:2:dead", capacity=8, inflight=0, now=now - timedelta(minutes=5))
-        states.set_job_state(s, job_id, JobState.PAUSED, now=now, reason="http://x (no /v1)")
+        jobs.set_job_state(s, job_id, JobState.PAUSED, now=now, reason="http://x (no /v1)")
 
 
 def _copy(src: Path, dst: Path) -> Path:
