@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # `synthq status` reads live() (plain SQL) on its fast path, which must not load them.
 
 __all__ = ["WorkerInfo", "new_name", "heartbeat", "unregister", "live", "free_capacity",
-           "pid_alive", "gone_here", "dead_holder_here"]
+           "pid_alive", "gone_here", "holder_gone_here", "dead_holder_here"]
 
 
 def new_name() -> str:
@@ -108,19 +108,24 @@ def gone_here(host: str, pid: int) -> bool:
     return host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid)
 
 
+def holder_gone_here(holder: str | None) -> bool:
+    """Whether a holder named ``host:pid`` (a training run's) is a process of this host
+    that no longer exists (:func:`gone_here`); False for another host's process, a live
+    one, or a holder named another way."""
+    host, _, pid = (holder or "").rpartition(":")
+    return pid.isdigit() and gone_here(host, int(pid))
+
+
 def dead_holder_here(session: Session, kind: Any, row_id: int) -> str | None:
     """The holder of a held row of ``kind`` (a :class:`synthq.queue.ledger.Kind`) when it is
-    a process of this host that no longer exists (named ``host:pid``, no such pid:
-    :func:`gone_here`): its claim may be taken at once, not after its lease (the ``dead``
-    of :func:`synthq.queue.ledger.gone`). None otherwise (another host's process, a live
-    one, a holder named another way)."""
+    gone (:func:`holder_gone_here`): its claim may be taken at once, not after its lease
+    (the ``dead`` of :func:`synthq.queue.ledger.gone`). None otherwise."""
     from sqlalchemy import select
 
     model = kind.model
     held = session.scalar(select(model.worker).where(model.id == row_id,
                                                      model.state == kind.held))
-    host, _, pid = (held or "").rpartition(":")
-    return str(held) if pid.isdigit() and gone_here(host, int(pid)) else None
+    return str(held) if holder_gone_here(held) else None
 
 
 def pid_alive(pid: int) -> bool:

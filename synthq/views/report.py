@@ -26,7 +26,7 @@ from synthq.core.enums import INFLIGHT, SampleState
 from synthq.core.errors import retokenizable
 from synthq.core.secrets import safe_keys, safe_url
 from synthq.queue.limits import current_limits, start_limit
-from synthq.queue.workers import gone_here, live
+from synthq.queue.workers import holder_gone_here, live
 from synthq.serving.health import unhealthy
 from synthq.store.cost import CostJob, job_cost
 from synthq.store.counts import call_counts, counted, sample_counts, state_counts
@@ -310,8 +310,7 @@ def orphaned_runs(db: Session | Reader, job_id: int, *, now: datetime,
     lines = []
     for run_id, worker, beat in rows:
         age = (now - read_time(beat)).total_seconds() if beat is not None else float("inf")
-        host, _, pid = str(worker or "").rpartition(":")
-        gone = pid.isdigit() and gone_here(host, int(pid))
+        gone = holder_gone_here(worker)
         if age < lease and not gone:
             continue
         why = ("its process is gone" if gone else "no heartbeat yet" if beat is None
