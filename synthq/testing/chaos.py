@@ -585,10 +585,11 @@ def database_outage(cluster: Cluster, *, outage: float = 30.0, n: int = 100,
 
     assert cluster.pg is not None
     started = time.monotonic()
-    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
-    job_id = create_job(prompts(n, "outage"), [sim.url], inflight_limit=limit)
     worker = cluster.worker(concurrency=limit)
     cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
+    job_id = create_job(prompts(n, "outage"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= 20, 90, "20 samples done", logs=cluster.logs)
     dispose_engines()
     cluster.pg.stop()
@@ -629,10 +630,11 @@ def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 
     # path), leaving none queued at the kill on a loaded machine.
     cluster.setenv(SYNTHQ_BATCH_SIZE=str(batch), SYNTHQ_WORKER_CAPACITY=str(limit),
                    SYNTHQ_ADOPT_AFTER="600")
-    sim = cluster.simulator("--latency", "0", "--tokens-per-second", "5",
-                            "--response-tokens", "20", "--capacity", "128")
     victim = cluster.worker(concurrency=4, name="victim", extra=["--prefetch-multiplier", "2"])
     cluster.beat()  # it starts meanwhile; the job comes once the victim is live
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0", "--tokens-per-second", "5",
+                            "--response-tokens", "20", "--capacity", "128")
     cluster.wait_workers(1)
     job_id = create_job(prompts(n, "dead"), [sim.url], inflight_limit=limit,
                         stall_timeout=300.0)
@@ -692,13 +694,14 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
     started = time.monotonic()
     cluster.setenv(SYNTHQ_SHUTDOWN_GRACE=str(grace), SYNTHQ_QUEUED_TIMEOUT="300",
                    SYNTHQ_BATCH_SIZE="4")
-    sim = cluster.simulator("--latency", "1.0", "--capacity", "128")
     texts = prompts(n, "term")
     for i in range(hanging):  # every 8th: spread over the batches of both workers
         texts[i * 8] += f" [[sim:hang*1]] {i}"
     a = cluster.worker(concurrency=16, name="a")
     cluster.worker(concurrency=16, name="b")
     cluster.beat()  # it starts meanwhile; the job comes once both workers are live
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "128")
     cluster.wait_workers(2)
     job_id = create_job(texts, [sim.url], inflight_limit=limit, stall_timeout=8.0)
     wait_until(lambda: counts(job_id)["done"] >= 20 and counts(job_id)["running"] >= limit // 2,
@@ -738,12 +741,13 @@ def hanging_server(cluster: Cluster, *, n: int = 60, limit: int = 8) -> Result:
     from synthq.store.models import Attempt
 
     started = time.monotonic()
+    cluster.worker(concurrency=32)
+    cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
     good = cluster.simulator("--latency", "0.05", "--capacity", "64")
     bad = cluster.simulator("--hang-rate", "1.0", "--capacity", "64")
     job_id = create_job(prompts(n, "hang"), [good.url, bad.url], inflight_limit=limit,
                         stall_timeout=1.0, total_timeout=5.0, max_attempts=10)
-    cluster.worker(concurrency=32)
-    cluster.beat()
     cluster.wait_workers(1)
     t0 = time.monotonic()
     _poll_done(cluster, job_id, n, 120)
@@ -780,10 +784,11 @@ def broker_wipe(cluster: Cluster, *, n: int = 300, limit: int = 32, down: float 
     assert cluster.redis is not None
     started = time.monotonic()
     cluster.setenv(SYNTHQ_QUEUED_TIMEOUT="30")
-    sim = cluster.simulator("--latency", "0.5", "--capacity", "64")
-    job_id = create_job(prompts(n, "wipe"), [sim.url], inflight_limit=limit)
     worker = cluster.worker(concurrency=limit)
     beat = cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0.5", "--capacity", "64")
+    job_id = create_job(prompts(n, "wipe"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
     cluster.redis.kill()
     time.sleep(down)
@@ -835,6 +840,9 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
     from synthq.store.models import Attempt, Sample
 
     started = time.monotonic()
+    cluster.worker(concurrency=8)
+    cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
     sim = cluster.simulator("--latency", "0", "--capacity", "64")
     faults = {"nul": 2, "surrogate": 2, "badutf8": 2}
     retried = {"html": 3, "nodone": 3}
@@ -844,8 +852,6 @@ def payloads(cluster: Cluster, *, n_plain: int = 20) -> Result:
     job_id = create_job(texts, [sim.url], inflight_limit=8, max_attempts=4)
     big_id = create_job(["a long answer please"], [sim.url], name="big", inflight_limit=8,
                         max_response_bytes=1000)
-    cluster.worker(concurrency=8)
-    cluster.beat()
     down_seen = 0
 
     def watch() -> None:
@@ -904,9 +910,10 @@ def overload(cluster: Cluster, *, seconds: float = 30.0, retry_after: float = 5.
     from synthq.store.models import Sample
 
     started = time.monotonic()
-    sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
     cluster.worker(concurrency=64)
     cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0.2", "--capacity", "64")
     cluster.wait_workers(1)
     # The overload starts once the worker is up: it meets all of it, however long its
     # (or beat's) start took.
@@ -949,10 +956,11 @@ def broker_refuses_writes(cluster: Cluster, *, refuse: float | None = 20.0, n: i
     """
     assert cluster.redis is not None
     started = time.monotonic()
-    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
-    job_id = create_job(prompts(n, "oom"), [sim.url], inflight_limit=limit)
     worker = cluster.worker(concurrency=limit)
     beat = cluster.beat()
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "1.0", "--capacity", "64")
+    job_id = create_job(prompts(n, "oom"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= 30, 90, "30 samples done", logs=cluster.logs)
     pid = worker.proc.pid
     cluster.redis.refuse_writes(True)
@@ -1002,10 +1010,11 @@ def silent_worker(cluster: Cluster, *, n: int = 16, stopped: float = 8.0) -> Res
     started = time.monotonic()
     # One sample a message: the other worker's 2 threads take a few, the victim the rest.
     cluster.setenv(SYNTHQ_WORKER_TIMEOUT="3", SYNTHQ_BATCH_SIZE="1")
-    sim = cluster.simulator("--latency", "0", "--capacity", "64")
     cluster.worker(concurrency=2, name="other")
     victim = cluster.worker(concurrency=n, name="victim")
     cluster.beat()  # it starts meanwhile; the job comes once both workers are live
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0", "--capacity", "64")
     cluster.wait_workers(2)
     with session_scope() as s:
         name = s.scalar(select(Worker.name).order_by(Worker.capacity.desc()).limit(1))
@@ -1078,10 +1087,11 @@ def postgres_half_open(cluster: Cluster, *, n: int = 80, limit: int = 8) -> Resu
     cluster.setenv(**PG_HALF_OPEN_LIMITS)
     proxy = cluster.stranding_proxy(cluster.pg.port)
     via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
-    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
-    job_id = create_job(prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
     cluster.worker(concurrency=limit, **via)
     cluster.beat(**via)
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
+    job_id = create_job(prompts(n, "halfopen"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= 15, 90, "15 samples done",
                logs=cluster.logs)
     holder = _hold_dispatch_lock(via["SYNTHQ_DATABASE_URL"])
@@ -1141,10 +1151,11 @@ def stranded_heartbeat(cluster: Cluster, *, n: int = 300, limit: int = 16, worke
     cluster.setenv(**(STRANDED_HEARTBEAT_LIMITS if env is None else env))
     proxy = cluster.stranding_proxy(cluster.pg.port)
     via = {"SYNTHQ_DATABASE_URL": proxy.url_for(cluster.pg.url)}
-    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
     for _ in range(workers):
         cluster.worker(concurrency=limit, **via)
     cluster.beat(**via)  # it starts meanwhile; the job comes once the workers are live
+    # The simulator starts while the Celery processes import (their start is the longer).
+    sim = cluster.simulator("--latency", "0.3", "--capacity", "64")
     cluster.wait_workers(workers)
     job_id = create_job(prompts(n, "stranded"), [sim.url], inflight_limit=limit)
     wait_until(lambda: counts(job_id)["done"] >= n // 5, 90, f"{n // 5} samples done",
@@ -1201,17 +1212,18 @@ def clock_skew(cluster: Cluster, *, offset: str = "-120s", n: int = 96,
     ``prompt_max_calls``, and what ``synthq status --json`` says of the workers
     (``status_skews``, ``status_warnings``). Recovery: the job's duration.
     """
+    started = time.monotonic()
+    cluster.worker(concurrency=limit // 2, name="skewed", **faked(offset))
+    cluster.worker(concurrency=limit // 2, name="true")
+    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
+    # The clock check and the simulator run while the Celery processes import.
     check = subprocess.run([sys.executable, "-c", "import time; print(time.time())"],
                            env=cluster.child_env(**faked(offset)), capture_output=True,
                            text=True, check=True)
     skew = float(check.stdout) - time.time()
-    started = time.monotonic()
     sim = cluster.simulator("--latency", "0.4", "--capacity", "64")
     texts = [p + (" [[sim:error*1]]" if i % 4 == 0 else "")
              for i, p in enumerate(prompts(n, "skew"))]
-    cluster.worker(concurrency=limit // 2, name="skewed", **faked(offset))
-    cluster.worker(concurrency=limit // 2, name="true")
-    cluster.beat()  # it starts meanwhile; the job comes once both workers are live
     cluster.wait_workers(2)
     job_id = create_job(texts, [sim.url], inflight_limit=limit)
     _poll_done(cluster, job_id, n, 120)
