@@ -380,6 +380,11 @@ class Cluster:
         for p in reversed(self.procs):
             with contextlib.suppress(Exception):
                 p.stop()  # reaps the group and closes the log
+            # libfaketime's shared memory and semaphore of a faked process (clock_skew's),
+            # which its exit would have removed.
+            for name in (f"faketime_shm_{p.pid}", f"sem.faketime_sem_{p.pid}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{name}")
         self.procs.clear()
 
     def close(self) -> None:
