@@ -214,7 +214,7 @@ def test_5_a_finished_job_gets_out_of_the_way(tmp_path: Path, sim: Simulator) ->
 def test_5_finished_jobs_no_longer_count_toward_a_server(pg: str) -> None:
     from synthq.core.enums import JobState
     from synthq.jobs.enqueue import JobSpec, get_or_create_job
-    from synthq.queue import states
+    from synthq.queue import jobs
     from synthq.queue.dispatch import active_servers
     from synthq.store.db import session_scope, utcnow
     from synthq.store.models import Job
@@ -225,11 +225,11 @@ def test_5_finished_jobs_no_longer_count_toward_a_server(pg: str) -> None:
         job_id = job.id
     assert active_servers() == ["http://h:1/v1"]
     with session_scope() as s:
-        assert states.finish_jobs(s, now=utcnow()) == [job_id]
+        assert jobs.finish_jobs(s, now=utcnow()) == [job_id]
         assert s.get_one(Job, job_id).state == JobState.FINISHED
     assert active_servers() == []  # its limit of 4 holds no server any more
     with session_scope() as s:
-        assert states.reactivate(s, job_id, now=utcnow())
+        assert jobs.reactivate(s, job_id, now=utcnow())
         assert s.get_one(Job, job_id).state == JobState.ACTIVE
 
 
