@@ -22,12 +22,14 @@ from typing import Any
 import pytest
 from support import (  # noqa: F401 - the settings, shared with tests that need them
     PG_ADMIN_URL,
+    PROCESS_GUARDS,
     REDIS_URL,
     TEST_ENV,
     Proc,
     Simulator,
     _reset_process_state,
     child_env,
+    close_cli_host,
     fresh_pg_database,
     pg_database,
     redis_for_tests,
@@ -77,12 +79,15 @@ _running: list[pytest.Item] = []
 _popen_init = subprocess.Popen.__init__
 
 
-def _guarded_popen_init(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+def _guard(command: Any) -> None:
     item = _running[-1] if _running else None
     if item is not None and not any(m.name in _MAY_START_PROCESSES for m in item.iter_markers()):
-        command = args[0] if args else kwargs.get("args")
         raise RuntimeError(f"{item.nodeid} starts a process ({command!r:.80}) but is in the "
                            "fast tier: mark it @pytest.mark.processes")
+
+
+def _guarded_popen_init(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+    _guard(args[0] if args else kwargs.get("args"))
     _popen_init(self, *args, **kwargs)
 
 
@@ -100,6 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if os.environ.get("SYNTHQ_FAST_TIER"):
         subprocess.Popen.__init__ = _guarded_popen_init  # type: ignore[method-assign]
+        PROCESS_GUARDS.append(_guard)  # the CLI's processes forked by support.CliHost
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -131,6 +137,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Leave the test Redis as it was found: the tests' keys and their claim deleted."""
     release_redis_for_tests()
+    close_cli_host()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -335,14 +336,213 @@ def peer_readers() -> Path:
 
 
 def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m synthq.cli ARGS`` with the test's settings; asserts exit 0 if ``check``."""
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args],
-                            env=env if env is not None else child_env(), cwd=REPO,
-                            capture_output=True, text=True, timeout=timeout)
+            timeout: float = 120, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``python -m synthq.cli ARGS`` with the test's settings (or ``env``, the whole
+    environment) in ``cwd``; asserts exit 0 if ``check``. A process of its own, forked
+    by :class:`CliHost` from one that imported synthq already."""
+    result = cli_host().run(list(args), env if env is not None else child_env(), cwd,
+                            timeout=timeout)
     if check:
         assert result.returncode == 0, result.stderr + result.stdout
     return result
+
+
+#: Variables a process reads as it starts or imports (the interpreter's, the locale's,
+#: the Hugging Face libraries'): a command whose values differ from the zygote's is not
+#: forked from it.
+_AT_START = re.compile(r"^(PYTHON|LANG$|LC_|HF_|HUGGINGFACE|TRANSFORMERS_|TOKENIZERS_|OMP_"
+                       r"|MKL_|OPENBLAS_)")
+
+
+class Forked:
+    """A command the zygote forked, with what ``subprocess.Popen`` offers a test: its
+    pid, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill`` (a signal goes
+    through the zygote, which sends it only while the child is its own) and the files
+    its stdout and stderr went to."""
+
+    def __init__(self, host: CliHost, args: list[str], pid: int, out: Path, err: Path) -> None:
+        self.host, self.args, self.pid, self.out, self.err = host, args, pid, out, err
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            while self.pid not in self.host._ended and self.host._answer(0) is not None:
+                pass
+            self.returncode = self.host._ended.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if self.host._answer(deadline) is None and self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            self.host._send({"signal": int(sig), "pid": self.pid})
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """Its exit code, stdout and stderr (once it has ended); the files removed."""
+        assert self.returncode is not None
+        out = self.out.read_text(errors="replace")
+        err = out if self.err == self.out else self.err.read_text(errors="replace")
+        self.out.unlink(missing_ok=True)
+        self.err.unlink(missing_ok=True)
+        return subprocess.CompletedProcess(self.args, self.returncode, out, err)
+
+
+#: Called with each command a test starts through :class:`CliHost` (conftest's fast-tier
+#: guard: a process forked there is a process all the same).
+PROCESS_GUARDS: list[Callable[[list[str]], None]] = []
+
+
+class CliHost:
+    """``python -m synthq.cli ARGS`` in a process of its own for a fraction of its start:
+    forked by ``tests/cli_zygote.py`` (one per test process, started on first use),
+    which imported what every command imports, once. The child is the command as a
+    shell runs it (its own environment, working directory, stdout, stderr and exit
+    code); see the zygote's docstring for what differs (the start-up only).
+
+    A command whose environment differs from the zygote's in a variable read when a
+    process starts (``PYTHONPATH`` among them) runs as a plain subprocess instead."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in child_env().items() if not k.startswith("SYNTHQ_")}
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")],
+                                     cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, preexec_fn=dies_with_parent())
+        self.folder = Path(tempfile.mkdtemp(prefix="synthq-cli-"))
+        self._read = b""
+        self._count = 0
+        self._ended: dict[int, int] = {}  # pid -> exit code, of children not waited for yet
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, args: list[str], env: dict[str, str], cwd: Path, *,
+            timeout: float) -> subprocess.CompletedProcess[str]:
+        """The command run to its end, as ``subprocess.run(..., capture_output=True,
+        text=True, timeout=timeout)`` runs it."""
+        started = self.start(args, env, cwd)
+        if isinstance(started, subprocess.Popen):
+            try:
+                out, err = started.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                started.kill()
+                started.communicate()
+                raise
+            return subprocess.CompletedProcess(started.args, started.returncode, out, err)
+        return self.wait(started, timeout)
+
+    def start(self, args: list[str], env: dict[str, str], cwd: Path, *,
+              log: Path | None = None) -> Forked | subprocess.Popen[str]:
+        """The command started (:meth:`wait` for its end), its stdout and stderr to files
+        of its own (or both to ``log``); a plain ``Popen`` (text, stdout and stderr piped,
+        or to ``log``) when the zygote cannot run it: an environment whose variables read
+        at a start (``PYTHON*``, the locale, Hugging Face's) differ from its own."""
+        command = [sys.executable, "-m", "synthq.cli", *args]
+        for guard in PROCESS_GUARDS:
+            guard(command)
+        if any(env.get(k) != self.env.get(k) for k in {*env, *self.env} if _AT_START.match(k)):
+            if log is not None:
+                with log.open("wb") as fh:
+                    return subprocess.Popen(command, env=env, cwd=cwd, stdout=fh,
+                                            stderr=subprocess.STDOUT, text=True,
+                                            preexec_fn=dies_with_parent())
+            return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        self._count += 1
+        out = log or self.folder / f"{self._count}.out"
+        err = log or self.folder / f"{self._count}.err"
+        self._send({"id": self._count, "args": args, "env": env, "cwd": str(cwd),
+                    "out": str(out), "err": str(err)})
+        deadline = time.monotonic() + 60
+        while True:
+            answer = self._answer(deadline)
+            if answer is None:
+                raise RuntimeError(f"tests/cli_zygote.py started nothing ({self.proc.poll()})")
+            if answer.get("id") == self._count:
+                return Forked(self, command, answer["pid"], out, err)
+
+    def wait(self, run: Forked, timeout: float) -> subprocess.CompletedProcess[str]:
+        """``run``'s end (killed at ``timeout``, TimeoutExpired raised, as subprocess.run
+        does)."""
+        try:
+            run.wait(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait()
+            result = run.result()
+            raise subprocess.TimeoutExpired(run.args, timeout, result.stdout,
+                                            result.stderr) from None
+        return run.result()
+
+    def _send(self, request: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def _answer(self, deadline: float) -> dict[str, int] | None:
+        """The zygote's next line (an end is also kept in ``_ended``); None at the deadline
+        (0: only what has come already)."""
+        import select
+
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._read:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"tests/cli_zygote.py exited ({self.proc.wait()})")
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
+        answer = dict(json.loads(line))
+        if "rc" in answer:
+            self._ended[answer["pid"]] = answer["rc"]
+        return answer
+
+    def close(self) -> None:
+        import shutil
+
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_cli_host: CliHost | None = None
+
+
+def cli_host() -> CliHost:
+    """This test process's :class:`CliHost` (started again if it died)."""
+    global _cli_host
+    if _cli_host is None or not _cli_host.alive():
+        _cli_host = CliHost()
+    return _cli_host
+
+
+def close_cli_host() -> None:
+    global _cli_host
+    if _cli_host is not None:
+        _cli_host.close()
+        _cli_host = None
 
 
 @contextmanager

@@ -384,13 +384,10 @@ def test_expired_logins_are_pruned_by_session_checks(client: Any) -> None:
 @pytest.mark.processes
 @pytest.mark.parametrize("hours", ["abc", "0"])
 def test_a_bad_session_hours_is_one_line(hours: str) -> None:
-    import subprocess
-    import sys
+    from support import child_env, run_cli
 
-    from support import child_env
-
-    r = subprocess.run([sys.executable, "-m", "synthq.cli", "api", "--port", "1"],
-                       env=child_env(SYNTHQ_API_TOKEN=TOKEN, SYNTHQ_API_SESSION_HOURS=hours),
-                       capture_output=True, text=True, timeout=30)
+    r = run_cli("api", "--port", "1", env=child_env(SYNTHQ_API_TOKEN=TOKEN,
+                                                    SYNTHQ_API_SESSION_HOURS=hours),
+                timeout=30, check=False)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "invalid setting SYNTHQ_API_SESSION_HOURS" in r.stderr

@@ -4,14 +4,12 @@ known GPU-hour price give a known $/1M tokens."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, child_env
+from support import child_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -28,11 +26,9 @@ def test_dollars_per_million_tokens_from_a_known_rate_and_price(
                                + "\n" for i in range(4)))
     env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
                     SYNTHQ_BROKER_URL="")
-    result = subprocess.run(
-        [sys.executable, "-m", "synthq.cli", "run", "-d", str(dataset), "-s", sim.url, "-m",
-         "sim-model", "--max-tokens", "64", "--inflight", "2", "--gpus", "2",
-         "--gpu-hour-price", "3.6", "--json"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_cli("run", "-d", str(dataset), "-s", sim.url, "-m", "sim-model", "--max-tokens",
+                     "64", "--inflight", "2", "--gpus", "2", "--gpu-hour-price", "3.6", "--json",
+                     env=env, check=False)
     assert result.returncode == 0, result.stderr
     cost = json.loads(result.stdout.strip().splitlines()[-1])["cost"]
     assert cost["tokens"] == 4 * 40
@@ -54,10 +50,9 @@ def test_bad_inflight_options_are_one_line(tmp_path: Path) -> None:
             (["--inflight", "auto", "--min-inflight", "64", "--max-inflight", "32"],
              "--min-inflight 64 is above --max-inflight 32"),
             (["--gpu-hour-price", "-1"], "--gpu-hour-price must be a price")):
-        result = subprocess.run(
-            [sys.executable, "-m", "synthq.cli", "enqueue", "-d", str(tmp_path / "none.jsonl"),
-             "-s", "http://127.0.0.1:9/v1", "-m", "m", *args],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+        result = run_cli("enqueue", "-d", str(tmp_path / "none.jsonl"), "-s",
+                         "http://127.0.0.1:9/v1", "-m", "m", *args, env=env, timeout=60,
+                         check=False)
         assert result.returncode != 0
         assert message in result.stderr + result.stdout, result.stderr
         assert "Traceback" not in result.stderr

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, sqlite_rows, wait_for
+from support import Proc, child_env, run_cli, sqlite_rows, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -26,9 +25,13 @@ def write_dataset(path: Path, prompts: list[str], bad_rows: list[str] = ()) -> N
                     fh.write(bad + "\n")
 
 
+def run_args(dataset: Path, server: str, *extra: str) -> list[str]:
+    return ["run", "--dataset", str(dataset), "--server", server, "--model", "sim-model",
+            "--max-tokens", "64", *extra]
+
+
 def run_cmd(dataset: Path, server: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "synthq.cli", "run", "--dataset", str(dataset),
-            "--server", server, "--model", "sim-model", "--max-tokens", "64", *extra]
+    return [sys.executable, "-m", "synthq.cli", *run_args(dataset, server, *extra)]
 
 
 @pytest.mark.smoke  # the fast tier's end-to-end path
@@ -50,8 +53,8 @@ def test_run_killed_and_rerun_resumes_without_regenerating(
         db, "select json_extract(prompt, '$[0].content') from samples where state='done'")}
     assert 40 <= len(done_before) < len(prompts)
 
-    second = subprocess.run(run_cmd(dataset, sim.url, "--inflight", "8", "--json"), env=env,
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    second = run_cli(*run_args(dataset, sim.url, "--inflight", "8", "--json"), env=env,
+                     check=False)
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     assert summary["counts"]["done"] == len(prompts) and summary["finished"]
@@ -77,8 +80,7 @@ def test_run_skips_malformed_rows_with_reasons(simulator: Callable[..., Any],
     write_dataset(dataset, [f"good prompt {i}" for i in range(10)], bad)
     env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
                     SYNTHQ_BROKER_URL="")
-    result = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = run_cli(*run_args(dataset, sim.url, "--json"), env=env, check=False)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["counts"]["done"] == 10
@@ -98,15 +100,14 @@ def test_run_rejects_bad_input_clearly(tmp_path: Path) -> None:
     dataset = tmp_path / "d.jsonl"
     write_dataset(dataset, ["hi"])
     cases = [
-        (run_cmd(tmp_path / "missing.jsonl", "http://127.0.0.1:1/v1"), "no such file"),
-        (run_cmd(dataset, "localhost:8000"), "is not an http(s) URL"),
-        (run_cmd(dataset, "http://127.0.0.1:1/v1", "--inflight", "0"), "--inflight must be"),
-        (run_cmd(dataset, "http://127.0.0.1:1/v1", "--chat-template-kwargs", "{bad"),
+        (run_args(tmp_path / "missing.jsonl", "http://127.0.0.1:1/v1"), "no such file"),
+        (run_args(dataset, "localhost:8000"), "is not an http(s) URL"),
+        (run_args(dataset, "http://127.0.0.1:1/v1", "--inflight", "0"), "--inflight must be"),
+        (run_args(dataset, "http://127.0.0.1:1/v1", "--chat-template-kwargs", "{bad"),
          "not valid JSON"),
     ]
     for cmd, message in cases:
-        result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                                timeout=60)
+        result = run_cli(*cmd, env=env, check=False, timeout=60)
         assert result.returncode == 2, (cmd, result.stdout, result.stderr)
         assert message in " ".join(result.stderr.split()), result.stderr
         assert "Traceback" not in result.stderr
@@ -130,8 +131,7 @@ def test_ctrl_c_stops_cleanly_and_resumes(simulator: Callable[..., Any], tmp_pat
     # The summary shows no load of the run's own (gone) worker: it holds no call.
     assert "workers:" not in proc.log(), proc.log()[-2000:]
     proc.stop()
-    again = subprocess.run(run_cmd(dataset, sim.url, "--json"), env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    again = run_cli(*run_args(dataset, sim.url, "--json"), env=env, check=False)
     assert json.loads(again.stdout.strip().splitlines()[-1])["counts"]["done"] == 80
 
 
@@ -145,9 +145,8 @@ def test_run_no_stream_retries_and_stores_the_setting(simulator: Callable[..., A
     write_dataset(dataset, prompts)
     env = child_env(SYNTHQ_DATA_DIR=str(tmp_path / "data"), SYNTHQ_DATABASE_URL="",
                     SYNTHQ_BROKER_URL="")
-    result = subprocess.run(run_cmd(dataset, sim.url, "--no-stream", "--json",
-                                    "--backoff-base", "0.05", "--backoff-cap", "0.1"),
-                            env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_cli(*run_args(dataset, sim.url, "--no-stream", "--json", "--backoff-base",
+                               "0.05", "--backoff-cap", "0.1"), env=env, check=False)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["counts"]["done"] == len(prompts) and summary["finished"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, child_env
+from support import REPO, child_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -312,8 +312,7 @@ def test_synthq_run_killed_during_its_first_migration_reruns_to_the_end(
                             env={**env, "SYNTHQ_KILL_AT": str(half)}, capture_output=True,
                             text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr
-    again = subprocess.run([sys.executable, "-m", "synthq.cli", *args], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = run_cli(*args, env=env, check=False)
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(again.stdout.strip().splitlines()[-1])
     assert summary["counts"]["done"] == 40 and summary["finished"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import chat_tokenizers as ct
 import pytest
 from sqlalchemy import select
-from support import REPO, child_env, counts, wait_for
+from support import child_env, counts, run_cli, wait_for
 
 from synthq.store.db import session_scope
 from synthq.store.models import Sample
@@ -38,8 +37,7 @@ def test_run_then_export_parquet_reads_back_in_datasets(simulator: Callable[...,
                     SYNTHQ_BROKER_URL="")
 
     def synthq(*args: str) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
-                             capture_output=True, text=True, timeout=180)
+        out = run_cli(*args, env=env, timeout=180, check=False)
         assert out.returncode == 0, out.stderr + out.stdout
         return out
 
@@ -82,10 +80,8 @@ def test_retokenize_runs_on_worker_processes_without_server_calls(
     workers.beat()
     wait_for(lambda: counts(report.job_id)["done"] == n, 90, workers.logs())
     requests = sim.stats()["requests"]
-    result = subprocess.run(
-        [sys.executable, "-m", "synthq.cli", "retokenize", report.job_name, "--max-seq-len",
-         "30", "--batch-size", "10"], env=child_env(), cwd=REPO, capture_output=True,
-        text=True, timeout=180)
+    result = run_cli("retokenize", report.job_name, "--max-seq-len", "30", "--batch-size", "10",
+                     timeout=180, check=False)
     assert result.returncode == 0, result.stderr + result.stdout + workers.logs()
     assert "tokenize_version 2" in result.stdout
     with session_scope() as s:

@@ -10,7 +10,6 @@ worker runs the readiness check itself, and ``synthq status`` names the dead hol
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, wait_for
+from support import Proc, child_env, run_cli, wait_for
 
 from synthq.store.db import session_scope, utcnow
 from synthq.store.models import Job, TrainingRun
@@ -38,8 +37,7 @@ def _run(run_id: int) -> TrainingRun:
 
 
 def _status(job_id: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "synthq.cli", "status", str(job_id), "--json"],
-                         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = run_cli("status", str(job_id), "--json", check=False)
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, sqlite_rows, wait_for
+from support import Proc, child_env, run_cli, sqlite_rows, wait_for
 
 from synthq.data.turns import history
 from synthq.testing.simulator import conversation_tag
@@ -25,8 +25,7 @@ WEATHER = [{"type": "function", "function": {
 
 
 def synthq(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, env=env, timeout=timeout, check=False)
 
 
 def run_args(dataset: Path, server: str, *extra: str, max_tokens: int = 64) -> list[str]:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from sqlalchemy import update
-from support import REPO, child_env, run_cli
+from support import REPO, child_env, cli_host, run_cli
 
 from synthq.store.db import session_scope
 from synthq.store.models import Sample
@@ -87,8 +85,7 @@ def test_every_command_has_an_example_in_help() -> None:
     group = get_command(app)
     names = list(group.commands) + ["db upgrade"]  # type: ignore[attr-defined]
     for name in names:
-        out = subprocess.run([sys.executable, "-m", "synthq.cli", *name.split(), "--help"],
-                             cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+        out = synthq(*name.split(), "--help", timeout=60, check=False).stdout
         assert "Example" in out, name
 
 
@@ -124,12 +121,11 @@ def test_concurrent_first_enqueues_both_succeed(pg: str, dataset: Path) -> None:
     for round_ in range(4):
         args = ["enqueue", "-d", str(dataset), "-s", "http://127.0.0.1:9/v1", "-m", "m",
                 "--job", f"race-{round_}", "--json"]
-        procs = [subprocess.Popen([sys.executable, "-m", "synthq.cli", *args], env=child_env(),
-                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for _ in range(2)]
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs
-        reports = [json.loads(o[0]) for o in outs]
+        host = cli_host()  # two processes at once, forked side by side
+        started = [host.start(args, child_env(), REPO) for _ in range(2)]
+        procs = [host.wait(run, 120) for run in started]  # type: ignore[arg-type] - forked
+        assert [p.returncode for p in procs] == [0, 0], procs
+        reports = [json.loads(p.stdout) for p in procs]
         assert sorted(r["created"] for r in reports) == [False, True]
         assert sum(r["inserted"] for r in reports) == reports[0]["rows"]  # each row once
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -19,8 +19,7 @@ def synthq(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI in ``cwd`` with the embedded defaults (a SQLite file there), 200 columns."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
     env.update(PYTHONPATH=str(REPO), COLUMNS="200", TERM="dumb", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], cwd=cwd, env=env,
-                          text=True, capture_output=True, timeout=120)
+    return run_cli(*args, cwd=cwd, env=env, check=False)
 
 
 def one_error_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import REPO, Simulator, free_port
+from support import REPO, Simulator, free_port, run_cli
 
 SECRET = "SuperSecretPw42"
 #: A name with markup brackets, quotes, unicode and spaces.
@@ -32,8 +32,7 @@ def synthq(cwd: Path, *args: str, env: dict[str, str] | None = None,
     """``synthq ARGS`` in ``cwd`` with only the given SYNTHQ_ settings (embedded default)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
     base.update(PYTHONPATH=str(REPO), COLUMNS="250", **(env or {}))
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], cwd=cwd, env=base,
-                            capture_output=True, text=True, timeout=timeout)
+    result = run_cli(*args, cwd=cwd, env=base, timeout=timeout, check=False)
     assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     return result
 

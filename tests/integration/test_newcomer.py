@@ -13,7 +13,7 @@ from pathlib import Path
 
 import chat_tokenizers as ct
 import pytest
-from support import REPO, Simulator
+from support import REPO, Simulator, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -22,8 +22,7 @@ def synthq(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedP
     """``synthq ARGS`` in ``cwd``, the embedded default (no SYNTHQ_ setting)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYNTHQ_")}
     env.update(PYTHONPATH=str(REPO), COLUMNS="250")
-    result = subprocess.run([sys.executable, "-m", "synthq.cli", *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=timeout)
+    result = run_cli(*args, cwd=cwd, env=env, timeout=timeout, check=False)
     assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
     return result
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Proc, child_env, wait_for
+from support import Proc, child_env, run_cli, wait_for
 
 from synthq.store.db import session_scope
 from synthq.store.models import Job, TrainingRun
@@ -44,8 +44,7 @@ def _wait_ready(proc: Proc, timeout: float) -> None:
 
 
 def synthq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=child_env(**env),
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, env=child_env(**env), timeout=300, check=False)
 
 
 def test_killed_training_worker_resumes_from_its_last_checkpoint(
