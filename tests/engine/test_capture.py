@@ -486,9 +486,12 @@ def _duplicate_round(server: CaptureServer) -> _Round:
 
 
 def _clear_engine_files(server: CaptureServer, name: str) -> None:
-    """The round's files, once no write is in flight (the last request's file is written
-    after its answer: CI once found its ``.tmp`` renamed between a glob and the unlink)."""
-    wait_for(lambda: not [*server.engine_dir.glob("*.tmp")], ANSWER_S,
+    """The round's files, once none of them is being written (the last request's file is
+    written after its answer: CI once found its ``.tmp`` renamed between a glob and the
+    unlink). Only the round's: a server killed mid-write by the restart test (before this
+    one, in the files' order) left a ``synthq-*.tmp`` that no one will ever rename."""
+    wait_for(lambda: not [*server.engine_dir.glob(f"{name}*.tmp"),
+                          *server.engine_dir.glob("other-*.tmp")], ANSWER_S,
              "a capture file stayed half-written")
     for p in [*server.engine_dir.glob(f"{name}*"), *server.engine_dir.glob("other-*")]:
         p.unlink(missing_ok=True)
