@@ -143,6 +143,21 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900,
                          connector: str = "synthq") -> CaptureServer:
     """``connector``: ``synthq`` (synthq_connector) or ``stock`` (vLLM's stock connector,
     its CUDA copy replaced for the CPU: tests/engine/stock_cpu_connector.py)."""
+    server = launch_capture_server(root, connector=connector)
+    _wait_up(server, startup_timeout)
+    return server
+
+
+def wait_up(server: CaptureServer, startup_timeout: float = 900) -> CaptureServer:
+    """Return ``server`` once it serves (a server from :func:`launch_capture_server`);
+    the test fails with its log when it exits or ``startup_timeout`` seconds pass."""
+    _wait_up(server, startup_timeout)
+    return server
+
+
+def launch_capture_server(root: Path, *, connector: str = "synthq") -> CaptureServer:
+    """:func:`start_capture_server` without the wait: the cold start goes on in the
+    background (:func:`wait_up` waits for it)."""
     python = vllm_python()
     model = build_tiny_target(root / "tiny-target")
     engine_dir = root / "engine-files"
@@ -168,7 +183,5 @@ def start_capture_server(root: Path, *, startup_timeout: float = 900,
             "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
             "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
             "--kv-transfer-config", json.dumps(kv)]
-    server = CaptureServer(f"http://127.0.0.1:{port}/v1", model, engine_dir, log,
-                           _launch(argv, env, log), argv, env)
-    _wait_up(server, startup_timeout)
-    return server
+    return CaptureServer(f"http://127.0.0.1:{port}/v1", model, engine_dir, log,
+                         _launch(argv, env, log), argv, env)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -27,7 +27,8 @@ from capture_server import (
     HIDDEN,
     UNNAMED_TTL_S,
     CaptureServer,
-    start_capture_server,
+    launch_capture_server,
+    wait_up,
 )
 from support import REPO, Simulator, child_env, wait_for
 
@@ -39,11 +40,48 @@ pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
 SAMPLES = 60
 
 
+class _Servers:
+    """The module's capture servers, one per connector (``synthq``, ``stock``), each
+    started once; stopped at the module's end."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.factory = tmp_path_factory
+        self.started: dict[str, CaptureServer] = {}
+
+    def launch(self, connector: str) -> CaptureServer:
+        if connector not in self.started:
+            folder = self.factory.mktemp({"synthq": "vllm-capture"}.get(connector,
+                                                                         f"vllm-{connector}"))
+            self.started[connector] = launch_capture_server(folder, connector=connector)
+        return self.started[connector]
+
+
 @pytest.fixture(scope="module")
-def capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureServer]:
-    server = start_capture_server(tmp_path_factory.mktemp("vllm-capture"))
-    yield server
-    server.stop()
+def capture_servers(tmp_path_factory: pytest.TempPathFactory,
+                    request: pytest.FixtureRequest) -> Iterator[_Servers]:
+    """Both servers' cold starts begin with the module's first test that needs either,
+    when its selected tests use both: the stock server's half minute goes on while the
+    first server's tests run, instead of after them; the module's job is generated
+    meanwhile too."""
+    used = {name for item in request.session.items if item.module is request.module
+            for name in item.fixturenames}
+    servers = _Servers(tmp_path_factory)
+    try:
+        for connector, fixture in (("synthq", "capture_server"),
+                                   ("stock", "stock_capture_server")):
+            if fixture in used:
+                servers.launch(connector)
+        if "generated" in used:
+            request.getfixturevalue("generated")
+        yield servers
+    finally:
+        for server in servers.started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def capture_server(capture_servers: _Servers) -> CaptureServer:
+    return wait_up(capture_servers.launch("synthq"))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +137,18 @@ def _rows(data: Path, query: str) -> list[tuple[Any, ...]]:
 class Reference:
     """transformers' hidden states of the tiny target: ``output_hidden_states`` at the
     captured indices, the last layer's output before the final norm (vLLM captures it
-    there), and the final norm to check the training features."""
+    there), and the final norm to check the training features.
+
+    :meth:`of` loads it once per target folder, and :meth:`states` computes each token
+    sequence once: the module's tests check the same 60 samples again and again."""
+
+    _loaded: ClassVar[dict[Path, Reference]] = {}
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Reference:
+        if model_dir not in cls._loaded:
+            cls._loaded[model_dir] = cls(model_dir)
+        return cls._loaded[model_dir]
 
     def __init__(self, model_dir: Path) -> None:
         import torch
@@ -109,12 +158,20 @@ class Reference:
         self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.pre_norm: Any = None
         self.model.model.layers[-1].register_forward_hook(self._keep)
+        self._states: dict[bytes, np.ndarray] = {}
 
     def _keep(self, module: Any, inputs: Any, output: Any) -> None:
         self.pre_norm = output[0] if isinstance(output, tuple) else output
 
     def states(self, input_ids: np.ndarray) -> np.ndarray:
-        """[tokens, len(CAPTURE_LAYERS), hidden]."""
+        """[tokens, len(CAPTURE_LAYERS), hidden] (read-only: it is kept)."""
+        key = np.asarray(input_ids, dtype="<i8").tobytes()
+        if key not in self._states:
+            self._states[key] = self._compute(input_ids)
+            self._states[key].flags.writeable = False
+        return self._states[key]
+
+    def _compute(self, input_ids: np.ndarray) -> np.ndarray:
         torch = self.torch
         with torch.no_grad():
             # The decoder alone: the logits over 129k ids are not needed here.
@@ -158,7 +215,7 @@ def test_captured_files_equal_transformers_hidden_states(
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
     # All samples, with prefix caching on (the server's default; they share a prefix).
-    assert _check_files(data, Reference(capture_server.model_dir), atol=1e-4) == SAMPLES
+    assert _check_files(data, Reference.of(capture_server.model_dir), atol=1e-4) == SAMPLES
     # Disk: the tensor bytes are what the plan says a token costs (4 layers × 128 × 4 B),
     # plus the ids (8 B a token) and a header of a few hundred bytes per file.
     (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
@@ -199,7 +256,7 @@ def test_the_peers_readers_take_every_captured_example(
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr + done.stdout
         assert f"exported {SAMPLES} captured examples" in done.stdout
-    reference = Reference(capture_server.model_dir)
+    reference = Reference.of(capture_server.model_dir)
     head = load_target_head(str(capture_server.model_dir))
     samples = [np.frombuffer(raw, dtype="<i4").astype(np.int64) for (raw,) in _rows(
         data, "SELECT input_ids FROM samples WHERE state = 'done' ORDER BY id")]
@@ -241,7 +298,7 @@ def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
         first.wait(30)
     done_at_kill = _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
     assert 10 <= done_at_kill < SAMPLES
-    reference = Reference(capture_server.model_dir)
+    reference = Reference.of(capture_server.model_dir)
     # Every capture counted as done has its whole file (a half one would fail its hash).
     assert _check_files(data, reference, atol=1e-4) == done_at_kill
 
@@ -302,7 +359,7 @@ def test_vllm_killed_and_restarted_mid_stage_fails_no_capture(
     assert "is down" in said and "answers again" in said, said[-3000:]
     assert _rows(data, "SELECT state, count(*) FROM captures GROUP BY state") == [
         ("done", SAMPLES)], said[-3000:]
-    assert _check_files(data, Reference(capture_server.model_dir), atol=1e-4) == SAMPLES
+    assert _check_files(data, Reference.of(capture_server.model_dir), atol=1e-4) == SAMPLES
     calls = _rows(data, "SELECT sum(attempts) FROM captures")[0][0]
     assert SAMPLES <= calls <= SAMPLES + limit + TRIP_AFTER, calls
 
@@ -329,7 +386,7 @@ def test_bfloat16_store_halves_the_disk(capture_server: CaptureServer, generated
     out = _capture(data, "--server", capture_server.url, "--target",
                    str(capture_server.model_dir), "--dtype", "bfloat16")
     assert out.returncode == 0, out.stderr + out.stdout
-    reference = Reference(capture_server.model_dir)
+    reference = Reference.of(capture_server.model_dir)
     for path, raw in _rows(data, "SELECT c.path, s.input_ids FROM captures c JOIN samples s "
                                  "ON s.id = c.sample_id")[:10]:
         tensors, meta = files.read(data / "hidden-states" / path)
@@ -505,10 +562,8 @@ def _keep(errors: list[BaseException], fn: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def stock_capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureServer]:
-    server = start_capture_server(tmp_path_factory.mktemp("vllm-stock"), connector="stock")
-    yield server
-    server.stop()
+def stock_capture_server(capture_servers: _Servers) -> CaptureServer:
+    return wait_up(capture_servers.launch("stock"))
 
 
 def test_stock_connector_files_are_captured_from_the_declared_folder(
@@ -531,7 +586,7 @@ def test_stock_connector_files_are_captured_from_the_declared_folder(
     assert out.returncode == 0, out.stderr + out.stdout
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
-    reference = Reference(server.model_dir)
+    reference = Reference.of(server.model_dir)
     assert _check_files(data, reference, atol=1e-4) == SAMPLES
     from synthq.capture import files
 
