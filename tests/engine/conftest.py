@@ -70,19 +70,46 @@ class Engine:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    if url := os.environ.get("SYNTHQ_ENGINE_URL"):
-        yield Engine(url, tiny_target, None)
+def _engine_server(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[VllmServer | VllmStartError | None]:
+    """The session's server, started (not yet serving); the error when it cannot start;
+    None for ``SYNTHQ_ENGINE_URL``."""
+    if os.environ.get("SYNTHQ_ENGINE_URL"):
+        yield None
         return
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     try:
         server = VllmServer.start(tiny_target, SERVED, log_path=log,
                                   max_model_len=MAX_MODEL_LEN)
-        server.wait_ready(timeout=float(os.environ.get("SYNTHQ_VLLM_START_TIMEOUT", 900)))
+    except VllmStartError as exc:
+        yield exc
+        return
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_starts_early(request: pytest.FixtureRequest) -> None:
+    """The session's server starts with the tier's first test when a selected test needs
+    it: its cold start (half a minute, three processes importing torch and vLLM one after
+    the other, one core) overlaps the tests that run first (the capture servers' own
+    start, their tests) instead of holding up the first test that needs it."""
+    if any("engine" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("_engine_server")
+
+
+@pytest.fixture(scope="session")
+def engine(_engine_server: VllmServer | VllmStartError | None, tiny_target: Path) -> Engine:
+    if _engine_server is None:
+        return Engine(os.environ["SYNTHQ_ENGINE_URL"], tiny_target, None)
+    try:
+        if isinstance(_engine_server, VllmStartError):
+            raise _engine_server
+        _engine_server.wait_ready(
+            timeout=float(os.environ.get("SYNTHQ_VLLM_START_TIMEOUT", 900)))
     except VllmStartError as exc:
         pytest.fail(f"the engine tier needs a real vLLM, and it did not start: {exc}",
                     pytrace=False)
-    try:
-        yield Engine(server.base_url, tiny_target, server)
-    finally:
-        server.stop()
+    return Engine(_engine_server.base_url, tiny_target, _engine_server)
