@@ -1,7 +1,7 @@
 """DFlash drafter training on the CPU with the tiny Llama target, against real PostgreSQL:
 the block mask holds (no block sees past its anchor), training and drafting compute the
 same thing, and a run writes vLLM's DFlash layout with a drafter that drafts better
-than an untrained one. (vLLM itself serves it in tests/engine/test_dflash_served.py.)"""
+than an untrained one. (vLLM itself serves it in tests/engine/test_drafter.py.)"""
 
 from __future__ import annotations
 
