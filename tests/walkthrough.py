@@ -8,7 +8,8 @@ running the full size), and runs it with :func:`run_walkthrough`: one bash scrip
 ``set -euo pipefail``, in a fresh folder that holds the repository's ``scripts/``, the
 venv first on ``PATH``. The servers it starts in the background (``... &``) are in the
 script's process group and are stopped with it. A wrong path, a missing file or a
-command that fails as written fails the test.
+command that fails as written fails the test. :func:`start_walkthrough` runs it in the
+background, for a test that works beside its later steps (:meth:`Walkthrough.reached`).
 
 ``tests/unit/test_walkthroughs.py`` checks that every marked block has a test.
 """
@@ -75,6 +76,55 @@ def run_walkthrough(script: str, workdir: Path, env: dict[str, str],
     repository, as "from the repository root" means), every command echoed (``bash -x``)
     with the seconds since the start; its background jobs are ended with it. The output
     is also in ``workdir/walkthrough.log``."""
+    return start_walkthrough(script, workdir, env).wait(timeout)
+
+
+class Walkthrough:
+    """A walkthrough running in the background (:func:`start_walkthrough`): a test can
+    work beside its later steps once :meth:`reached` says an earlier one is done."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log = proc, log
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def reached(self, command: str, timeout: float) -> None:
+        """Return once the script has started the line that begins with ``command``
+        (echoed as ``+ [Ns] COMMAND``): under ``set -e`` every command before it
+        finished, and succeeded. Raises AssertionError, with the log's end, when the
+        script ends first or ``timeout`` seconds pass."""
+        import time
+
+        line = re.compile(r"^\+ \[\d+s\] " + re.escape(command), re.M)
+        deadline = time.monotonic() + timeout
+        while not line.search(self.text()):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the walkthrough ended (status {self.proc.returncode}) "
+                                     f"before {command!r}:\n{self.text()[-6000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the walkthrough did not reach {command!r} within "
+                                     f"{timeout:g} s:\n{self.text()[-6000:]}")
+            time.sleep(0.5)
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Its end (a status of -1: cut after ``timeout`` seconds); its background jobs
+        are ended with it."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = -1
+        finally:
+            self.stop()
+        return subprocess.CompletedProcess(self.proc.args, code, self.text(), "")
+
+    def stop(self) -> None:
+        """End the script and its background jobs (nothing once they have ended)."""
+        _end_group(self.proc)
+
+
+def start_walkthrough(script: str, workdir: Path, env: dict[str, str]) -> Walkthrough:
+    """:func:`run_walkthrough` in the background: it runs while the caller goes on."""
     workdir.mkdir(parents=True, exist_ok=True)
     link = workdir / "scripts"
     if not link.exists():
@@ -87,14 +137,7 @@ def run_walkthrough(script: str, workdir: Path, env: dict[str, str],
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", "-x", str(path)], cwd=workdir, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = -1
-        finally:
-            _end_group(proc)
-    text = log.read_text(errors="replace")
-    return subprocess.CompletedProcess(proc.args, code, text, "")
+    return Walkthrough(proc, log)
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> None:

@@ -5,10 +5,11 @@ served by vLLM, on real prompts (the standard library's docstrings), a drafter t
 on online features with a draft vocabulary smaller than the target's (d2t), served by
 vLLM's EAGLE-3, ``serve-check`` started while vLLM still loads it.
 
-Then, on the walkthrough's own data: masks checked against the template (its injected
-system turn never supervised), capture through a capture server at the default layers
-[2, 15, 27, 30] (started beside the walkthrough's servers), and training on the captured
-features. Figures (acceptance against ngram and suffix, the data curve) are
+On the walkthrough's own data, beside its later steps: masks checked against the
+template (its injected system turn never supervised) and capture through a capture
+server at the default layers [2, 15, 27, 30] (started beside the walkthrough's first
+server) once its generation is done, and training on the captured features once its
+run 1 is trained. Figures (acceptance against ngram and suffix, the data curve) are
 ``scripts/check_real.py``'s and ``bench/engine.py``'s, not this test's.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from support import REPO, child_env
-from walkthrough import reduced, run_walkthrough, walkthrough
+from walkthrough import reduced, start_walkthrough, walkthrough
 
 from synthq.testing.procs import free_port
 from synthq.testing.vllm import VllmServer, VllmStartError, start_capture_server
@@ -88,37 +89,47 @@ def test_real_model_generation_masks_capture_training_and_served_acceptance(
     env = child_env(SYNTHQ_DATABASE_URL="", SYNTHQ_BROKER_URL="", HF_HUB_OFFLINE="1",
                     TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("SYNTHQ_DATA_DIR", None)  # the walkthrough's ./synthq-data
+    # The test's own steps on the walkthrough's data go beside the walkthrough's later
+    # ones: masks and capture once its `synthq run` is done (beside its training), the
+    # training on the captured features once its run 1 is trained (beside its second
+    # server's cold start and serve-check).
+    walk = start_walkthrough(script, work, env)
     try:
-        done = run_walkthrough(script, work, env, timeout=2000)
-        assert done.returncode == 0, done.stdout[-6000:]
-        _ready(capturer)
-        target = work / "synthq-data" / "smol"
-        status = _synthq(env, "status", "docs", "--json", cwd=work)
-        assert status["counts"]["done"] == PROMPTS, status
-        # A real model may write a token sequence its tokenizer would not produce for the
-        # same text (the answer is retokenized): counted, not zero by construction.
-        assert status["token_mismatches"] <= PROMPTS // 4, status
+        walk.reached("synthq train docs", timeout=2000)
+        try:
+            _ready(capturer)
+            target = work / "synthq-data" / "smol"
+            status = _synthq(env, "status", "docs", "--json", cwd=work)
+            assert status["counts"]["done"] == PROMPTS, status
+            # A real model may write a token sequence its tokenizer would not produce for
+            # the same text (the answer is retokenized): counted, not zero by construction.
+            assert status["token_mismatches"] <= PROMPTS // 4, status
 
-        _synthq(env, "export", "docs", "--format", "parquet", "--out", str(tmp_path / "out"),
-                "--json", cwd=work)
-        masks = check_masks(tmp_path / "out", target)
-        assert masks["examples"] == PROMPTS and masks["supervised"] > PROMPTS * 10, masks
-        assert "You are a helpful AI assistant named SmolLM" in SYSTEM_TURN
+            _synthq(env, "export", "docs", "--format", "parquet", "--out",
+                    str(tmp_path / "out"), "--json", cwd=work)
+            masks = check_masks(tmp_path / "out", target)
+            assert masks["examples"] == PROMPTS and masks["supervised"] > PROMPTS * 10, masks
+            assert "You are a helpful AI assistant named SmolLM" in SYSTEM_TURN
 
-        captured = _synthq(env, "capture", "docs", "--server", capturer.base_url,
-                           "--target", str(target), "--json", cwd=work)
-        assert captured["done"] == PROMPTS and captured["failures"] == {}, captured
+            captured = _synthq(env, "capture", "docs", "--server", capturer.base_url,
+                               "--target", str(target), "--json", cwd=work)
+            assert captured["done"] == PROMPTS and captured["failures"] == {}, captured
+        finally:
+            capturer.stop()
+
+        # The walkthrough's run 1 (online features, draft vocabulary 4096), then one on the
+        # captured features.
+        walk.reached("synthq serve-check 1", timeout=2000)
+        row = _synthq(env, "train", "docs", "--target", str(target), "--hidden-states",
+                      "captured", "--draft-vocab-size", "512", "--batch-size", "4",
+                      "--lr", "1e-3", "--ttt-steps", "3", "--max-len", "256",
+                      "--eval-fraction", "0.1", "--eval-draft-tokens", "3",
+                      "--eval-max-new", "32", "--epochs", "1",
+                      "--out", str(tmp_path / "captured"), "--json", cwd=work)
+        done = walk.wait(timeout=2000)
     finally:
-        capturer.stop()
-
-    # The walkthrough's run 1 (online features, draft vocabulary 4096), then one on the
-    # captured features.
-    row = _synthq(env, "train", "docs", "--target", str(target), "--hidden-states",
-                  "captured", "--draft-vocab-size", "512", "--batch-size", "4",
-                  "--lr", "1e-3", "--ttt-steps", "3", "--max-len", "256",
-                  "--eval-fraction", "0.1", "--eval-draft-tokens", "3",
-                  "--eval-max-new", "32", "--epochs", "1", "--out", str(tmp_path / "captured"),
-                  "--json", cwd=work)
+        walk.stop()
+    assert done.returncode == 0, done.stdout[-6000:]
     assert row["state"] == "done", row
     runs = {r["id"]: r for r in _synthq(env, "runs", "docs", "--json", cwd=work)}
     assert set(runs) == {1, row["id"]}, runs
