@@ -191,6 +191,13 @@ def test_vllm_killed_and_restarted_mid_job_loses_nothing(engine: Any, workers: A
             return s.scalar(select(func.count()).select_from(Sample).where(
                 Sample.job_id == report.job_id, Sample.state == "done")) or 0
 
+    def refused_since(when: Any) -> int:
+        with session_scope() as s:
+            return s.scalar(select(func.count()).select_from(Attempt).join(
+                Sample, Sample.id == Attempt.sample_id).where(
+                Sample.job_id == report.job_id, Attempt.outcome != "ok",
+                Attempt.started_at >= when)) or 0
+
     with session_scope() as s:  # the same prompt twice is one sample
         n = s.scalar(select(func.count()).select_from(Sample).where(
             Sample.job_id == report.job_id)) or 0
@@ -203,7 +210,11 @@ def test_vllm_killed_and_restarted_mid_job_loses_nothing(engine: Any, workers: A
     engine.server.kill()
     done_at_kill = done()
     assert done_at_kill < n, "the job finished before the kill: make it longer"
-    time.sleep(3)  # refused calls meanwhile: the server is down
+    # Refused calls meanwhile: the server is down. The first is stored within a second
+    # of the kill; at most the 3 s this waited before.
+    deadline = time.monotonic() + 3
+    while not refused_since(killed_at) and time.monotonic() < deadline:
+        time.sleep(0.1)
     started = time.monotonic()
     engine.server.restart()
     print(f"\nvLLM killed at {done_at_kill}/{n} done, serving again after "
