@@ -355,10 +355,11 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
 
 
 #: Variables a process reads as it starts or imports (the interpreter's, the locale's,
-#: the Hugging Face libraries'): a command whose values differ from the zygote's is not
-#: forked from it.
-_AT_START = re.compile(r"^(PYTHON|LANG$|LC_|HF_|HUGGINGFACE|TRANSFORMERS_|TOKENIZERS_|OMP_"
-                       r"|MKL_|OPENBLAS_)")
+#: Typer's, the Hugging Face libraries'): a command whose values differ from the
+#: zygote's is not forked from it.
+_AT_START = re.compile(r"^(PYTHON|LANG$|LC_|_?TYPER_|TERMINAL_WIDTH$|FORCE_COLOR$|PY_COLORS$"
+                       r"|GITHUB_ACTIONS$|HF_|HUGGINGFACE|TRANSFORMERS_|TOKENIZERS_|OMP_|MKL_"
+                       r"|OPENBLAS_)")
 
 
 class Forked:
