@@ -67,7 +67,8 @@ def test_duplicate_delivery_writes_once(workers: Any, simulator: Callable[..., A
     publish(batch)
     publish(batch)  # two identical messages
     wait_for(lambda: counts(report.job_id)["done"] == 1, 30, workers.logs())
-    time.sleep(1.5)  # let the second delivery run too
+    # The second delivery has run once a task's result says its claim was stale.
+    wait_for(lambda: "'stale'" in workers.logs(), 30, workers.logs)
     assert sim.stats()["prompts"]["only one please"] == 1
     with session_scope() as s:
         assert s.scalar(select(func.count()).select_from(Attempt)) == 1
