@@ -112,9 +112,10 @@ def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
     sim = simulator("--latency", "0")
     report = job_factory(["x [[sim:error]]"], servers=[sim.url], max_attempts=10,
                          backoff_base=4.0, backoff_cap=10.0)
+    batch: list[Dispatched] = []
     for attempt, ceiling in [(1, 4.0), (2, 8.0), (3, 10.0), (4, 10.0)]:
-        batch: list[Dispatched] = []
-        dispatch(batch.extend, job_ids=[report.job_id])
+        if not batch:
+            dispatch(batch.extend, job_ids=[report.job_id])
         assert len(batch) == 1, f"attempt {attempt}: sample not due"
         before = utcnow()
         assert process_sample(batch[0].sample_id, batch[0].token) is Outcome.RETRY
@@ -125,10 +126,16 @@ def test_retry_backoff_within_bounds(simulator: Callable[..., Any],
         delay_low = (smp.next_attempt_at - after).total_seconds()
         delay_high = (smp.next_attempt_at - before).total_seconds()
         assert -0.01 <= delay_high and delay_low <= ceiling + 0.01
+        batch = []
         # Not due yet (unless the jitter drew ~0): the dispatcher leaves it alone.
         if delay_low > 0.5:
             nothing: list[Dispatched] = []
             dispatch(nothing.extend, job_ids=[report.job_id])
+            if nothing and utcnow() >= smp.next_attempt_at:
+                # A loaded machine reached this line after the sample fell due (CI, at
+                # load 10): it went, rightly; it is the next attempt's batch.
+                batch = nothing
+                continue
             assert nothing == []
         from sqlalchemy import update
 
