@@ -354,12 +354,12 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
     return result
 
 
-#: Variables a process reads as it starts or imports (the interpreter's, the locale's,
-#: Typer's, the Hugging Face libraries'): a command whose values differ from the
-#: zygote's is not forked from it.
+#: Variables read as a process starts (the interpreter's, the locale's) or as the zygote's
+#: preloaded modules are imported (Typer's, psycopg's): a command whose values differ from
+#: the zygote's is not forked from it. Others (OMP_*, HF_*, ...) are read by modules a
+#: command imports after the fork, from its own environment.
 _AT_START = re.compile(r"^(PYTHON|LANG$|LC_|_?TYPER_|TERMINAL_WIDTH$|FORCE_COLOR$|PY_COLORS$"
-                       r"|GITHUB_ACTIONS$|HF_|HUGGINGFACE|TRANSFORMERS_|TOKENIZERS_|OMP_|MKL_"
-                       r"|OPENBLAS_)")
+                       r"|GITHUB_ACTIONS$|PSYCOPG_)")
 
 
 class Forked:
@@ -456,7 +456,7 @@ class CliHost:
         """The command started (:meth:`wait` for its end), its stdout and stderr to files
         of its own (or both to ``log``); a plain ``Popen`` (text, stdout and stderr piped,
         or to ``log``) when the zygote cannot run it: an environment whose variables read
-        at a start (``PYTHON*``, the locale, Hugging Face's) differ from its own."""
+        at a start (``PYTHON*``, the locale's, Typer's) differ from its own."""
         command = [sys.executable, "-m", "synthq.cli", *args]
         for guard in PROCESS_GUARDS:
             guard(command)
