@@ -154,15 +154,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ctx = RunContext(int(run_id), token, rank=rank, world=world)
     try:
-        train(ctx, None, None)
+        train(ctx, None, None)  # leaves the group with the other ranks after the last step
     except Lost:
         pass
     except Exception as exc:
         if rank == 0:
             _fail(ctx, f"{type(exc).__name__}: {exc}")
+        # No collective teardown here: the other ranks may be inside a collective, and
+        # torchrun stops them once this rank exits non-zero.
         raise
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -153,9 +153,24 @@ def train(ctx: RunContext, on_step: Callable[[int, dict[str, Any]], None] | None
     evaluate = _Evaluation(ctx, cfg, run.target, target, opt.drafter, held_out, notice, on_eval)
     loop = _Loop(ctx, cfg, run, opt, examples, cache, target, head, device)
     _steps(loop, progress, evaluate, on_step)
+    _leave_group(ctx)
     if ctx.rank != 0:
         return
     _finish(loop, progress, evaluate, on_step)
+
+
+def _leave_group(ctx: RunContext) -> None:
+    """Every rank leaves the process group together once the last step is taken: leaving
+    is collective, and a rank that tore its group down while rank 0 still held it (rank 0
+    finishing alone) was aborted by gloo ("terminate called without an active
+    exception", CI's run of the 2-rank test). Rank 0 then finishes on its own."""
+    if ctx.world <= 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @dataclass
