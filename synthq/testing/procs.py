@@ -55,6 +55,7 @@ class Proc:
         self.name = name or log_path.stem
         self.cmd = cmd
         self.log_path = log_path
+        self._asked = False
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
@@ -98,11 +99,19 @@ class Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever lingers."""
-        if self.proc.poll() is None:
+    def ask_stop(self) -> None:
+        """SIGTERM the process group and return at once: several processes asked first
+        shut down side by side (a Celery worker's warm shutdown takes seconds)."""
+        if self.proc.poll() is None and not self._asked:
+            self._asked = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group (once: :meth:`ask_stop` may have), then SIGKILL
+        whatever lingers."""
+        if self.proc.poll() is None:
+            self.ask_stop()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
         # The leader may be gone while group members (children) linger.
