@@ -128,6 +128,8 @@ class JobSpec:
     examples: str | None = None
     #: Hidden-state capture servers (synthq.capture); empty: no capture stage.
     capture_servers: list[str] = field(default_factory=list)
+    #: ``stage`` or ``inline`` (the final answer's call captures its hidden states too).
+    capture_mode: str = jobspec.default("capture_mode")
 
     def __post_init__(self) -> None:
         self.mask = jobspec.mask_for(self.mask, self.regenerate)

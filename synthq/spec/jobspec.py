@@ -374,6 +374,15 @@ SETTINGS: tuple[Setting, ...] = (
             brief="Regenerate all: one example per conversation or per turn "
             "[default: what the template can mask]."),
     _CAPTURE_SERVERS,
+    Setting("capture_mode", str, "stage", "stage: each done sample's hidden states are "
+            "captured by the capture stage's own calls (a second prefill); inline: the "
+            "final answer's call captures them too (the generation server is also the "
+            "capture server: vLLM with extract_hidden_states and synthq's connector), the "
+            "example is the engine's prompt and output ids, and the stage calls only where "
+            "that file is missing, mismatched or late. A server that cannot capture is "
+            "refused before anything is stored.", choices=("stage", "inline"),
+            flags=("--capture",), role=OPERATIONAL_ROLE, exported=True,
+            brief="Hidden states by the capture stage, or inline with the answers."),
 )
 
 #: The most output_hidden_states index a capture may name.

@@ -199,6 +199,11 @@ class Job(Base):
                                                server_default=str(default("capture_limit")))
     #: Seconds one capture call may take; None: the service's ``capture_timeout``.
     capture_timeout: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: ``stage``: the capture stage's own calls capture each done sample; ``inline``: the
+    #: final answer's call captures it too (the generation server is the capture server,
+    #: ``include_output_tokens``), the stage only where that file fails (synthq.capture).
+    capture_mode: Mapped[str] = mapped_column(String(8), default=default("capture_mode"),
+                                              server_default=str(default("capture_mode")))
     #: Why synthq stopped the capture stage (identical failures in a row on one server,
     #: synthq.queue.streaks); None: it runs. ``synthq capture JOB --retry-failed`` clears it.
     capture_stopped: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -314,6 +319,9 @@ class Sample(Base):
     overrides: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
     #: The server's completion token ids differ from ours (None: not compared).
     token_mismatch: Mapped[bool | None] = mapped_column(Boolean)
+    #: The file name (``synthq_name``) the final answer's call asked the engine to write
+    #: its hidden states under (jobs with capture_mode=inline); None: none asked.
+    inline_capture: Mapped[str | None] = mapped_column(String(300), nullable=True)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     queued_at: Mapped[datetime | None]
