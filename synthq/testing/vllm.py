@@ -136,6 +136,10 @@ class VllmServer:
         env.update(given)  # e.g. PYTHONPATH=the repo, for synthq_connector
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        # The engine core in the server's own process, not a child: one process fewer to
+        # start and import torch and vLLM (ready in 28 s against 42 s, 54 against 62, in
+        # alternate starts of the tiny target at load 4-7 on 2 cores).
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
         env["HF_HUB_OFFLINE"] = "1"
@@ -144,7 +148,7 @@ class VllmServer:
         return cls(_spawn(argv, env, log_path), port, name, log_path, argv, env)
 
     def kill(self) -> None:
-        """SIGKILL to the server and its engine-core child (kill -9, no shutdown)."""
+        """SIGKILL to the server's process group (kill -9, no shutdown)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
