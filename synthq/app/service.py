@@ -85,7 +85,18 @@ def preflight(spec: JobSpec) -> list[str]:
         from synthq.capture.stage import check_answer
 
         check_answer(spec.capture_servers)
-    return check_model(spec.servers, spec.model)
+    warnings = check_model(spec.servers, spec.model)
+    if spec.capture_mode == "inline":
+        # Each generation server must save an answer's states: refused in one line, before
+        # the job is stored (synthq.capture.inline.probe).
+        from synthq.capture.deadline import client
+        from synthq.capture.inline import probe
+        from synthq.capture.stage import server_key
+
+        with client(auth=server_key) as http:
+            for url in spec.servers:
+                probe(http, url, spec.model)
+    return warnings
 
 
 def requeue_left_servers(session: Session, job: Job) -> int:

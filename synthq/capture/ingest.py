@@ -43,8 +43,8 @@ from synthq.capture.store import Store, Stored
 from synthq.core.errors import BadRequest, CaptureIncomplete, CaptureMismatch
 from synthq.core.retry import exponential
 
-__all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "check", "discard",
-           "largest_file", "MAX_HIDDEN"]
+__all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "store_parts", "rows", "check",
+           "discard", "largest_file", "MAX_HIDDEN"]
 
 #: The hidden size a file may have when the target's is not known (the largest served
 #: models' are 16,384-25,600).
@@ -112,6 +112,15 @@ def ingest_parts(paths: Sequence[confine.EngineFile | Path], pieces: list[np.nda
     ``token_ids`` the pieces concatenated (the sample's ``input_ids``)."""
     parts = [check(p, input_ids=ids, layers=layers, hidden=hidden)
              for p, ids in zip(paths, pieces, strict=True)]
+    return store_parts(parts, pieces, layers=layers, dtype=dtype, store=store,
+                       metadata=metadata)
+
+
+def store_parts(parts: Sequence[files.Tensor], pieces: Sequence[np.ndarray], *,
+                layers: list[int], dtype: str, store: Store,
+                metadata: dict[str, str]) -> Ingested:
+    """Checked ``hidden_states`` [tokens, layers, hidden], one per piece of ids (each as many
+    rows as its piece has ids), stored end to end as one file as ``dtype``."""
     sizes = {t.shape[2] for t in parts}
     if len(sizes) != 1:
         raise CaptureMismatch(f"the examples' files have hidden sizes {sorted(sizes)}")
@@ -134,6 +143,17 @@ def ingest_parts(paths: Sequence[confine.EngineFile | Path], pieces: list[np.nda
         meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
     stored = store.put(files.dumps(out, meta_out))
     return Ingested(stored, len(want), states.shape[2], dtype)
+
+
+def rows(tensor: files.Tensor, n: int) -> files.Tensor:
+    """The first ``n`` rows (tokens) of ``hidden_states`` [tokens, layers, hidden]: the
+    states of a prefix of the tokens (a causal model's states of a token depend on it and
+    the ones before it only)."""
+    if not 0 <= n <= tensor.shape[0]:
+        raise ValueError(f"{n} rows of {tensor.shape[0]}")
+    per_row = len(tensor.data) // tensor.shape[0] if tensor.shape[0] else 0
+    return files.Tensor(tensor.dtype, (n, *tensor.shape[1:]),
+                        memoryview(tensor.data)[:n * per_row].tobytes())
 
 
 def largest_file(tokens: int, layers: int, hidden: int | None) -> int:

@@ -55,7 +55,7 @@ import httpx
 import numpy as np
 from sqlalchemy import func, select
 
-from synthq.capture import confine, ingest
+from synthq.capture import confine, ingest, inline
 from synthq.capture.deadline import bounded
 from synthq.capture.deadline import client as watched_client
 from synthq.capture.plan import Plan, check_space, layers_for, target_config
@@ -75,6 +75,7 @@ from synthq.core.errors import (
     TimeoutError_,
     UserError,
 )
+from synthq.core.packing import unpack_ids
 from synthq.data.examples import split
 from synthq.queue import capture_states as states
 from synthq.queue import jobs, ledger, outage, workers
@@ -274,6 +275,27 @@ def _take(chunks: Any, limit: int) -> list[bytes]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """A sample whose final answer's call saved its states (``--capture inline``)."""
+
+    #: The file's name (``samples.inline_capture``) and the server that wrote it.
+    name: str
+    server: str
+    #: The call's prompt and output ids, as the engine returned them.
+    engine_ids: np.ndarray
+    #: When the sample was done (the file is late past the file timeout from then).
+    answered_at: Any
+
+
+def _inline_of(name: str | None, server: str | None, prompt_ids: bytes | None,
+               output_ids: bytes | None, finished_at: Any) -> Inline | None:
+    prompt, output = unpack_ids(prompt_ids), unpack_ids(output_ids)
+    if not name or not server or prompt is None or output is None:
+        return None
+    return Inline(name, server, np.concatenate([prompt, output]), finished_at)
+
+
 #: A job's captures summed (synthq.capture.progress.counts, what a status shows too).
 Summary = CaptureCounts
 
@@ -321,6 +343,13 @@ class Stage:
         #: outage), so that it says so once, and once when each answers again.
         self.down: set[str] = set()
         self._down_lock = threading.Lock()
+        #: ``--capture inline``: each generation server's folder, found by the start's
+        #: probe (synthq.capture.inline); empty for any other job.
+        self.inline_folders: dict[str, Path] = {}
+        #: Inline files that were missing, mismatched or late (their samples captured by
+        #: calls), and the inline captures taken whole with no call.
+        self.inline_fallbacks = 0
+        self.inline_taken = 0
 
     # -- setup -------------------------------------------------------------
     def prepare(self) -> tuple[Job, list[int], dict[str, Engine]]:
@@ -341,6 +370,12 @@ class Stage:
         for url, folder in (job.capture_files or {}).items():  # the probe checks each
             if url in engines:
                 confine.check_folder(url, folder)
+        if job.capture_mode == "inline":  # each generation server captures: checked now
+            self.inline_folders = {
+                url: inline.probe(self.client, url, engines[url].model,
+                                  folder=(job.capture_files or {}).get(url), pins=self.pins,
+                                  seconds=self.timeout)
+                for url in job.servers if url in engines}
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
             p = plan(s, job, at=self.store)
@@ -404,6 +439,10 @@ class Stage:
                     fut.result()  # _one records every outcome itself; this surfaces bugs
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            if self.inline_taken or self.inline_fallbacks:
+                self.say(f"capture inline: {self.inline_taken} taken from their answers' own "
+                         f"calls, {self.inline_fallbacks} captured by calls (their files "
+                         "missing, mismatched or late)")
             with session_scope() as s:
                 workers.unregister(s, self.name)
             self.client.close()
@@ -432,24 +471,32 @@ class Stage:
                 claimed = states.claim(s, self.job_id, server=url, limit=job.capture_limit,
                                        most=room, worker=self.name, token=token, lease=lease,
                                        now=utcnow())
-                rows = s.execute(select(Sample.id, Sample.input_ids, Sample.examples).where(
+                rows = s.execute(select(
+                    Sample.id, Sample.input_ids, Sample.examples, Sample.inline_capture,
+                    Sample.server, Sample.prompt_token_ids, Sample.completion_token_ids,
+                    Sample.finished_at).where(
                     Sample.id.in_([c.sample_id for c in claimed]))).all() if claimed else []
-                ids = {sid: (bytes(b) if b is not None else None, examples)
-                       for sid, b, examples in rows}
+                ids = {r[0]: (bytes(r[1]) if r[1] is not None else None, r[2],
+                              _inline_of(*r[3:])) for r in rows}
             assert self.pool is not None
             for c in claimed:
-                raw, examples = ids.get(c.sample_id, (None, None))
-                fut = self.pool.submit(self._one, job, engine, c, raw, examples)
+                raw, examples, made = ids.get(c.sample_id, (None, None, None))
+                fut = self.pool.submit(self._one, job, engine, c, raw, examples, made)
                 self.inflight[fut] = (c, url)
 
     def _one(self, job: Job, engine: Engine, claimed: states.Claimed,
-             raw_ids: bytes | None, examples: list[dict[str, Any]] | None = None) -> None:
+             raw_ids: bytes | None, examples: list[dict[str, Any]] | None = None,
+             made: Inline | None = None) -> None:
         """One capture, start to recorded outcome. Never raises for a capture's own fault.
 
         ``examples`` (``samples.examples``): the sample holds several examples end to
-        end; each is sent as its own prompt."""
+        end; each is sent as its own prompt. ``made``: the final answer's call saved
+        the states itself (``--capture inline``): the examples it covers are taken from
+        its file, and only the others (or all, where the file is missing, mismatched or
+        late) are sent."""
         layers = layers_for(job)
         engine_files: list[confine.EngineFile] = []
+        called: dict[int, confine.EngineFile] = {}
         settings = get_settings()
         # The whole capture ends by this (every call's answer, every file's wait), so
         # within its lease: it is never sent again while this process still runs it.
@@ -463,23 +510,34 @@ class Stage:
             except ValueError as exc:
                 raise InvalidInput(f"the sample's examples do not fit its ids: {exc}") \
                     from exc
+            taken: list[inline.Piece] = [None] * len(pieces)
+            if made is not None:
+                taken = self._take_inline(job, claimed, made, pieces, layers, deadline)
             name = f"synthq-{job.id}-{claimed.sample_id}-{claimed.token}"
             for k, piece in enumerate(pieces):
-                engine_files.append(_call(self.client, engine, piece.tolist(),
-                                          name if len(pieces) == 1 else f"{name}-{k}",
-                                          (job.capture_files or {}).get(engine.url),
-                                          deadline=min(deadline,
-                                                       time.monotonic() + self.timeout),
-                                          pins=self.pins))
+                if taken[k] is not None:
+                    continue
+                called[k] = _call(self.client, engine, piece.tolist(),
+                                  name if len(pieces) == 1 else f"{name}-{k}",
+                                  (job.capture_files or {}).get(engine.url),
+                                  deadline=min(deadline, time.monotonic() + self.timeout),
+                                  pins=self.pins)
+                engine_files.append(called[k])
             for engine_file in engine_files:
                 ingest.wait_whole(engine_file, timeout=settings.capture_file_timeout,
                                   deadline=deadline)
-            got = ingest.ingest_parts(
-                engine_files, pieces, layers=layers, dtype=job.capture_dtype,
-                store=self.store, metadata={"engine": engine.version, "model": engine.model,
-                                            "job": job.name,
-                                            "sample_id": str(claimed.sample_id)},
-                hidden=self.hidden)
+            parts: list[tuple[Any, np.ndarray]] = []
+            for k, piece in enumerate(pieces):
+                from_file = taken[k]
+                parts.append(from_file if from_file is not None else (ingest.check(
+                    called[k], input_ids=piece, layers=layers, hidden=self.hidden), piece))
+            metadata = {"engine": engine.version, "model": engine.model, "job": job.name,
+                        "sample_id": str(claimed.sample_id)}
+            if made is not None:
+                metadata["inline_examples"] = str(sum(t is not None for t in taken))
+            got = ingest.store_parts([t for t, _ in parts], [ids for _, ids in parts],
+                                     layers=layers, dtype=job.capture_dtype,
+                                     store=self.store, metadata=metadata)
         except SampleError as exc:
             self._record_failure(job, claimed, engine.url, exc)
             return
@@ -494,8 +552,9 @@ class Stage:
                 engine_file.folder.close()
         with session_scope() as s:
             now = utcnow()
-            states.record_call(s, claimed.capture_id, server=engine.url, outcome="ok",
-                               error_message=None, now=now)
+            if called:  # an inline capture taken whole made no call: none is recorded
+                states.record_call(s, claimed.capture_id, server=engine.url, outcome="ok",
+                                   error_message=None, now=now)
             won = states.done(s, claimed, now=now, path=got.stored.path,
                               sha256=got.stored.sha256, nbytes=got.stored.bytes,
                               num_tokens=got.num_tokens, layer_ids=layers,
@@ -508,6 +567,49 @@ class Stage:
         if not won:
             log.warning("capture of sample %d: its claim was lost (lease expired) before "
                         "it was recorded", claimed.sample_id)
+
+    def _take_inline(self, job: Job, claimed: states.Claimed, made: Inline,
+                     pieces: list[np.ndarray], layers: list[int],
+                     deadline: float) -> list[inline.Piece]:
+        """The pieces the final answer's own file covers (synthq.capture.inline.take); all
+        None where the file is missing, mismatched or late (said in the log; the stage's
+        calls capture them). The engine's file is deleted either way."""
+        none: list[inline.Piece] = [None] * len(pieces)
+        folder = self.inline_folders.get(made.server)
+        if folder is None:
+            self._fell_back(claimed, f"its server {made.server} is no capture server")
+            return none
+        # Late: not whole within the file timeout of the answer (the engine writes it as
+        # the call ends), whatever is left of this capture's own deadline.
+        since = (utcnow() - made.answered_at).total_seconds() if made.answered_at else 0.0
+        by = min(deadline, time.monotonic() + max(
+            0.0, get_settings().capture_file_timeout - since))
+        try:
+            engine_file = confine.accept(folder / f"{made.name}.safetensors", name=made.name,
+                                         folder=(job.capture_files or {}).get(made.server),
+                                         server=made.server, pins=self.pins)
+        except SampleError as exc:
+            self._fell_back(claimed, str(exc))
+            return none
+        try:
+            taken = inline.take(engine_file, made.engine_ids, pieces, layers=layers,
+                                hidden=self.hidden, deadline=by)
+        except SampleError as exc:
+            self._fell_back(claimed, f"{exc.error_class}: {exc}")
+            return none
+        finally:
+            ingest.discard(engine_file)
+            engine_file.folder.close()
+        if all(t is not None for t in taken):
+            with self._down_lock:
+                self.inline_taken += 1
+        return taken
+
+    def _fell_back(self, claimed: states.Claimed, why: str) -> None:
+        with self._down_lock:
+            self.inline_fallbacks += 1
+        log.info("capture of sample %d: its inline file is not taken (%s): captured by a "
+                 "call", claimed.sample_id, why[:300])
 
     def _record_failure(self, job: Job, claimed: states.Claimed, server: str,
                         exc: SampleError) -> None:

@@ -51,7 +51,7 @@ PANELS: dict[str, str] = {
     **dict.fromkeys(("inflight", "max_inflight", "min_inflight", "gpus", "gpu_hour_price"),
                     "Load and cost"),
     **dict.fromkeys(("tokenizer", "chat_template", "max_seq_len", "reasoning", "mask",
-                     "think_open", "think_close", "examples", "capture_servers"),
+                     "think_open", "think_close", "examples", "capture_servers", "capture_mode"),
                     "Training data"),
 }
 

@@ -47,7 +47,7 @@ from synthq.core.enums import SampleState
 from synthq.data import turns
 
 __all__ = ["EXAMPLE_MODES", "Example", "choose", "build", "exported", "tokenize_sample",
-           "tokenization_failure", "split"]
+           "tokenization_failure", "split", "engine_example"]
 
 #: ``--examples``: one example per conversation, or one per regenerated turn.
 EXAMPLE_MODES = ("conversation", "per-turn")
@@ -208,13 +208,20 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
                     tool_calls: list[dict[str, Any]] | None = None,
                     tools: dict[str, Any] | None = None,
                     answers: list[dict[str, Any]] | None = None,
-                    finish_reason: str | None = None) -> dict[str, Any]:
+                    finish_reason: str | None = None,
+                    engine_ids: tuple[list[int], list[int]] | None = None) -> dict[str, Any]:
     """The sample's result columns (``samples.input_ids`` ... ``examples``); raises a
     tokenization error class.
 
     ``answers``: the sample was regenerated turn by turn (``job.regenerate ==
     "all"``). A per-turn example left with no supervised token by ``max_seq_len``
     (a long history) is left out; the sample is skipped only when none is left.
+
+    ``engine_ids``: the final call's prompt and output token ids as the engine saw and
+    wrote them (``--capture inline``): the final answer's example is those ids, its
+    output supervised (:func:`engine_example`), so that the hidden states the engine
+    saved in that call are this example's. It is still tokenized our way first (every
+    check of the conversation holds; ``token_mismatch`` compares the two).
     """
     from synthq.core.packing import pack_ids, pack_mask
     from synthq.data.tokenize import TokenizeSettings, get_chat_tokenizer
@@ -255,6 +262,8 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
         # tokenization difference (seen against vLLM 0.32 on every finish_reason=length).
         mismatch = theirs != ours and not (len(ours) == len(theirs) + 1
                                            and ours[:-1] == theirs)
+    if engine_ids is not None and done[-1][0] is built[-1]:
+        results[-1] = engine_example(*engine_ids, max_seq_len=settings.max_seq_len)
     ids = np.concatenate([r.input_ids for r in results])
     mask = np.concatenate([r.loss_mask for r in results])
     listed = [{"turn": e.turn, "tokens": len(r.input_ids), "supervised": r.num_supervised}
@@ -262,3 +271,24 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
     return dict(input_ids=pack_ids(ids), loss_mask=pack_mask(mask), num_tokens=len(ids),
                 num_supervised=int(mask.sum()), tokenize_version=job.tokenize_version,
                 token_mismatch=mismatch, examples=listed)
+
+
+def engine_example(prompt_ids: Sequence[int], output_ids: Sequence[int], *,
+                   max_seq_len: int) -> Any:
+    """The example of one call as the engine saw and wrote it: its prompt's token ids then
+    its output's, the output supervised (every token the engine generated, its stop
+    token included), cut at ``max_seq_len``; :class:`errors.NoSupervisedTokens` when the
+    cut leaves no output token."""
+    from synthq.data.tokenize import Tokenized
+
+    ids = np.asarray([*prompt_ids, *output_ids], dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    mask[len(prompt_ids):] = 1
+    truncated = len(ids) > max_seq_len
+    ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+    if not output_ids or not mask.any():
+        raise errors.NoSupervisedTokens(
+            f"the engine's prompt has {len(prompt_ids):,} tokens: max_seq_len={max_seq_len:,} "
+            "leaves none of its output to supervise")
+    return Tokenized(input_ids=ids, loss_mask=mask, truncated=truncated,
+                     completion_ids=list(output_ids))

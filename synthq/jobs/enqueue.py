@@ -133,6 +133,8 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         self.mask = jobspec.mask_for(self.mask, self.regenerate)
+        if self.capture_mode == "inline":  # the generation servers capture too
+            self.capture_servers = list(dict.fromkeys([*self.capture_servers, *self.servers]))
 
     def check(self) -> None:
         """Raise :class:`UserError` naming the first bad setting."""
@@ -170,8 +172,26 @@ class JobSpec:
             raise UserError("--backoff-cap must be at least --backoff-base")
         if self.tokenizer is not None:
             _check_tokenizer_path(self.tokenizer)
+        if self.capture_mode == "inline":
+            self._check_inline()
         # Sampling keys are sent in the body as extra_body's are: one list refuses both.
         jobspec.check_body(self.sampling, flag="sampling options")
+
+    def _check_inline(self) -> None:
+        """``--capture inline``: the final example is the engine's prompt and output ids,
+        the output supervised (synthq.data.examples.engine_example), so the job must make
+        examples and supervise only the final answer in the example that holds it."""
+        if self.tokenizer is None:
+            raise UserError("--capture inline needs --tokenizer: the captured states are "
+                            "those of the training examples it makes")
+        if self.regenerate == "all" and self.mask != "last_turn" \
+                and self.examples != "per-turn":
+            raise UserError("--capture inline with --regenerate all: give --examples per-turn "
+                            "(or --mask last_turn): the final call's file holds the states of "
+                            "the last turn's example; earlier turns are captured by the stage")
+        if self.regenerate != "all" and self.mask != "last_turn":
+            raise UserError("--capture inline supervises the answer the engine wrote: "
+                            "--mask last_turn (its default)")
 
     def tokenize_settings(self) -> Any:
         """The tokenization settings, or None without a tokenizer."""

@@ -108,14 +108,19 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
         rows = s.execute(
             select(Sample.id, Sample.prompt, Sample.response_content, Sample.reasoning_content,
                    Sample.finish_reason, Sample.completion_token_ids, Sample.tool_calls,
-                   Sample.tools, Sample.turns, Sample.overrides)
+                   Sample.tools, Sample.turns, Sample.overrides, Sample.prompt_token_ids,
+                   Sample.inline_capture)
             .where(Sample.id.in_(sample_ids), stale_query(job_id, job.tokenize_version))
         ).all()
     result = BatchResult(unchanged=len(sample_ids) - len(rows))
     updates: list[tuple[int, dict[str, Any]]] = []
     for sid, prompt, content, reasoning, finish, server_ids, tool_calls, tools, answers, \
-            overrides in rows:
+            overrides, prompt_ids, inline_capture in rows:
         ids = unpack_ids(server_ids)
+        # A --capture inline answer's example stays the engine's ids (its capture's).
+        given = unpack_ids(prompt_ids)
+        engine_ids = (given.tolist(), ids.tolist()) \
+            if inline_capture and given is not None and ids is not None else None
         try:
             # A sample requeued with its own chat_template_kwargs was generated with
             # them: its example is rendered with them too, as the worker did.
@@ -123,7 +128,7 @@ def retokenize_batch(job_id: int, sample_ids: Sequence[int]) -> BatchResult:
                                      reasoning, ids.tolist() if ids is not None else None,
                                      tool_calls=tool_calls, tools=tools,
                                      answers=answers if job.regenerate == "all" else None,
-                                     finish_reason=finish)
+                                     finish_reason=finish, engine_ids=engine_ids)
             values.update(state=SampleState.DONE, error_class=None, error_message=None)
             result.done += 1
         except Exception as exc:  # noqa: BLE001 - recorded on the sample, as the worker does

@@ -44,7 +44,7 @@ from synthq.spec.config import get_settings
 from synthq.store.db import disk_full, utcnow
 from synthq.store.models import Attempt, Job
 
-__all__ = ["Outcome", "Call", "run_claimed", "wrong_base_url"]
+__all__ = ["Outcome", "Call", "run_claimed", "wrong_base_url", "inline_name"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,19 @@ def _answer(result: ChatResult) -> dict[str, Any]:
 def _multi(job: Any, c: Claimed) -> bool:
     """Whether the sample is regenerated turn by turn."""
     return job.regenerate == "all" and bool(c.turn_count)
+
+
+def inline_name(job: Any, c: Claimed) -> str | None:
+    """``--capture inline``: the name under which the engine writes the hidden states of
+    this call's prompt and output (synthq.core.kvparams), for the call of a sample's final
+    answer (its only one, or the last turn of one regenerated turn by turn: earlier turns
+    are captured by the capture stage); None for any other call. The claim's token makes
+    it this attempt's own: a retry asks for another file."""
+    if getattr(job, "capture_mode", "stage") != "inline" or not job.tokenizer:
+        return None
+    if _multi(job, c) and c.turn + 1 < (c.turn_count or 1):
+        return None
+    return f"synthq-{c.job_id}-{c.sample_id}-{c.token}-inline"
 
 
 def _stored(c: Claimed) -> ChatResult | None:
@@ -172,10 +185,12 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
                                  reasoning=job.history_reasoning)
     else:
         messages = c.prompt
+    capture_name = inline_name(job, c)
     request = ChatRequest(model=job.model, messages=messages, max_tokens=job.max_tokens,
                           sampling=dict(job.sampling), extra_body=dict(job.extra_body),
                           max_response_bytes=job.max_response_bytes, tools=c.tools,
-                          max_request_bytes=get_settings().max_request_bytes)
+                          max_request_bytes=get_settings().max_request_bytes,
+                          capture_name=capture_name)
     result: ChatResult | None = None
     call.calling = True
     try:
@@ -215,9 +230,9 @@ async def run_claimed(call: Call, job: Job, *, client: Callable[[str, int], Infe
 
     if not multi:
         return await _finish(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                             since=answered, late=late)
+                             since=answered, late=late, capture_name=capture_name)
     return await _turn_done(c, job, result, attempt("ok", None, result), writer, tokenize_pool,
-                            since=answered, late=late)
+                            since=answered, late=late, capture_name=capture_name)
 
 
 #: Makes a sample whose lease was given up this call's again (states.keep_late).
@@ -226,7 +241,8 @@ Late = Callable[[Session, datetime], bool]
 
 async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any],
                      writer: Writer, tokenize_pool: ThreadPool, *,
-                     since: float | None = None, late: Late | None = None) -> Outcome:
+                     since: float | None = None, late: Late | None = None,
+                     capture_name: str | None = None) -> Outcome:
     """A turn of a conversation regenerated turn by turn has its answer: store it and
     send the sample back for its next turn, or finish it after its last (or a cut)."""
     answer = _answer(result)
@@ -243,18 +259,24 @@ async def _turn_done(c: Claimed, job: Any, result: ChatResult, attempt: dict[str
             return Outcome.TURN if won else Outcome.NOT_WRITTEN
         extra.update(cut_at_turn=c.turn, cut_reason=reason)
     return await _finish(c, job, result, attempt, writer, tokenize_pool, answers=answers,
-                         extra=extra, since=since, late=late)
+                         extra=extra, since=since, late=late, capture_name=capture_name)
 
 
 async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, Any] | None,
                   writer: Writer, tokenize_pool: ThreadPool, *,
                   answers: list[dict[str, Any]] | None = None,
                   extra: dict[str, Any] | None = None, since: float | None = None,
-                  late: Late | None = None) -> Outcome:
+                  late: Late | None = None, capture_name: str | None = None) -> Outcome:
     """Store the response, tokenize it if the job says so, and mark the sample. ``since``:
     when a new answer arrived (its first write makes it durable); ``late``: how that write
-    keeps the answer if the lease was given up meanwhile."""
-    columns = {**_response_columns(result), **(extra or {})} if attempt is not None else {}
+    keeps the answer if the lease was given up meanwhile. ``capture_name``: the call asked
+    the engine for its hidden states under this name (``--capture inline``): stored with
+    the answer (``samples.inline_capture``, the capture stage takes the file), and the
+    example is the engine's own ids, when it returned them."""
+    engine_ids = _engine_ids(result) if capture_name is not None else None
+    columns = {**_response_columns(result), **(extra or {}),
+               "inline_capture": capture_name if engine_ids is not None else None} \
+        if attempt is not None else {}
     if not job.tokenizer:
         # No example to build: the stored response is the result.
         won = await _write(writer, c, states.completion(
@@ -270,13 +292,22 @@ async def _finish(c: Claimed, job: Any, result: ChatResult, attempt: dict[str, A
         example = await loop.run_in_executor(tokenize_pool, lambda: tokenize_sample(
             job, c.prompt, result.content, result.reasoning_content,
             result.completion_token_ids, tool_calls=result.tool_calls, tools=c.tools,
-            answers=answers, finish_reason=result.finish_reason))
+            answers=answers, finish_reason=result.finish_reason, engine_ids=engine_ids))
     except Exception as exc:  # noqa: BLE001 - recorded on the sample, never looped on
         if not isinstance(exc, errors.PermanentError):
             log.exception("sample %s: tokenization crashed", c.sample_id)
         return await _tokenization_failed(c, exc, writer)
     won = await _write(writer, c, states.completion(c.sample_id, c.token, **example))
     return Outcome.DONE if won else Outcome.NOT_WRITTEN
+
+
+def _engine_ids(result: ChatResult) -> tuple[list[int], list[int]] | None:
+    """The call's prompt and output token ids as the engine returned them, or None (an
+    engine that did not: its answer's example is tokenized our way, and the capture stage
+    captures it with a call of its own)."""
+    if not result.prompt_token_ids or not result.completion_token_ids:
+        return None
+    return list(result.prompt_token_ids), list(result.completion_token_ids)
 
 
 async def _write(writer: Writer, c: Claimed, fn: Callable[[Session, datetime], bool], *,

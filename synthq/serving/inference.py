@@ -40,7 +40,7 @@ import httpx  # noqa: F401
 import httpx2
 import openai
 
-from synthq.core import errors, netio
+from synthq.core import errors, kvparams, netio
 from synthq.serving.answer import (
     Accumulator,
     Malformed,
@@ -81,6 +81,10 @@ class ChatRequest:
     max_request_bytes: int = 16 << 20
     #: The row's ``{"tools": [...], "tool_choice": ...}``, sent as request fields.
     tools: dict[str, Any] | None = None
+    #: ``--capture inline``: the name under which the engine's connector writes this call's
+    #: hidden states, prompt and output (``kv_transfer_params``); the engine's token ids
+    #: are asked for too (``return_token_ids``). None: a plain call.
+    capture_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -260,6 +264,9 @@ class InferenceClient:
                                 .items() if k not in RESERVED_BODY}
         body.update(model=request.model, messages=request.messages,
                     max_tokens=request.max_tokens, **more)
+        if request.capture_name is not None:  # synthq.core.kvparams: the connector's keys
+            body.update(return_token_ids=True, kv_transfer_params={
+                kvparams.NAME_KEY: request.capture_name, kvparams.OUTPUT_KEY: True})
         if request.tools:
             # The row's tool_choice, else "auto" with tools (what vLLM defaults to, and
             # what speculators sends): a server whose default differs calls the same.

@@ -181,13 +181,21 @@ class CapturedFeatures(FeatureCache):
         n = len(example.input_ids)  # examples are cut to max_len; files hold them whole
         rows = slice(start, start + n)  # a per-turn example's rows within its sample's file
         ids = data["token_ids"][rows].numpy()
-        if not np.array_equal(ids, example.input_ids):
+        # A capture taken from the answer's own call (--capture inline, synthq.capture.inline)
+        # ends one token short: the engine never computed the state of the last token it
+        # generated. That state would only predict past the example's end, which no loss
+        # supervises (synthq.training.data.step_mask), so it is read as zeros.
+        short = len(ids) == n - 1 and start + len(ids) == len(data["token_ids"])
+        if not np.array_equal(ids, example.input_ids[:len(ids)] if short
+                              else example.input_ids):
             raise UserError(f"example {example.id}: its captured token ids differ from its "
                             "input_ids (retokenized since the capture?): run `synthq capture "
                             "JOB` again")
-        hidden = data["hidden_states"][rows].float()  # [L, 4, H]
+        hidden = data["hidden_states"][rows].float()  # [L, 4, H] ([L-1, 4, H] when short)
         if "hidden_states_scale" in data:  # float8 (synthq.capture.files): its scale back
             hidden = hidden * data["hidden_states_scale"].float()[0]
+        if short:
+            hidden = torch.cat([hidden, hidden.new_zeros(1, *hidden.shape[1:])])
         last = self.target.final_norm(hidden[:, 3])  # [L, H]
         top = (last @ self.target.head.T).argmax(-1)  # [L] over the target's whole vocabulary
         return {"aux": hidden[:, :3].reshape(n, -1).contiguous(), "last": last, "top": top}

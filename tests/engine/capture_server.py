@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import chat_tokenizers
 import httpx
 import pytest
 
@@ -181,7 +182,11 @@ def launch_capture_server(root: Path, *, connector: str = "synthq") -> CaptureSe
             # the model run in the engine's process: one torch import fewer per start
             "--distributed-executor-backend", "uni",
             "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
-            "--skip-tokenizer-init", "--speculative-config", json.dumps(spec),
+            # DeepSeek-V3's tokenizer (the tiny target's vocabulary): the server answers
+            # chat too, so a --capture inline job generates and captures on it (one server
+            # configuration for the module, not two cold starts)
+            "--tokenizer", chat_tokenizers.deepseek_v3(),
+            "--speculative-config", json.dumps(spec),
             "--kv-transfer-config", json.dumps(kv)]
     return CaptureServer(f"http://127.0.0.1:{port}/v1", model, engine_dir, log,
                          _launch(argv, env, log), argv, env)

@@ -600,3 +600,185 @@ def test_stock_connector_files_are_captured_from_the_declared_folder(
           f"transformers {worst:.2e}")
     # Each file taken was deleted once stored; the refused ones are still there.
     assert set(server.engine_dir.glob("*.safetensors")) == left_alone
+
+
+# -- --capture inline: one pass that generates and captures (issue 43 item 3) -----------------
+
+#: Samples and answer tokens of an inline job: the tiny target writes random tokens, so
+#: every answer runs to max_tokens (kept: --keep-truncated).
+INLINE_SAMPLES = 6
+INLINE_TOKENS = 16
+
+
+def _cli(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=_env(data, **env),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _inline_job(server: CaptureServer, tmp_path: Path, name: str = "cap",
+                mode: str = "inline") -> Path:
+    """A data directory with job ``name`` enqueued against ``server`` (``--capture mode``):
+    INLINE_SAMPLES chat prompts, greedy answers of INLINE_TOKENS, DeepSeek-V3's tokenizer."""
+    import chat_tokenizers
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data"
+    dataset = tmp_path / "inline.jsonl"
+    dataset.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"tell me about the number {i} {'and more ' * i}"}]}) + "\n"
+        for i in range(INLINE_SAMPLES)))
+    given = ["--capture-server", server.url] if mode == "stage" else ["--capture", "inline"]
+    out = _cli(data, "enqueue", "--dataset", str(dataset), "--server", server.url, "--model",
+               "tiny-capture", "--job", name, "--tokenizer", chat_tokenizers.deepseek_v3(),
+               "--max-tokens", str(INLINE_TOKENS), "--temperature", "0", "--keep-truncated",
+               "--reasoning", "drop", *given)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return data
+
+
+def _inline_files(server: CaptureServer) -> list[Path]:
+    return sorted(server.engine_dir.glob("synthq-*-inline.safetensors"))
+
+
+def _inline_states(data: Path, reference: Reference, called: frozenset[int] = frozenset()
+                   ) -> float:
+    """Every done capture of the job: its example is the engine's ids (prompt then output,
+    the output supervised), its file holds the states of all of them but the last (the
+    engine never computed it; a sample in ``called`` was captured by the stage's own call:
+    all of them), equal to transformers'; the worst difference."""
+    from synthq.capture import files
+
+    worst = 0.0
+    rows = _rows(data, "SELECT s.id, c.path, s.input_ids, s.loss_mask, s.prompt_token_ids, "
+                       "s.completion_token_ids FROM captures c JOIN samples s ON "
+                       "s.id = c.sample_id WHERE c.state = 'done'")
+    for sample_id, path, raw, mask, prompt, output in rows:
+        ids = np.frombuffer(raw, dtype="<i4")
+        prompt_ids, output_ids = (np.frombuffer(b, dtype="<i4") for b in (prompt, output))
+        assert len(output_ids) == INLINE_TOKENS
+        assert ids.tolist() == [*prompt_ids.tolist(), *output_ids.tolist()]
+        supervised = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))[:len(ids)]
+        assert supervised.tolist() == [0] * len(prompt_ids) + [1] * len(output_ids)
+        tensors, _ = files.read(data / "hidden-states" / path)
+        seen = ids if sample_id in called else ids[:-1]
+        assert tensors["token_ids"].array().tolist() == seen.tolist()
+        got = tensors["hidden_states"].array()
+        want = reference.states(seen)
+        assert got.shape == want.shape == (len(seen), len(CAPTURE_LAYERS), HIDDEN)
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert len(rows) == INLINE_SAMPLES
+    return worst
+
+
+def _prompt_tokens(server: CaptureServer) -> tuple[float, float]:
+    """The engine's prefill counters: prompt tokens, and those served from its prefix cache."""
+    from synthq.testing.vllm import metrics
+
+    got = metrics(server.url)
+    return got.get("vllm:prompt_tokens_total", 0.0), got.get("vllm:prompt_tokens_cached_total",
+                                                             0.0)
+
+
+def test_one_pass_generates_and_captures_with_no_capture_call(
+        capture_server: CaptureServer, tmp_path: Path) -> None:
+    """Issue 43 item 3's done-when: a ``--capture inline`` job's generation server is its
+    capture server; every done sample has its capture from its answer's own call (zero
+    capture-stage calls), its example the engine's ids, its file equal to transformers'
+    states. Beside it, the same prompts as a ``--capture stage`` job: the engine's prefill
+    tokens per trained example, from its own counters."""
+    server = capture_server
+    data = _inline_job(server, tmp_path)
+    # The capture settings (the target: its config gives the layers); nothing to capture
+    # yet, but the start's probe asks the server once more that it captures an answer.
+    setup = _cli(data, "capture", "cap", "--target", str(server.model_dir))
+    assert setup.returncode == 0, setup.stderr + setup.stdout
+    before = _prompt_tokens(server)
+    out = _cli(data, "run", "--job", "cap", "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    inline = [a - b for a, b in zip(_prompt_tokens(server), before, strict=True)]
+    assert _rows(data, "SELECT count(*) FROM samples WHERE state = 'done'")[0][0] \
+        == INLINE_SAMPLES
+    assert _rows(data, "SELECT state, count(*) FROM captures GROUP BY state") \
+        == [("done", INLINE_SAMPLES)]
+    assert _rows(data, "SELECT count(*) FROM capture_calls")[0][0] == 0  # no second prefill
+    worst = _inline_states(data, Reference.of(server.model_dir))
+    assert worst < 1e-4, worst
+    assert not _inline_files(server)  # each taken and deleted
+    tokens = _rows(data, "SELECT sum(num_tokens) FROM samples WHERE state = 'done'")[0][0]
+
+    # The same prompts as a capture-stage job (its own data directory): its generation,
+    # then the stage's own calls, one prefill of each example.
+    stage_data = _inline_job(server, tmp_path / "stage", mode="stage")
+    setup = _cli(stage_data, "capture", "cap", "--target", str(server.model_dir))
+    assert setup.returncode == 0, setup.stderr + setup.stdout
+    before = _prompt_tokens(server)
+    out = _cli(stage_data, "run", "--job", "cap", "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    stage = [a - b for a, b in zip(_prompt_tokens(server), before, strict=True)]
+    assert _rows(stage_data, "SELECT count(*) FROM capture_calls")[0][0] == INLINE_SAMPLES
+    assert inline[0] < stage[0]
+    stage_tokens = _rows(stage_data, "SELECT sum(num_tokens) FROM samples WHERE state = "
+                                     "'done'")[0][0]
+    n = INLINE_SAMPLES
+    print(f"\n--capture inline: {n} of {n} captured with 0 capture calls; worst difference "
+          f"against transformers {worst:.2e}; engine prefill per trained example "
+          f"(vllm:prompt_tokens_total, of which from its prefix cache): inline "
+          f"{inline[0] / n:.1f} ({inline[1] / n:.1f}), stage {stage[0] / n:.1f} "
+          f"({stage[1] / n:.1f}); example {tokens / n:.1f} tokens inline (the engine's "
+          f"ids), {stage_tokens / n:.1f} stage (its answer tokenized again)")
+
+
+def test_an_inline_file_missing_or_mismatched_is_captured_by_the_stage(
+        capture_server: CaptureServer, tmp_path: Path) -> None:
+    """A ``--capture inline`` file that is missing (deleted), or another sample's
+    (mismatched ids), or late is not taken: the stage captures those samples with a call
+    each, the others with none; every file equals transformers' states."""
+    server = capture_server
+    data = _inline_job(server, tmp_path)
+    # No capture settings yet: the run generates, and its stage stops at the start (the
+    # target's layers are unknown): the answers and their files wait.
+    out = _cli(data, "run", "--job", "cap")
+    assert out.returncode != 0 and "layer count" in out.stderr, out.stderr + out.stdout
+    assert _rows(data, "SELECT count(*) FROM samples WHERE state = 'done'")[0][0] \
+        == INLINE_SAMPLES
+    names = dict(_rows(data, "SELECT id, inline_capture FROM samples ORDER BY id"))
+    assert all(names.values())
+    ids = sorted(names)
+    folder = server.engine_dir
+    (folder / f"{names[ids[0]]}.safetensors").unlink()  # missing
+    # The second's name holds the third's file (the third's is then missing too).
+    (folder / f"{names[ids[2]]}.safetensors").replace(folder / f"{names[ids[1]]}.safetensors")
+    # The file timeout is 5 s from each answer: a missing file is late within seconds.
+    out = _cli(data, "capture", "cap", "--target", str(server.model_dir), "--json",
+               SYNTHQ_CAPTURE_FILE_TIMEOUT="5")
+    assert out.returncode == 0, out.stderr + out.stdout
+    summary = json.loads(out.stdout[out.stdout.index("{"):])
+    assert summary["done"] == summary["total"] == INLINE_SAMPLES, summary
+    called = dict(_rows(data, "SELECT c.sample_id, count(k.id) FROM captures c LEFT JOIN "
+                              "capture_calls k ON k.capture_id = c.id GROUP BY c.sample_id"))
+    assert called == {i: int(i in ids[:3]) for i in ids}, called
+    assert _inline_states(data, Reference.of(server.model_dir), frozenset(ids[:3])) < 1e-4
+    assert "capture inline: 3 taken from their answers' own calls, 3 captured by calls" \
+        in " ".join(out.stdout.split()), out.stdout
+    assert not _inline_files(server)
+
+
+def test_capture_inline_against_a_server_that_cannot_capture_is_refused(
+        engine: Any, tmp_path: Path) -> None:
+    """The session's vLLM serves the tiny target without extract_hidden_states: ``synthq
+    enqueue --capture inline`` against it is refused in one line by its probe, and
+    nothing is stored."""
+    import chat_tokenizers
+
+    data = tmp_path / "data"
+    dataset = tmp_path / "p.jsonl"
+    dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = _cli(data, "enqueue", "--dataset", str(dataset), "--server", engine.url, "--model",
+               engine.name, "--tokenizer", chat_tokenizers.deepseek_v3(), "--capture",
+               "inline")
+    assert out.returncode == 2, out.stderr + out.stdout
+    said = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and f"--capture inline: server {engine.url} cannot capture" \
+        in said[0] and "hidden-states file" in said[0], out.stderr
+    assert not (data / "synthq.db").exists() or \
+        _rows(data, "SELECT count(*) FROM jobs")[0][0] == 0
