@@ -144,6 +144,11 @@ def print_status(status: JobStatus, *, stopped: bool = False) -> None:
         console.print(cost_line(status.cost), highlight=False)
     for line in status.capture.lines() if status.capture else ():
         console.print(escape(line), highlight=False)
+    for sp in status.spool:
+        console.print(f"spool of run {sp['run']} ({sp['state']}): {sp['bytes']:,} of "
+                      f"{sp['size']:,} bytes, {sp['files']:,} files, high-water "
+                      f"{sp['high_water']:,} bytes, capture lead {sp['lead']:,} examples",
+                      highlight=False)
     if status.workers and not status.finished:  # a finished job holds no worker's load
         console.print("workers: " + ", ".join(
             f"{escape(w['name'])} {w['inflight']}/{w['capacity']}" for w in status.workers))

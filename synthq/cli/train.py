@@ -83,9 +83,17 @@ def train(
     log_every: Annotated[int, typer.Option(help="Metrics to SQL every N steps.",
                                            rich_help_panel=_STEPS)] = 10,
     hidden_states: Annotated[str, typer.Option(
-        "--hidden-states", "--features", metavar="<online|offline|captured>",
-        help="The target's features: run each step, cached, or `synthq capture`'s.",
+        "--hidden-states", "--features", metavar="<online|offline|captured|stream>",
+        help="The target's features: run each step, cached, `synthq capture`'s, or "
+        "captured ahead of the trainer into a bounded spool.",
         rich_help_panel=_DATA)] = "online",
+    spool: Annotated[str | None, typer.Option(
+        metavar="SIZE", help="--features stream: the most bytes of captured features on "
+        "disk at once (e.g. 2G).", rich_help_panel=_DATA)] = None,
+    capture_server: Annotated[list[str] | None, typer.Option(
+        "--capture-server", metavar="URL", help="--features stream: capture through this "
+        "server (…/v1; stored on the job, as `synthq capture --server`) [default: the "
+        "job's].", rich_help_panel=_DATA)] = None,
     seed: Annotated[int, typer.Option(help="Shuffling and init seed.",
                                       rich_help_panel=_STEPS)] = 0,
     eval_fraction: Annotated[float, typer.Option(help="Share held out to measure "
@@ -118,7 +126,7 @@ def train(
     from synthq.queue import jobs
     from synthq.spec.config import get_settings
     from synthq.store.db import utcnow
-    from synthq.training.config import parse_when
+    from synthq.training.config import parse_size, parse_when
     from synthq.training.runs import check_target, check_trainable, check_vocabulary, new_run
 
     try:
@@ -131,6 +139,7 @@ def train(
                            dflash_anchors=dflash_anchors,
                            save_every=save_every, log_every=log_every,
                            hidden_states=hidden_states, seed=seed,
+                           spool=parse_size(spool) if spool is not None else 0,
                            eval_fraction=eval_fraction, eval_every=eval_every,
                            eval_draft_tokens=eval_draft_tokens, eval_max_new=eval_max_new,
                            keep_checkpoints=keep_checkpoints))
@@ -149,6 +158,13 @@ def train(
         from synthq.store.models import TrainingRun
 
         chosen = target or j.train_target
+        if capture_server:
+            from synthq.app import service
+
+            service.set_capture(s, j, {"capture_servers": capture_server})
+        if cfg.hidden_states == "stream" and not j.capture_servers:
+            raise UserError(f"job {j.name} has no capture server: --features stream captures "
+                            "through one (give --capture-server URL)")
         if threshold is not None:
             if chosen is None and threshold.kind != "never":
                 raise UserError("give --target: the job has no stored target model")
@@ -171,6 +187,10 @@ def train(
                     f"job {j.name} has an unfinished run {unfinished.id} with other settings "
                     f"({changed}); rerun without them to resume it, or add --restart to "
                     "cancel it and start a new run")
+            if cfg.hidden_states == "stream":
+                from synthq.training.runs import check_same_examples
+
+                check_same_examples(unfinished.output_dir, j)
             return {"run": unfinished.id, "resumed": True, "job": j.name,
                     "output_dir": unfinished.output_dir}
         check_trainable(j)  # what train takes, before a run row is made

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["SampleState", "JobState", "RunState", "CaptureState", "INFLIGHT", "FINISHED"]
+__all__ = ["SampleState", "JobState", "RunState", "CaptureState", "SpoolState", "INFLIGHT",
+           "FINISHED"]
 
 
 class SampleState(enum.StrEnum):
@@ -58,6 +59,22 @@ class CaptureState(enum.StrEnum):
     #: while the sample's tokenization stays the one it was captured at.
     DONE = "done"
     #: Gave up: a permanent error (``capture_mismatch``...), or attempts exhausted.
+    FAILED = "failed"
+
+
+class SpoolState(enum.StrEnum):
+    """One example of one epoch of a streamed training run (``--features stream``): its
+    features captured into the run's spool, trained on, and committed by a checkpoint."""
+
+    #: Its features are not in the spool: the run's capture asks the engine for them.
+    PENDING = "pending"
+    #: Its file is in the spool, ahead of the trainer (the capture's lead).
+    SPOOLED = "spooled"
+    #: The trainer trained on it (``step``); no checkpoint has committed that step yet.
+    TRAINING = "training"
+    #: A committed checkpoint consumed it: the ledger's record of the epoch. Final.
+    CONSUMED = "consumed"
+    #: Its capture failed for good (the run stopped with the line). ``error_message``.
     FAILED = "failed"
 
 

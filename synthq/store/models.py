@@ -31,11 +31,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from synthq.core.enums import CaptureState, JobState, RunState, SampleState
+from synthq.core.enums import CaptureState, JobState, RunState, SampleState, SpoolState
 from synthq.spec.jobspec import default, mask_for
 
 __all__ = ["Base", "Job", "Sample", "Attempt", "SampleCount", "CallCount", "Server", "Worker",
-           "TrainingRun", "UTCDateTime", "ApiSession", "Capture", "CaptureCall"]
+           "TrainingRun", "UTCDateTime", "ApiSession", "Capture", "CaptureCall", "SpoolItem"]
 
 # Stable constraint names, so migrations and models compare equal.
 NAMING = {
@@ -498,6 +498,13 @@ class TrainingRun(Base):
     served_engine: Mapped[str | None] = mapped_column(String(64))
     served_engine_version: Mapped[str | None] = mapped_column(String(64))
     error: Mapped[str | None] = mapped_column(Text)
+    #: ``--features stream``: the spool's bound (bytes), what it holds now (bytes, files),
+    #: the most it held at once (bytes), and the examples captured ahead of the trainer.
+    spool_size: Mapped[int | None] = mapped_column(BigInteger)
+    spool_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    spool_files: Mapped[int | None] = mapped_column(Integer)
+    spool_high_water: Mapped[int | None] = mapped_column(BigInteger)
+    spool_lead: Mapped[int | None] = mapped_column(Integer)
     #: Random token of the process that holds the run; every write presents it.
     claim: Mapped[str | None] = mapped_column(String(32))
     worker: Mapped[str | None] = mapped_column(String(200))
@@ -577,6 +584,47 @@ class CaptureCall(Base):
     #: ``ok`` or a failure class.
     outcome: Mapped[str] = mapped_column(String(32))
     error_message: Mapped[str | None] = mapped_column(Text)
+
+
+class SpoolItem(Base):
+    """One example of one epoch of a streamed training run (``--features stream``): the
+    spool's consumption, a kind of leased work (synthq.queue.spool_states), and the ledger's
+    record of which example the run consumed in which epoch."""
+
+    __tablename__ = "spool_items"
+    __table_args__ = (
+        UniqueConstraint("run_id", "epoch", "example"),
+        # A rank's rows by state (the spool's files, the lead, what a commit moves).
+        Index("ix_spool_items_run_rank_state", "run_id", "rank", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"))
+    epoch: Mapped[int] = mapped_column(Integer)
+    #: The DDP rank whose shard holds it (its spool folder).
+    rank: Mapped[int] = mapped_column(Integer)
+    #: The example's id (``SAMPLE`` or ``SAMPLE:TURN``, as the export names it).
+    example: Mapped[str] = mapped_column(String(64))
+    state: Mapped[SpoolState] = mapped_column(_enum(SpoolState))
+    #: Training: the run's claim token; the run's heartbeat is the lease of what it holds.
+    claim: Mapped[str | None] = mapped_column(String(32))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    expires_at: Mapped[datetime | None]
+    #: The file in the rank's spool folder (``ab/abcd...safetensors``: its sha256), while
+    #: it is there, and its size.
+    path: Mapped[str | None] = mapped_column(String(200))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    #: The run's step that trained on it.
+    step: Mapped[int | None] = mapped_column(Integer)
+    #: Calls to a capture server that stored its file for this epoch (0: kept in the spool
+    #: from an earlier epoch).
+    captures: Mapped[int] = mapped_column(Integer, default=0)
+    error_class: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
 
 
 class ApiSession(Base):

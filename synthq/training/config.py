@@ -21,7 +21,7 @@ from synthq.core.errors import UserError
 from synthq.spec import jobspec
 from synthq.spec.jobspec import MAX_TOKENS, Setting
 
-__all__ = ["TrainConfig", "When", "parse_when", "DEFAULT_WHEN", "SUPERVISE", "BOUNDS",
+__all__ = ["TrainConfig", "When", "parse_when", "parse_size", "DEFAULT_WHEN", "SUPERVISE", "BOUNDS",
            "MAX_COUNT", "MAX_DRAFT_TOKENS", "MAX_SEED"]
 
 #: The default readiness threshold.
@@ -99,8 +99,12 @@ class TrainConfig:
     log_every: int = _bounded(10, 1, MAX_COUNT)
     #: ``online``: the target runs inside every step; ``offline``: its hidden
     #: states and logits are computed once per sample and cached as safetensors;
-    #: ``captured``: the files of ``synthq capture``.
-    hidden_states: str = _choice("online", ("online", "offline", "captured"))
+    #: ``captured``: the files of ``synthq capture``; ``stream``: captured through the
+    #: job's capture servers ahead of the trainer into a spool of at most ``spool`` bytes
+    #: (synthq.training.stream).
+    hidden_states: str = _choice("online", ("online", "offline", "captured", "stream"))
+    #: ``stream``: the spool's bound in bytes (shared evenly by the DDP ranks).
+    spool: int = _bounded(0, 0, 1 << 60)
     seed: int = _bounded(0, 0, MAX_SEED)
     #: Share of the job's examples held out (never trained on) to measure the
     #: served acceptance length: at least 50 examples, at most a tenth of the job;
@@ -120,6 +124,11 @@ class TrainConfig:
         range or choices (:data:`BOUNDS`), or settings that do not go together."""
         for s in BOUNDS.values():
             jobspec.check(s, getattr(self, s.name))
+        if self.hidden_states == "stream" and self.spool <= 0:
+            raise UserError("--features stream needs --spool SIZE: the most bytes of "
+                            "captured features kept on disk at once (e.g. 2G)")
+        if self.hidden_states != "stream" and self.spool:
+            raise UserError("--spool is for --features stream only")
         if self.drafter == "dflash" and self.eval_draft_tokens > self.ttt_steps:
             raise UserError(f"a DFlash block drafts ttt-steps={self.ttt_steps} tokens: "
                             f"eval-draft-tokens {self.eval_draft_tokens} is more than it "
@@ -165,6 +174,19 @@ class When:
         if self.kind in ("ready", "never"):
             return self.kind
         return f"{self.kind}:{int(self.value) if self.kind == 'count' else self.value:g}"
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``2G``, ``512M``, ``64k``, ``1.5GiB``, ``1000000``: bytes (binary units). Raises
+    :class:`UserError`."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise UserError(f"--spool must be a size such as 2G, 512M or 1000000 (bytes), got "
+                        f"{text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_when(text: str) -> When:

@@ -149,14 +149,21 @@ def train(ctx: RunContext, on_step: Callable[[int, dict[str, Any]], None] | None
     opt = _build(target, draft_ids, d2t, t2d, cfg, len(examples), ctx.world, device)
     progress = _resume(ctx, run, cfg, opt, device)
     # The offline cache may free the target here (nothing else needs it): rebound, not kept.
-    cache, target = _features(ctx, run, cfg, target, examples, held_out, notice)
-    evaluate = _Evaluation(ctx, cfg, run.target, target, opt.drafter, held_out, notice, on_eval)
-    loop = _Loop(ctx, cfg, run, opt, examples, cache, target, head, device)
-    _steps(loop, progress, evaluate, on_step)
-    _leave_group(ctx)
-    if ctx.rank != 0:
-        return
-    _finish(loop, progress, evaluate, on_step)
+    cache, target = _features(ctx, run, cfg, target, examples, held_out, notice,
+                              progress.step, opt.total)
+    try:
+        evaluate = _Evaluation(ctx, cfg, run.target, target, opt.drafter, held_out, notice,
+                               on_eval)
+        loop = _Loop(ctx, cfg, run, opt, examples, cache, target, head, device)
+        _steps(loop, progress, evaluate, on_step)
+        _leave_group(ctx)
+        if ctx.rank != 0:
+            return
+        _finish(loop, progress, evaluate, on_step)
+    finally:
+        stream = loop_stream(cache)
+        if stream is not None:
+            stream.close()
 
 
 def _leave_group(ctx: RunContext) -> None:
@@ -256,8 +263,8 @@ def _device() -> torch.device:
 
 
 def _target(run: _Run, cfg: TrainConfig, world: int, device: torch.device) -> Any:
-    """The target: whole, or only its head for ``--features captured``."""
-    if cfg.hidden_states == "captured":
+    """The target: whole, or only its head for ``--features captured`` and ``stream``."""
+    if cfg.hidden_states in ("captured", "stream"):
         # The engine computed the features: of the target, only its embeddings, final
         # norm and lm_head are loaded (synthq.training.captured).
         from synthq.training.captured import load_target_head
@@ -329,13 +336,37 @@ def _resume(ctx: RunContext, run: _Run, cfg: TrainConfig, opt: _Optimization,
     return _Progress(step, metrics, _window(cfg.ttt_steps))
 
 
+def loop_stream(cache: FeatureCache | None) -> Any:
+    """The run's :class:`synthq.training.stream.Stream` (``--features stream``), else None."""
+    from synthq.training.stream import Stream
+
+    return cache if isinstance(cache, Stream) else None
+
+
 def _features(ctx: RunContext, run: _Run, cfg: TrainConfig, target: Any, examples: list[Example],
-              held_out: list[Example], notice: Callable[[str], None],
-              ) -> tuple[FeatureCache | None, Any]:
+              held_out: list[Example], notice: Callable[[str], None], resumed: int = 0,
+              total: int = 0) -> tuple[FeatureCache | None, Any]:
     """Where each batch's target features come from: (cache, target). The engine's captured
-    hidden states, or an offline cache computed now (this rank's share), or none (online:
-    the target runs in every step). The target comes back None when the offline cache
-    replaces it and no evaluation needs it."""
+    hidden states (stored by ``synthq capture``, or streamed ahead of the trainer into a
+    bounded spool from step ``resumed`` of ``total``), or an offline cache computed now
+    (this rank's share), or none (online: the target runs in every step). The target
+    comes back None when the offline cache replaces it and no evaluation needs it."""
+    if cfg.hidden_states == "stream":
+        from synthq.capture.plan import drafter_layers
+        from synthq.training.stream import Stream, plan_steps
+
+        stream = Stream(ctx=ctx, run_id=run.id, job_id=run.job_id, out=run.out,
+                        spool=cfg.spool, head=target, examples=examples,
+                        steps=plan_steps(examples, cfg.batch_size, ctx.world, cfg.seed, total),
+                        layers=drafter_layers(target.config.num_hidden_layers),
+                        resumed=resumed, notice=notice)
+        ctx.write(spool_size=cfg.spool)
+        try:
+            stream.start(resumed)
+        except BaseException:
+            stream.close()
+            raise
+        return stream, target
     if cfg.hidden_states == "captured":
         from synthq.capture.plan import drafter_layers
         from synthq.training.captured import CapturedFeatures, captured_paths
@@ -378,7 +409,7 @@ class _Evaluation:
         cfg, t0 = self.cfg, time.perf_counter()
         self.drafter.eval()
         judge = self.target
-        if cfg.hidden_states == "captured":
+        if cfg.hidden_states in ("captured", "stream"):
             # The features came from the engine; judging needs the whole target, loaded
             # for the evaluation only (use --eval-fraction 0 for one no process can load,
             # and measure the served acceptance with the engine instead).
@@ -435,11 +466,13 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
     batch (at least one example)."""
     ctx, cfg, opt, examples = loop.ctx, loop.cfg, loop.opt, loop.examples
     opt.drafter.train()
+    stream = loop_stream(loop.cache)
     while p.step < opt.total:
         epoch, skip = divmod(p.step, opt.per_epoch)
         order = batches(examples, cfg.batch_size * ctx.world, cfg.seed, epoch)
         mine = [b[ctx.rank::ctx.world] or b[:1] for b in order][skip:]
-        prefetch = Prefetcher(loop.cache, examples, mine) if loop.cache is not None else None
+        prefetch = Prefetcher(loop.cache, examples, mine) \
+            if loop.cache is not None and stream is None else None
         try:
             for j, idx in enumerate(mine):
                 if p.step >= opt.total:
@@ -447,7 +480,10 @@ def _steps(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                 ids, loss_mask, valid = collate(examples, idx)
                 loss_mask = supervised(loss_mask, valid, cfg.supervise)
                 t0 = time.perf_counter()
-                if prefetch is not None:
+                if stream is not None:  # its files in the spool, a commit when it is full
+                    stream.before(p.step, lambda: _commit(loop, p))
+                    feats = stream.take(p.step, idx, ids.shape[1])
+                elif prefetch is not None:
                     feats = prefetch.get(j, ids.shape[1])
                 else:
                     feats = target_features(loop.target, ids)
@@ -511,12 +547,31 @@ def _after_step(loop: _Loop, p: _Progress, evaluate: _Evaluation,
                   **({"eval_acceptance_length": evaluated} if evaluated is not None else {}))
     if ctx.lost.is_set():
         raise Lost()
+    stream = loop_stream(loop.cache)
     # The last step too, before the final evaluation: a run stopped during
     # it resumes there instead of redoing the steps since the last save.
-    if (step % cfg.save_every == 0 or step == total) and ctx.rank == 0:
-        path = _save(loop, step)
-        plot_metrics(p.metrics, loop.run.out / "metrics.png", loop.run.title)
-        ctx.write(step=step, checkpoint=str(path), metrics=p.metrics)
+    if step % cfg.save_every == 0 or step == total:
+        if ctx.rank == 0:
+            path = _save(loop, step)
+            plot_metrics(p.metrics, loop.run.out / "metrics.png", loop.run.title)
+            ctx.write(step=step, checkpoint=str(path), metrics=p.metrics)
+        if stream is not None:  # the checkpoint is committed: what it trained on, consumed
+            stream.commit(step)
+    if stream is not None:
+        figures = stream.figures()
+        if figures:
+            ctx.write(**figures)
+
+
+def _commit(loop: _Loop, p: _Progress) -> None:
+    """A checkpoint of step ``p.step`` now (``--features stream``: the spool is full of
+    files trained on since the last one), and what it trained on consumed."""
+    if loop.ctx.rank == 0 and not (loop.checkpoints / f"{STEP_PREFIX}{p.step:08d}").is_dir():
+        path = _save(loop, p.step)
+        loop.ctx.write(step=p.step, checkpoint=str(path), metrics=p.metrics)
+    stream = loop_stream(loop.cache)
+    if stream is not None:
+        stream.commit(p.step)
 
 
 def _save(loop: _Loop, step: int) -> Path:
@@ -543,12 +598,17 @@ def _finish(loop: _Loop, p: _Progress, evaluate: _Evaluation,
             on_step(step, metrics[-1])
     if not (loop.checkpoints / f"{STEP_PREFIX}{step:08d}").is_dir():  # e.g. a run of 0 steps
         _save(loop, step)
+    stream = loop_stream(loop.cache)
+    figures: dict[str, Any] = {}
+    if stream is not None:
+        stream.commit(step)
+        figures = stream.done()
     final = save_drafter(run.out / "final", loop.opt.drafter, cfg.to_dict())
     plot_metrics(metrics, run.out / "metrics.png", run.title)  # redrawn with the final evaluation
     plot_metrics(metrics, final / "metrics.png", run.title)
     with session_scope() as s:
         if not states.finish(s, ctx.run_id, ctx.token, checkpoint=str(final), now=utcnow(),
-                             step=step, metrics=metrics,
+                             step=step, metrics=metrics, **figures,
                              **({"eval_acceptance_length": p.eval_accept}
                                 if p.eval_accept is not None else {})):
             raise Lost()

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from synthq.core.errors import UserError
 from synthq.queue import run_states as states
+from synthq.queue import spool_states
 from synthq.spec.config import get_settings
 from synthq.store.db import utcnow
 from synthq.store.models import Job, TrainingRun
@@ -50,6 +51,24 @@ def check_trainable(job: Job) -> None:
 
 #: Done samples whose token ids :func:`check_vocabulary` reads.
 VOCAB_SAMPLE = 200
+
+
+def check_same_examples(output_dir: str | Path, job: Job) -> None:
+    """A streamed run resumes on its snapshot of the job's examples (OUT/data); one whose
+    job was retokenized since would capture other tokens than its checkpoint saw: refused
+    with one line, the run kept as it is."""
+    import json
+
+    manifest = Path(output_dir) / "data" / "manifest.json"
+    try:
+        version = json.loads(manifest.read_text())["settings"]["tokenize_version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if version != job.tokenize_version:
+        raise UserError(f"job {job.name} was retokenized (tokenize version {version} → "
+                        f"{job.tokenize_version}) since its streamed run's last checkpoint: "
+                        "the examples it trained on changed; start a new run with `synthq "
+                        f"train {job.name} --restart ...`")
 
 
 def check_vocabulary(session: Session, job: Job, target: str) -> None:
@@ -135,13 +154,23 @@ class RunRecord:
     started_at: str | None
     finished_at: str | None
     heartbeat_at: str | None
+    #: ``--features stream``: the spool's bound, what it holds (bytes, files), the most
+    #: it held at once (bytes), the examples captured ahead of the trainer, and the
+    #: examples consumed (trained on into a committed checkpoint) in each epoch.
+    spool_size: int | None = None
+    spool_bytes: int | None = None
+    spool_files: int | None = None
+    spool_high_water: int | None = None
+    spool_lead: int | None = None
+    consumed_per_epoch: list[int] | None = None
 
 
 def _iso(at: Any) -> str | None:
     return at.isoformat() if at else None
 
 
-def run_record(run: TrainingRun, job_name: str | None = None) -> RunRecord:
+def run_record(run: TrainingRun, job_name: str | None = None,
+               consumed: list[int] | None = None) -> RunRecord:
     last = run.metrics[-1] if run.metrics else {}
     return RunRecord(
         id=run.id, job_id=run.job_id, job=job_name, state=str(run.state), trigger=run.trigger,
@@ -154,16 +183,22 @@ def run_record(run: TrainingRun, job_name: str | None = None) -> RunRecord:
         checkpoint=run.checkpoint, output_dir=run.output_dir, error=run.error,
         worker=run.worker, settings=run.settings, created_at=run.created_at.isoformat(),
         started_at=_iso(run.started_at), finished_at=_iso(run.finished_at),
-        heartbeat_at=_iso(run.heartbeat_at))
+        heartbeat_at=_iso(run.heartbeat_at), spool_size=run.spool_size,
+        spool_bytes=run.spool_bytes, spool_files=run.spool_files,
+        spool_high_water=run.spool_high_water, spool_lead=run.spool_lead,
+        consumed_per_epoch=consumed)
 
 
-def run_dict(run: TrainingRun, job_name: str | None = None) -> dict[str, Any]:
+def run_dict(run: TrainingRun, job_name: str | None = None,
+             consumed: list[int] | None = None) -> dict[str, Any]:
     """A run as JSON (:class:`RunRecord`): what ``synthq runs --json`` prints."""
-    return asdict(run_record(run, job_name))
+    return asdict(run_record(run, job_name, consumed))
 
 
 def list_runs(session: Session, job_id: int | None = None) -> list[dict[str, Any]]:
     q = select(TrainingRun, Job.name).join(Job, Job.id == TrainingRun.job_id)
     if job_id is not None:
         q = q.where(TrainingRun.job_id == job_id)
-    return [run_dict(run, name) for run, name in session.execute(q.order_by(TrainingRun.id))]
+    return [run_dict(run, name, spool_states.consumed_per_epoch(session, run.id)
+                     if run.spool_size else None)
+            for run, name in session.execute(q.order_by(TrainingRun.id))]

@@ -173,6 +173,10 @@ class JobStatus:
     warnings: list[str] = field(default_factory=list)
     #: The hidden-state capture stage (None: the job captures nothing).
     capture: CaptureProgress | None = None
+    #: Each unfinished streamed training run's spool (``--features stream``): ``{"run",
+    #: "state", "size", "bytes", "files", "high_water", "lead"}`` (bytes; lead: examples
+    #: captured ahead of the trainer).
+    spool: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c = self.counts
@@ -277,6 +281,7 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
         for w in status.workers
         if w["clock_skew_s"] is not None and abs(w["clock_skew_s"]) >= SKEW_WARNING_S]
     status.warnings += orphaned_runs(reader, job.id, now=now, lease=settings.train_lease)
+    status.spool = spools(reader, job.id)
     status.limits = server_limits(reader, job, history=cost)
     if cost:
         status.cost = job_cost(reader, job, remaining=status.open, now=now,
@@ -294,6 +299,16 @@ def job_status(db: Session | Reader, job: StatusJob, *, cost: bool = True,
     status.capture = capture_progress(  # its URLs masked there
         reader, job.id, store=store_root(settings.capture_store))
     return _masked(status)
+
+
+def spools(db: Session | Reader, job_id: int) -> list[dict[str, Any]]:
+    """The spool of each of the job's unfinished streamed runs (``--features stream``)."""
+    rows = reader_of(db).rows(
+        "SELECT id, state, spool_size, spool_bytes, spool_files, spool_high_water, spool_lead "
+        "FROM training_runs WHERE job_id = :job_id AND spool_size IS NOT NULL AND state IN "
+        "('pending', 'running') ORDER BY id", {"job_id": job_id})
+    return [{"run": r[0], "state": str(r[1]), "size": r[2], "bytes": r[3] or 0,
+             "files": r[4] or 0, "high_water": r[5] or 0, "lead": r[6] or 0} for r in rows]
 
 
 def orphaned_runs(db: Session | Reader, job_id: int, *, now: datetime,
