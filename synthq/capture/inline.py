@@ -49,7 +49,7 @@ from synthq.capture.deadline import bounded
 from synthq.capture.protocol import NAME_KEY, OUTPUT_KEY, PATH_KEY
 from synthq.core.errors import CaptureMismatch, SampleError, UserError
 
-__all__ = ["probe", "take", "Piece", "PROBE_SECONDS"]
+__all__ = ["probe", "take", "orphans", "discard", "Piece", "PROBE_SECONDS"]
 
 #: Seconds the probe of one server may take in all (its call and its file).
 PROBE_SECONDS = 30.0
@@ -140,3 +140,36 @@ def take(engine_file: confine.EngineFile, engine_ids: np.ndarray,
                               "sample's examples")
     return out
 
+
+
+def orphans(folder: Path, job_id: int, *, older_than: float) -> list[str]:
+    """The names (no suffix) of job ``job_id``'s inline files in ``folder`` written more
+    than ``older_than`` seconds ago: candidates for :func:`discard` once no sample names
+    them (a call whose answer was not kept, truncated or retried, still left its file)."""
+    prefix, suffix = f"synthq-{job_id}-", "-inline.safetensors"
+    now = time.time()
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(prefix) and entry.name.endswith(suffix):
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > older_than:
+                    out.append(entry.name.removesuffix(".safetensors"))
+            except OSError:
+                continue
+    return out
+
+
+def discard(folder: Path, names: Sequence[str]) -> None:
+    """Delete these inline files (and their locks) in ``folder``, through its descriptor."""
+    if not names:
+        return
+    opened = confine.Folder(folder)
+    try:
+        for name in names:
+            confine.EngineFile(opened, f"{name}.safetensors").discard()
+    finally:
+        opened.close()

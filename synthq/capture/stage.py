@@ -376,6 +376,7 @@ class Stage:
                                   folder=(job.capture_files or {}).get(url), pins=self.pins,
                                   seconds=self.timeout)
                 for url in job.servers if url in engines}
+            self._sweep_inline()
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
             p = plan(s, job, at=self.store)
@@ -455,6 +456,7 @@ class Stage:
         expired = sweep(job_ids=[self.job_id])
         with session_scope() as s:
             states.add_missing(s, self.job_id, now=utcnow())
+        self._sweep_inline()
         if expired:
             self.say(f"capture: {expired} held by stopped processes are due again")
 
@@ -604,6 +606,27 @@ class Stage:
             with self._down_lock:
                 self.inline_taken += 1
         return taken
+
+    def _sweep_inline(self) -> None:
+        """Delete the job's inline files that no sample names (their calls' answers were
+        not kept), once older than the file timeout (synthq.capture.inline.orphans)."""
+        older = get_settings().capture_file_timeout
+        for folder in set(self.inline_folders.values()):
+            names = inline.orphans(folder, self.job_id, older_than=older)
+            if not names:
+                continue
+            with session_scope() as s:
+                named = set(s.scalars(select(Sample.inline_capture).where(
+                    Sample.job_id == self.job_id, Sample.inline_capture.in_(names))))
+            gone = [n for n in names if n not in named]
+            try:
+                inline.discard(folder, gone)
+            except (OSError, SampleError) as exc:
+                log.warning("capture inline: the unused files in %s were not deleted: %s",
+                            folder, exc)
+                continue
+            if gone:
+                log.info("capture inline: deleted %d files of answers not kept", len(gone))
 
     def _fell_back(self, claimed: states.Claimed, why: str) -> None:
         with self._down_lock:

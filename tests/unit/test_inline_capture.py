@@ -131,3 +131,26 @@ def test_training_reads_an_inline_capture_one_token_short_as_a_last_zero_row(
     longer = Example("1", np.array([0, 5, 6, 7, 1, 2]), np.ones(6, dtype=np.uint8))
     with pytest.raises(UserError, match="differ from its input_ids"):
         CapturedFeatures({"1": (path, 0)}, head).read(longer)
+
+
+def test_the_jobs_old_inline_files_are_found_and_deleted_in_their_folder(
+        tmp_path: Path) -> None:
+    """A call whose answer was not kept (cut, retried) left its file: the job's inline
+    files older than the file timeout are the stage's candidates; other jobs' files, new
+    ones and other names are not."""
+    import os
+
+    old = time.time() - 120
+    for name in ("synthq-7-1-aa-inline", "synthq-7-2-bb-inline", "synthq-8-1-cc-inline",
+                 "synthq-7-3-dd", "synthq-7-4-ee-inline"):
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(b"x")
+        if name != "synthq-7-4-ee-inline":  # written just now: its answer may be on its way
+            os.utime(path, (old, old))
+    (tmp_path / "synthq-7-1-aa-inline.safetensors.lock").write_bytes(b"")
+    found = sorted(inline.orphans(tmp_path, 7, older_than=60))
+    assert found == ["synthq-7-1-aa-inline", "synthq-7-2-bb-inline"]
+    inline.discard(tmp_path, found[:1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "synthq-7-2-bb-inline.safetensors", "synthq-7-3-dd.safetensors",
+        "synthq-7-4-ee-inline.safetensors", "synthq-8-1-cc-inline.safetensors"]
