@@ -9,6 +9,7 @@ each run consumed in each epoch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -107,13 +108,12 @@ class _Watched:
 
     def spool_bytes(self) -> int:
         total = 0
-        for root in (self.data / "runs").glob("*/spool"):
-            for path in root.rglob("*"):
-                try:
-                    if path.is_file():
-                        total += path.stat().st_size
-                except OSError:  # renamed or removed meanwhile
-                    pass
+        for root, _, names in os.walk(self.data / "runs"):
+            if "spool" not in Path(root).parts:
+                continue
+            for name in names:
+                with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                    total += os.stat(os.path.join(root, name)).st_size
         return total
 
     def poll(self) -> None:
@@ -221,6 +221,12 @@ def test_kill9_of_the_trainer_resumes_on_exactly_what_its_checkpoint_had_not_see
     before = _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id")
     [(checkpoint,)] = _rows(data, "SELECT checkpoint FROM training_runs")
     assert checkpoint and "step-" in checkpoint
+    status = subprocess.run([sys.executable, "-m", "synthq.cli", "status", "cap"],
+                            env=_env(data), cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    said = " ".join(status.stdout.split())
+    assert status.returncode == 0 and "spool of run 1 (running):" in said, status.stdout
+    assert f"of {size:,} bytes" in said and "high-water" in said and "capture lead" in said
 
     # The job retokenized since: refused, nothing changed.
     conn = sqlite3.connect(data / "synthq.db")
@@ -302,3 +308,30 @@ def test_bad_input_is_one_line_and_nothing_is_lost(
     assert _rows(data, "SELECT id, state, input_ids FROM samples ORDER BY id") == samples
     assert not _rows(data, "SELECT id FROM spool_items WHERE state = 'consumed'")
     assert os.path.isdir(data)
+
+
+def test_a_capture_server_killed_and_restarted_mid_run_skips_nothing(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    """kill -9 of the engine while the run streams: the capture says so once, retries
+    until the restarted engine answers, and every example is still trained exactly once
+    per epoch (the capture runs in the trainer's process: killing it is the trainer's
+    kill -9, above)."""
+    data = _copy(generated, tmp_path)
+    examples = _examples(data)
+    size = 3 * _largest_file(data)
+    run = _Watched(data, _train_argv(capture_server, size, "--epochs", "2"))
+    wait_for(lambda: run.poll() or run.proc.poll() is not None or _rows(
+        data, "SELECT count(*) FROM spool_items WHERE captures > 0")[0][0] >= 4,
+        300, "nothing was captured", interval=0.05)
+    assert run.proc.poll() is None, "the run ended before the engine was killed"
+    capture_server.kill()
+    time.sleep(3)
+    assert run.proc.poll() is None  # the trainer waits for its features
+    capture_server.restart()
+    rc, out, err = run.wait()
+    assert rc == 0, err[-3000:]
+    said = " ".join(out.split())  # the console's lines, unwrapped
+    assert "does not answer" in said and "answers again" in said
+    assert _consumed(data) == {0: examples, 1: examples}
+    assert _runs(data)[0]["consumed_per_epoch"] == [SAMPLES, SAMPLES]
+    assert run.most <= size
