@@ -267,7 +267,7 @@ def tokenize_sample(job: Any, prompt: list[dict[str, Any]], content: str,
     ids = np.concatenate([r.input_ids for r in results])
     mask = np.concatenate([r.loss_mask for r in results])
     listed = [{"turn": e.turn, "tokens": len(r.input_ids), "supervised": r.num_supervised}
-              for e, r in done] if per_turn else None
+              for (e, _), r in zip(done, results, strict=True)] if per_turn else None
     return dict(input_ids=pack_ids(ids), loss_mask=pack_mask(mask), num_tokens=len(ids),
                 num_supervised=int(mask.sum()), tokenize_version=job.tokenize_version,
                 token_mismatch=mismatch, examples=listed)

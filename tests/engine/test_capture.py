@@ -616,22 +616,31 @@ def _cli(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]
 
 
 def _inline_job(server: CaptureServer, tmp_path: Path, name: str = "cap",
-                mode: str = "inline") -> Path:
+                mode: str = "inline", *, turns: int = 1, samples: int = INLINE_SAMPLES,
+                extra: tuple[str, ...] = ()) -> Path:
     """A data directory with job ``name`` enqueued against ``server`` (``--capture mode``):
-    INLINE_SAMPLES chat prompts, greedy answers of INLINE_TOKENS, DeepSeek-V3's tokenizer."""
+    ``samples`` chat prompts of ``turns`` user turns (an earlier assistant turn between
+    two), greedy answers of INLINE_TOKENS, DeepSeek-V3's tokenizer."""
     import chat_tokenizers
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "data"
     dataset = tmp_path / "inline.jsonl"
-    dataset.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"tell me about the number {i} {'and more ' * i}"}]}) + "\n"
-        for i in range(INLINE_SAMPLES)))
+
+    def messages(i: int) -> list[dict[str, str]]:
+        out = [{"role": "user", "content": f"tell me about the number {i} {'and more ' * i}"}]
+        for t in range(1, turns):
+            out += [{"role": "assistant", "content": "a dataset answer"},
+                    {"role": "user", "content": f"and then {t}?"}]
+        return out
+
+    dataset.write_text("".join(json.dumps({"messages": messages(i)}) + "\n"
+                               for i in range(samples)))
     given = ["--capture-server", server.url] if mode == "stage" else ["--capture", "inline"]
     out = _cli(data, "enqueue", "--dataset", str(dataset), "--server", server.url, "--model",
                "tiny-capture", "--job", name, "--tokenizer", chat_tokenizers.deepseek_v3(),
                "--max-tokens", str(INLINE_TOKENS), "--temperature", "0", "--keep-truncated",
-               "--reasoning", "drop", *given)
+               "--reasoning", "drop", *given, *extra)
     assert out.returncode == 0, out.stderr + out.stdout
     return data
 
@@ -782,3 +791,55 @@ def test_capture_inline_against_a_server_that_cannot_capture_is_refused(
         in said[0] and "hidden-states file" in said[0], out.stderr
     assert not (data / "synthq.db").exists() or \
         _rows(data, "SELECT count(*) FROM jobs")[0][0] == 0
+
+
+def test_the_last_turn_of_regenerate_all_is_captured_inline_earlier_ones_by_the_stage(
+        capture_server: CaptureServer, tmp_path: Path) -> None:
+    """``--regenerate all --examples per-turn``: the last turn's call captures its example
+    (the engine's ids, taken from its file); an earlier turn's example is taken from that
+    file too where its ids begin the file's (a causal model's states of a prefix are the
+    prefix's own), else captured by one call of the stage. Every example's rows equal
+    transformers' states of its own ids."""
+    from synthq.capture import files
+
+    server = capture_server
+    samples = 3
+    data = _inline_job(server, tmp_path, turns=2, samples=samples,
+                       extra=("--regenerate", "all", "--examples", "per-turn"))
+    setup = _cli(data, "capture", "cap", "--target", str(server.model_dir))
+    assert setup.returncode == 0, setup.stderr + setup.stdout
+    out = _cli(data, "run", "--job", "cap", "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert _rows(data, "SELECT state, count(*) FROM captures GROUP BY state") \
+        == [("done", samples)]
+    reference = Reference.of(server.model_dir)
+    calls = dict(_rows(data, "SELECT c.sample_id, count(k.id) FROM captures c LEFT JOIN "
+                             "capture_calls k ON k.capture_id = c.id GROUP BY c.sample_id"))
+    rows = _rows(data, "SELECT s.id, c.path, s.input_ids, s.examples, s.prompt_token_ids, "
+                       "s.completion_token_ids FROM captures c JOIN samples s ON "
+                       "s.id = c.sample_id")
+    worst, earlier_inline = 0.0, 0
+    for sample_id, path, raw, examples, prompt, output in rows:
+        ids = np.frombuffer(raw, dtype="<i4")
+        cuts = np.cumsum([e["tokens"] for e in json.loads(examples)])[:-1]
+        first, last = np.split(ids, cuts)
+        engine_ids = np.concatenate([np.frombuffer(prompt, dtype="<i4"),
+                                     np.frombuffer(output, dtype="<i4")])
+        assert last.tolist() == engine_ids.tolist()  # the last turn's example: the engine's
+        tensors, meta = files.read(data / "hidden-states" / path)
+        taken = int(meta["inline_examples"])
+        assert taken == 2 - calls[sample_id] >= 1, (taken, calls)
+        earlier_inline += taken - 1
+        # Stored end to end: the earlier example whole, the last one but its last token.
+        assert tensors["token_ids"].array().tolist() == [*first.tolist(),
+                                                        *last[:-1].tolist()]
+        got = tensors["hidden_states"].array()
+        for piece, rows_of in ((first, got[:len(first)]), (last[:-1], got[len(first):])):
+            want = reference.states(piece)
+            assert rows_of.shape == want.shape
+            worst = max(worst, float(np.abs(rows_of - want).max()))
+    assert worst < 1e-4, worst
+    assert not _inline_files(server)
+    print(f"\nregenerate all: {samples} last turns taken from their calls, "
+          f"{earlier_inline} of {samples} earlier turns too (their ids begin the last "
+          f"call's), {sum(calls.values())} capture calls; worst difference {worst:.2e}")

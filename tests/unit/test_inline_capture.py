@@ -154,3 +154,33 @@ def test_the_jobs_old_inline_files_are_found_and_deleted_in_their_folder(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "synthq-7-2-bb-inline.safetensors", "synthq-7-3-dd.safetensors",
         "synthq-7-4-ee-inline.safetensors", "synthq-8-1-cc-inline.safetensors"]
+
+
+def test_a_per_turn_samples_last_example_is_the_engines_and_its_count_says_so() -> None:
+    """``--regenerate all --examples per-turn``: the last turn's example is replaced by the
+    engine's ids, and ``samples.examples`` counts its tokens (the capture stage splits the
+    sample's ids by them)."""
+    from types import SimpleNamespace
+
+    import chat_tokenizers
+
+    from synthq.core.packing import unpack_ids
+    from synthq.data.examples import tokenize_sample
+
+    job = SimpleNamespace(tokenizer=chat_tokenizers.deepseek_v3(), chat_template=None,
+                          chat_template_kwargs=None, max_seq_len=4096, reasoning="drop",
+                          mask="all_assistant_turns", think_open="<think>\n",
+                          think_close="\n</think>\n\n", regenerate="all", examples="per-turn",
+                          history_reasoning="drop", tokenize_version=1)
+    prompt = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "x"},
+              {"role": "user", "content": "two"}]
+    answers = [{"content": "first answer", "finish_reason": "stop"},
+               {"content": "second answer", "finish_reason": "stop"}]
+    engine = ([0, 11, 12, 13, 14], [21, 22, 1])
+    got = tokenize_sample(job, prompt, "second answer", None, None, answers=answers,
+                          engine_ids=engine)
+    ids = unpack_ids(got["input_ids"])
+    assert ids is not None and got["examples"][-1]["tokens"] == 8
+    assert sum(e["tokens"] for e in got["examples"]) == len(ids) == got["num_tokens"]
+    assert ids[-8:].tolist() == [*engine[0], *engine[1]]
+    assert got["examples"][-1]["supervised"] == 3
