@@ -93,9 +93,10 @@ def test_dead_worker_kill9(cluster: chaos.Cluster) -> None:
     assert r.lost == 0 and r.doubled == 0, r
     # The heartbeat, not the 330 s lease (10 s for the sweep's tick and the machine).
     assert r.figures["running_back_s"] < WORKER_TIMEOUT + 10, r
-    # The deadline counts from the queueing, a moment before the kill; the sweep's tick
-    # and this poll add up to a second.
-    assert r.figures["queued_back_s"] < QUEUED_TIMEOUT + 1, r
+    # The deadline (not the lease) counts from the queueing, a moment before the kill; the
+    # sweep's tick and the machine add the rest, as for the running ones (a run at load 10
+    # had them back 2.6 s after the deadline).
+    assert r.figures["queued_back_s"] < QUEUED_TIMEOUT + 10, r
     assert r.figures["lost_attempts"] == 32  # the killed calls are on record
     assert r.extra_requests == 32 and r.figures["max_requests_per_prompt"] == 2, r
 
