@@ -241,10 +241,12 @@ def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatT
     assert rendered.count(got) >= 1
 
 
-def test_property_test_was_not_vacuous() -> None:
-    """Runs after the property test: refusals stay rare (a refusal is safe, not a pass)."""
+def test_property_test_was_not_vacuous(tokenizers: dict[str, ChatTokenizer]) -> None:
+    """Refusals stay rare in the property test (a refusal is safe, not a pass). In a
+    random order this may run first: it runs the property test then, never a skip."""
     if not ACCEPTED and not REFUSED:
-        pytest.skip("property test not run")
+        test_property_masked_tokens_decode_to_the_answer(tokenizers)
+    assert ACCEPTED or REFUSED
     assert len(ACCEPTED) >= 4 * len(REFUSED), REFUSED[:5]
 
 
