@@ -714,6 +714,13 @@ def test_one_pass_generates_and_captures_with_no_capture_call(
     assert worst < 1e-4, worst
     assert not _inline_files(server)  # each taken and deleted
     tokens = _rows(data, "SELECT sum(num_tokens) FROM samples WHERE state = 'done'")[0][0]
+    # A drafter trains on them: each example whole, its last token's state read as zeros.
+    trained = _cli(data, "train", "cap", "--target", str(server.model_dir), "--features",
+                   "captured", "--draft-vocab-size", "64", "--batch-size", "2",
+                   "--ttt-steps", "2", "--max-len", "256", "--eval-fraction", "0",
+                   "--epochs", "1", "--out", str(tmp_path / "drafter"), "--json")
+    assert trained.returncode == 0, trained.stderr[-3000:] + trained.stdout[-3000:]
+    assert json.loads(trained.stdout[trained.stdout.index("{"):])["state"] == "done"
 
     # The same prompts as a capture-stage job (its own data directory): its generation,
     # then the stage's own calls, one prefill of each example.
