@@ -87,8 +87,8 @@ def train(
         help="The target's features: run each step, cached, `synthq capture`'s, or "
         "captured ahead of the trainer into a bounded spool.",
         rich_help_panel=_DATA)] = "online",
-    spool: Annotated[str | None, typer.Option(
-        metavar="SIZE", help="--features stream: the most bytes of captured features on "
+    spool_size: Annotated[str | None, typer.Option(
+        "--spool", metavar="SIZE", help="--features stream: the most bytes of captured features on "
         "disk at once (e.g. 2G).", rich_help_panel=_DATA)] = None,
     capture_server: Annotated[list[str] | None, typer.Option(
         "--capture-server", metavar="URL", help="--features stream: capture through this "
@@ -139,7 +139,7 @@ def train(
                            dflash_anchors=dflash_anchors,
                            save_every=save_every, log_every=log_every,
                            hidden_states=hidden_states, seed=seed,
-                           spool=parse_size(spool) if spool is not None else 0,
+                           spool=parse_size(spool_size) if spool_size is not None else 0,
                            eval_fraction=eval_fraction, eval_every=eval_every,
                            eval_draft_tokens=eval_draft_tokens, eval_max_new=eval_max_new,
                            keep_checkpoints=keep_checkpoints))

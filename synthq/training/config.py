@@ -103,8 +103,9 @@ class TrainConfig:
     #: job's capture servers ahead of the trainer into a spool of at most ``spool`` bytes
     #: (synthq.training.stream).
     hidden_states: str = _choice("online", ("online", "offline", "captured", "stream"))
-    #: ``stream``: the spool's bound in bytes (shared evenly by the DDP ranks).
-    spool: int = _bounded(0, 0, 1 << 60)
+    #: ``stream``: the spool's bound in bytes (shared evenly by the DDP ranks; other
+    #: features ignore it).
+    spool: int = _bounded(0, 0, 10**12 - 1)
     seed: int = _bounded(0, 0, MAX_SEED)
     #: Share of the job's examples held out (never trained on) to measure the
     #: served acceptance length: at least 50 examples, at most a tenth of the job;
@@ -127,8 +128,6 @@ class TrainConfig:
         if self.hidden_states == "stream" and self.spool <= 0:
             raise UserError("--features stream needs --spool SIZE: the most bytes of "
                             "captured features kept on disk at once (e.g. 2G)")
-        if self.hidden_states != "stream" and self.spool:
-            raise UserError("--spool is for --features stream only")
         if self.drafter == "dflash" and self.eval_draft_tokens > self.ttt_steps:
             raise UserError(f"a DFlash block drafts ttt-steps={self.ttt_steps} tokens: "
                             f"eval-draft-tokens {self.eval_draft_tokens} is more than it "
