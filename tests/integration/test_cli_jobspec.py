@@ -108,7 +108,7 @@ def test_help_lists_choices_shows_no_type_for_flags_and_says_the_defaults(
                           ("--history-reasoning", "<drop|keep>"), ("--inflight", "<N|auto>")):
         assert choices in run[flag] and choices in helps["enqueue"][flag], run[flag]
     assert "<parquet|jsonl|speculators|specforge>" in helps["export"]["--format"]
-    assert "<online|offline|captured>" in helps["train"]["--hidden-states"]
+    assert "<online|offline|captured|stream>" in helps["train"]["--hidden-states"]
     assert "<now|ready|done:F|count:N|never>" in helps["train"]["--when"]
     for flag in ("--temperature", "--top-p"):
         assert "[default: the server's]" in run[flag], run[flag]
