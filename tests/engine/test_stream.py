@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from capture_server import CaptureServer, launch_capture_server, wait_up
+from capture_server import CaptureServer, generate_capture_job, launch_capture_server, wait_up
 from support import REPO, Simulator, child_env, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
@@ -55,26 +55,7 @@ def capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data directory whose job ``cap`` has SAMPLES done, tokenized samples."""
-    import chat_tokenizers
-
-    root = tmp_path_factory.mktemp("stream-generated")
-    sim = Simulator(["--latency", "0"], root)
-    try:
-        dataset = root / "prompts.jsonl"
-        with dataset.open("w") as fh:
-            for i in range(SAMPLES):
-                words = " ".join(f"w{j}" for j in range(i % 5))
-                fh.write(json.dumps({"messages": [
-                    {"role": "user", "content": f"count to {i} please {words}"}]}) + "\n")
-        out = subprocess.run(
-            [sys.executable, "-m", "synthq.cli", "run", "--dataset", str(dataset), "--server",
-             sim.url, "--model", "sim-model", "--max-tokens", "48", "--job", "cap",
-             "--tokenizer", chat_tokenizers.deepseek_v3(), "--reasoning", "drop"],
-            env=_env(root / "data"), cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr
-    finally:
-        sim.stop()
-    return root / "data"
+    return generate_capture_job(tmp_path_factory.mktemp("stream-generated"), SAMPLES, spread=5)
 
 
 def _env(data: Path, **extra: str) -> dict[str, str]:
