@@ -28,11 +28,13 @@ def test_writes_queued_during_a_commit_share_the_next_transaction(pg: str) -> No
 
 def test_an_answer_does_not_wait_for_a_commit_under_way(pg: str) -> None:
     """Issue 24 item 17: an answer that arrives while a commit runs is committed at once
-    by the second thread, not after that commit (with one thread it waits the 0.5 s);
-    its measured wait is what wait_figures reports."""
+    by the second thread, not after that commit (with one thread it waits the 3 s);
+    its measured wait is what wait_figures reports. Events, not speed: the slow commit is
+    still under way when the answer's is done (a fixed bound of 0.3 s failed at a
+    loaded suite's start, the second thread's first connection included)."""
     writer = Writer()
     try:
-        slow = writer.submit(lambda s, now: s.execute(text("SELECT pg_sleep(0.5)")) and 1)
+        slow = writer.submit(lambda s, now: s.execute(text("SELECT pg_sleep(3)")) and 1)
         time.sleep(0.05)
         t0 = time.monotonic()
         quick = writer.submit(lambda s, now: s.execute(text("SELECT 2")).scalar(),
@@ -40,10 +42,9 @@ def test_an_answer_does_not_wait_for_a_commit_under_way(pg: str) -> None:
         assert quick.result(5) == 2
         took = time.monotonic() - t0
         assert not slow.done(), "the quick write waited for the slow commit"
-        assert took < 0.3, took
         figures = writer.wait_figures()
-        assert figures["answers"] == 1 and figures["max_ms"] < 300, figures
-        assert slow.result(5) == 1
+        assert figures["answers"] == 1 and figures["max_ms"] <= took * 1000 + 1, (figures, took)
+        assert slow.result(10) == 1
     finally:
         writer.close()
 
