@@ -156,6 +156,15 @@ def wait_up(server: CaptureServer, startup_timeout: float = 900) -> CaptureServe
     return server
 
 
+def serving(server: CaptureServer) -> CaptureServer:
+    """``server`` once it serves: waited for while it starts, started again (on its port)
+    if it exited, e.g. killed by a test that failed before restarting it."""
+    if server.proc.poll() is not None:
+        server.restart()
+        return server
+    return wait_up(server)
+
+
 def launch_capture_server(root: Path, *, connector: str = "synthq") -> CaptureServer:
     """:func:`start_capture_server` without the wait: the cold start goes on in the
     background (:func:`wait_up` waits for it)."""

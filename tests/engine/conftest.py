@@ -14,10 +14,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from synthq.testing.vllm import VllmServer, VllmStartError
+
+if TYPE_CHECKING:
+    from capture_server import CaptureServer
 
 #: The served model name.
 SERVED = "tiny"
@@ -90,13 +94,15 @@ def _engine_server(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory
         server.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _engine_starts_early(request: pytest.FixtureRequest) -> None:
-    """The session's server starts with the tier's first test when a selected test needs
-    it: its cold start (half a minute, three processes importing torch and vLLM one after
-    the other, one core) overlaps the tests that run first (the capture servers' own
-    start, their tests) instead of holding up the first test that needs it."""
-    if any("engine" in item.fixturenames for item in request.session.items):
+    """The session's server starts with the first test of its group (``engine``: the
+    modules that use it, kept on one worker by scripts/test.sh), not with the first
+    test that needs it: its cold start (half a minute, one core) overlaps that group's
+    tests that run first. The other engine groups (the capture server's, the real
+    target's) run on other workers and never start it."""
+    group = request.node.get_closest_marker("xdist_group")
+    if group is not None and group.args[:1] == ("engine",):
         request.getfixturevalue("_engine_server")
 
 
@@ -113,3 +119,21 @@ def engine(_engine_server: VllmServer | VllmStartError | None, tiny_target: Path
         pytest.fail(f"the engine tier needs a real vLLM, and it did not start: {exc}",
                     pytrace=False)
     return Engine(_engine_server.base_url, tiny_target, _engine_server)
+
+
+@pytest.fixture(scope="session")
+def launched_capture_server(tmp_path_factory: pytest.TempPathFactory
+                            ) -> Iterator[CaptureServer]:
+    """The session's capture server (synthq's connector: tests/engine/capture_server.py's
+    configuration), launched once and shared by the capture and streamed-features
+    modules (one cold start, not one per module: scripts/test.sh keeps both on one
+    process). It may not serve yet, or a test that killed it may have failed before its
+    restart: each module's ``capture_server`` takes it through
+    :func:`capture_server.serving`."""
+    from capture_server import launch_capture_server
+
+    server = launch_capture_server(tmp_path_factory.mktemp("vllm-capture"))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -29,44 +29,51 @@ from capture_server import (
     CaptureServer,
     generate_capture_job,
     launch_capture_server,
+    serving,
     wait_up,
 )
 from support import REPO, child_env, wait_for
 
 # The module's first test also waits for the server's cold start (minutes here).
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
-              # one worker runs the tier (scripts/test.sh): one vLLM start
-              pytest.mark.xdist_group("engine")]
+              # with the streamed-features module on one worker (scripts/test.sh): one
+              # start of the session's capture server
+              pytest.mark.xdist_group("engine-capture")]
 
 SAMPLES = 60
 
 
 class _Servers:
-    """The module's capture servers, one per connector (``synthq``, ``stock``), each
-    started once; stopped at the module's end."""
+    """The module's capture servers, one per connector, each launched once: ``synthq``'s
+    is the session's (shared with tests/engine/test_stream.py), ``stock``'s the module's
+    own, stopped at the module's end."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
-        self.factory = tmp_path_factory
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.request = request
+        self.factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+        self.shared: CaptureServer | None = None
         self.started: dict[str, CaptureServer] = {}
 
     def launch(self, connector: str) -> CaptureServer:
+        if connector == "synthq":
+            if self.shared is None:
+                self.shared = self.request.getfixturevalue("launched_capture_server")
+            return self.shared
         if connector not in self.started:
-            folder = self.factory.mktemp({"synthq": "vllm-capture"}.get(connector,
-                                                                         f"vllm-{connector}"))
-            self.started[connector] = launch_capture_server(folder, connector=connector)
+            self.started[connector] = launch_capture_server(
+                self.factory.mktemp(f"vllm-{connector}"), connector=connector)
         return self.started[connector]
 
 
 @pytest.fixture(scope="module")
-def capture_servers(tmp_path_factory: pytest.TempPathFactory,
-                    request: pytest.FixtureRequest) -> Iterator[_Servers]:
+def capture_servers(request: pytest.FixtureRequest) -> Iterator[_Servers]:
     """Both servers' cold starts begin with the module's first test that needs either,
     when its selected tests use both: the stock server's half minute goes on while the
     first server's tests run, instead of after them; the module's job is generated
     meanwhile too."""
     used = {name for item in request.session.items if item.module is request.module
             for name in item.fixturenames}
-    servers = _Servers(tmp_path_factory)
+    servers = _Servers(request)
     try:
         for connector, fixture in (("synthq", "capture_server"),
                                    ("stock", "stock_capture_server")):
@@ -80,9 +87,10 @@ def capture_servers(tmp_path_factory: pytest.TempPathFactory,
             server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def capture_server(capture_servers: _Servers) -> CaptureServer:
-    return wait_up(capture_servers.launch("synthq"))
+    """The session's capture server, serving (restarted if a failed test left it down)."""
+    return serving(capture_servers.launch("synthq"))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from synthq.testing.vllm import VllmServer, VllmStartError
 # The first test also waits for the session's target and server and the module's job,
 # trainings and servers (minutes on a busy machine): the suite's 300 s would cut it.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400),
-              # one worker runs the tier (scripts/test.sh): one vLLM start
+              # the modules on the session's plain server, on one worker (scripts/test.sh):
+              # one start
               pytest.mark.xdist_group("engine")]
 
 #: How each drafter is trained on the module's job (``synthq train gen ...``).

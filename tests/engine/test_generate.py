@@ -20,7 +20,8 @@ from synthq.testing.tiny import count_prompt, prompts
 # The first test also waits for the session's target and server (minutes on a busy
 # machine): the suite's 300 s would cut it.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500),
-              # one worker runs the tier (scripts/test.sh): one vLLM start
+              # the modules on the session's plain server, on one worker (scripts/test.sh):
+              # one start
               pytest.mark.xdist_group("engine")]
 
 #: max_tokens of the jobs: answers of 14+ numbers are cut (finish_reason=length).

@@ -31,8 +31,9 @@ from synthq.testing.vllm import VllmServer, VllmStartError, start_capture_server
 
 # Three vLLM cold starts (two at once) on a busy machine: minutes.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400),
-              # one worker runs the tier (scripts/test.sh): one vLLM start
-              pytest.mark.xdist_group("engine")]
+              # a group of its own (scripts/test.sh): its vLLM starts go on beside the
+              # other engine groups'
+              pytest.mark.xdist_group("engine-real")]
 
 NAME = "smol"
 PROMPTS = 24

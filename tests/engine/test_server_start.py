@@ -9,7 +9,8 @@ import pytest
 from synthq.testing.vllm import VllmServer, VllmStartError
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600),
-              # one worker runs the tier (scripts/test.sh): one vLLM start
+              # the modules on the session's plain server, on one worker (scripts/test.sh):
+              # one start
               pytest.mark.xdist_group("engine")]
 
 

@@ -19,17 +19,17 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from capture_server import CaptureServer, generate_capture_job, launch_capture_server, wait_up
+from capture_server import CaptureServer, generate_capture_job, serving
 from support import REPO, Simulator, child_env, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
-              pytest.mark.xdist_group("engine")]
+              # with the capture module on one worker: the session's capture server
+              pytest.mark.xdist_group("engine-capture")]
 
 #: Samples of the module's job: even, so two ranks each take one of every batch.
 SAMPLES = 8
@@ -37,19 +37,16 @@ SAMPLES = 8
 PER_TOKEN = 4 * 128 * 4 + 8
 
 
-@pytest.fixture(scope="module")
-def capture_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The module's capture server; ``SYNTHQ_STREAM_CAPTURE=URL,MODEL_DIR`` reuses one
-    started earlier (tests/engine/capture_server.py's configuration), while iterating."""
+@pytest.fixture
+def capture_server(request: pytest.FixtureRequest) -> Any:
+    """The session's capture server, shared with tests/engine/test_capture.py (serving;
+    restarted if a failed test left it down); ``SYNTHQ_STREAM_CAPTURE=URL,MODEL_DIR``
+    reuses one started earlier (tests/engine/capture_server.py's configuration), while
+    iterating."""
     if given := os.environ.get("SYNTHQ_STREAM_CAPTURE"):
         url, model = given.split(",", 1)
-        yield SimpleNamespace(url=url, model_dir=Path(model))
-        return
-    server = launch_capture_server(tmp_path_factory.mktemp("vllm-stream"))
-    try:
-        yield wait_up(server)
-    finally:
-        server.stop()
+        return SimpleNamespace(url=url, model_dir=Path(model))
+    return serving(request.getfixturevalue("launched_capture_server"))
 
 
 @pytest.fixture(scope="module")
