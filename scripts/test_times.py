@@ -5,7 +5,9 @@
 
 A tier is the test's folder under tests/ (unit, integration, e2e, api, chaos, training,
 engine). Seconds are each test's setup + call + teardown, summed: with two processes the
-wall time is about half the total (the engine tier runs on one of them).
+wall time is about half the total. CPU seconds are those of the test's process and of the
+children it reaped (tests/conftest.py; a command the CLI zygote forked is not counted): on
+two saturated cores they, not the seconds, say what a test costs the suite.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(path: Path) -> dict[str, float]:
-    """Each test's seconds, its phases summed."""
+def load(path: Path, key: str = "seconds") -> dict[str, float]:
+    """Each test's seconds (or ``cpu_seconds``), its phases summed."""
     times: dict[str, float] = defaultdict(float)
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            times[row["test"]] += row["seconds"]
+            times[row["test"]] += row.get(key) or 0.0
     return dict(times)
 
 
@@ -31,21 +33,32 @@ def tier(test: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
 
 
-def table(times: dict[str, float], top: int, wall: float | None) -> str:
-    by_tier: dict[str, list[float]] = defaultdict(list)
-    for test, seconds in times.items():
-        by_tier[tier(test)].append(seconds)
+def table(times: dict[str, float], top: int, wall: float | None,
+          cpu: dict[str, float] | None = None) -> str:
+    """The tiers and the ``top`` slowest tests; with ``cpu`` (each test's CPU seconds),
+    a CPU column beside each."""
+    cpu = cpu if cpu and any(cpu.values()) else None
+    by_tier: dict[str, list[str]] = defaultdict(list)
+    for test in times:
+        by_tier[tier(test)].append(test)
     total = sum(times.values())
-    lines = ["| tier | tests | seconds | share |", "|---|---:|---:|---:|"]
-    for name, values in sorted(by_tier.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"| {name} | {len(values)} | {sum(values):,.0f} | "
-                     f"{sum(values) / total:.0%} |")
-    lines.append(f"| all | {len(times)} | {total:,.0f} | |")
+
+    def cpu_of(tests: list[str]) -> str:
+        return f" {sum(cpu.get(t, 0.0) for t in tests):,.0f} |" if cpu else ""
+
+    extra, rule = (" CPU seconds |", "---:|") if cpu else ("", "")
+    lines = [f"| tier | tests | seconds | share |{extra}", f"|---|---:|---:|---:|{rule}"]
+    for name, tests in sorted(by_tier.items(), key=lambda kv: -sum(times[t] for t in kv[1])):
+        seconds = sum(times[t] for t in tests)
+        lines.append(f"| {name} | {len(tests)} | {seconds:,.0f} | {seconds / total:.0%} |"
+                     + cpu_of(tests))
+    lines.append(f"| all | {len(times)} | {total:,.0f} | |" + cpu_of(list(times)))
     if wall:
         lines.append(f"\nWall time: {wall:,.0f} s ({total / wall:.2f} test-seconds per second).")
-    lines += ["", f"The {top} slowest tests:", "", "| seconds | test |", "|---:|---|"]
+    lines += ["", f"The {top} slowest tests:", "", f"| seconds |{extra} test |",
+              f"|---:|{rule}---|"]
     for test, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"| {seconds:,.1f} | `{test}` |")
+        lines.append(f"| {seconds:,.1f} |{cpu_of([test])} `{test}` |")
     return "\n".join(lines)
 
 
@@ -55,7 +68,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="how many slowest tests to list")
     parser.add_argument("--wall", type=float, help="the run's wall time, printed beside")
     args = parser.parse_args()
-    print(table(load(args.times), args.top, args.wall))
+    print(table(load(args.times), args.top, args.wall, load(args.times, "cpu_seconds")))
 
 
 if __name__ == "__main__":

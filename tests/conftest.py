@@ -126,6 +126,38 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     pg_database()  # a bad SYNTHQ_TEST_PG_PREFIX stops it the same way
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has reaped (user + system):
+    a process a test starts and waits for counts; one forked by another process (the
+    CLI zygote's commands, a server's own children it did not reap) does not."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+#: Where the last phase ended, in :func:`_cpu_seconds` (the session's start at first).
+_cpu_at: list[float] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Each phase's CPU seconds (:func:`_cpu_seconds`, since the phase before ended) ride
+    on its report to the controller, for ``SYNTHQ_TEST_TIMES``: on a saturated machine
+    a test's wall time says little of what it costs, its CPU time does."""
+    report: pytest.TestReport = yield
+    now = _cpu_seconds()
+    start = _cpu_at[-1] if _cpu_at else now
+    _cpu_at[:] = [now]
+    report.user_properties.append(("cpu_seconds", round(now - start, 3)))
+    return report
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _cpu_at[:] = [_cpu_seconds()]
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """``SYNTHQ_TEST_TIMES=FILE``: each phase's time, a JSON line each, for
     ``scripts/test_times.py`` (where the suite's time goes, by tier). Written by the
@@ -140,6 +172,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     with open(out, "a") as fh:
         fh.write(json.dumps({"test": report.nodeid, "when": report.when,
                              "seconds": round(report.duration, 3),
+                             "cpu_seconds": dict(report.user_properties).get("cpu_seconds"),
                              "outcome": report.outcome}) + "\n")
 
 
