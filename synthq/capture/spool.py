@@ -14,6 +14,11 @@ trainer takes them (epoch after epoch), from the trainer's position: an example 
 file the spool still keeps from an earlier epoch is offered again, uncaptured; another
 is captured through the job's capture servers (the capture stage's own request and
 checks: :func:`synthq.capture.stage._call`, :mod:`synthq.capture.ingest`) and offered.
+Each call holds a slot of its server's one capture limit (``capture_limit``, shared with
+``synthq capture`` and the other ranks: the row is ``capturing`` there,
+:func:`synthq.queue.spool_states.start_capture`); while every server is at its limit the
+capture waits (saying so once), and never skips the example. The thread heart-beats as a
+worker, so a killed trainer's calls are freed by the sweep's one dead-holder rule.
 A file is shared by the rows of its example that name it (one per epoch), and leaves the
 spool only once none of them needs it.
 Room comes from files that are no longer needed (every row of theirs consumed: a
@@ -29,6 +34,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +51,7 @@ from synthq.capture.stage import Engine, _call, describe, server_key
 from synthq.capture.store import Store, Stored
 from synthq.core.errors import SampleError, UserError
 from synthq.core.retry import exponential
+from synthq.queue import capture_states, workers
 from synthq.queue import spool_states as spool_rows
 from synthq.spec.config import get_settings
 from synthq.store.db import session_scope, utcnow
@@ -291,6 +298,12 @@ class StreamCapture(threading.Thread):
         self._turn = 0
         self._down: set[str] = set()
         self.pins = confine.Pins()
+        #: This thread as a worker (its heartbeat is the lease of the calls it holds).
+        self.worker = workers.new_name()
+        #: Whether it said that its servers are at their capture limit (once).
+        self.said_full = False
+        #: Times it found every server at its capture limit.
+        self.full_waits = 0
 
     def _uses(self) -> dict[str, list[int]]:
         uses: dict[str, list[int]] = {}
@@ -312,16 +325,45 @@ class StreamCapture(threading.Thread):
 
     # -- the thread ---------------------------------------------------------------------
     def run(self) -> None:
+        beating = threading.Event()
+        beats = threading.Thread(target=self._beat, args=(beating,), daemon=True,
+                                 name=f"synthq-spool-beat-{self.rank}")
         try:
+            self._beat_once()
+            beats.start()
             self._walk()
         except BaseException as exc:  # the trainer raises it (UserError: its one line)
             self.error = exc
         finally:
+            beating.set()
+            if beats.is_alive():
+                beats.join(timeout=10)
+            try:
+                with session_scope() as s:
+                    workers.unregister(s, self.worker)
+            except Exception:  # its row is pruned in time; the run's own error comes first
+                log.warning("stream: could not unregister worker %s", self.worker,
+                            exc_info=True)
             with self.spool.cond:
                 self.spool.cond.notify_all()
 
+    def _beat_once(self) -> None:
+        with session_scope() as s:
+            workers.heartbeat(s, self.worker, capacity=0, inflight=0)
+
+    def _beat(self, done: threading.Event) -> None:
+        """The worker row's heartbeat while the thread runs (a call may take minutes)."""
+        every = get_settings().heartbeat_interval
+        while not done.wait(every):
+            try:
+                self._beat_once()
+            except Exception:  # a database blip: the next beat tries again
+                log.warning("stream: heartbeat of %s failed", self.worker, exc_info=True)
+
     def _walk(self) -> None:
         self.ahead = self.position
+        with session_scope() as s:  # an earlier holder's calls in flight are nobody's now
+            spool_rows.take_back_captures(s, self.run_id, self.rank, now=utcnow())
         rows: dict[tuple[int, str], spool_rows.Item] = {}
         while self.ahead < len(self.order) and not self.stop.is_set():
             slot = self.order[self.ahead]
@@ -368,10 +410,7 @@ class StreamCapture(threading.Thread):
                             f"{human(need)}, over this rank's spool of "
                             f"{human(self.spool.size)}")
         self._room(need)
-        stored = self._capture(slot, need)
-        with session_scope() as s:
-            spool_rows.offer(s, row.id, path=stored.path, nbytes=stored.bytes, captured=True,
-                             now=utcnow())
+        self._capture(slot, row, need)
         self.captured += 1
         self._ready(slot)
 
@@ -424,22 +463,23 @@ class StreamCapture(threading.Thread):
             spool_rows.forget_file(s, [r.id for r in by_path[victim]], now=utcnow())
         return True
 
-    def _capture(self, slot: Slot, reserved: int) -> Stored:
-        """The slot's capture, retried while its servers do not answer (nothing is
-        skipped); a wrong answer stops the run with one line. ``reserved``: the bytes
-        :meth:`_room` reserved for it (released here when no file took them)."""
+    def _capture(self, slot: Slot, row: spool_rows.Item, reserved: int) -> Stored:
+        """The slot's capture, each call within its server's capture limit, retried while
+        its servers do not answer (nothing is skipped), its file offered; a wrong answer
+        stops the run with one line. ``reserved``: the bytes :meth:`_room` reserved for it
+        (released here when no file took them)."""
         polls = 0
         store = self.spool.store
         try:
             while True:
                 if self.stop.is_set():
                     raise _Stopped()
-                engine = self._servers[self._turn % len(self._servers)]
-                self._turn += 1
+                engine, token = self._slot(row)
                 store.local.reserved = reserved
                 try:
                     got = self._call(engine, slot, store)
                 except _Full as full:  # over the estimate: room for its real size, again
+                    self._release(row, token)
                     self.spool.unreserve(reserved)
                     reserved = store.local.reserved = 0
                     self._room(full.nbytes)
@@ -447,9 +487,13 @@ class StreamCapture(threading.Thread):
                     continue
                 except SampleError as exc:
                     if not exc.retryable:
-                        self._refuse(slot, exc)
+                        with session_scope() as s:
+                            spool_rows.fail_capture(s, row.id, token=token,
+                                                    error_class=exc.error_class,
+                                                    error_message=str(exc), now=utcnow())
                         raise UserError(f"capture server {engine.url} failed example "
                                         f"{slot.example}: {exc.error_class}: {exc}") from None
+                    self._release(row, token)
                     if engine.url not in self._down:
                         self._down.add(engine.url)
                         self.say(f"stream: capture server {engine.url} does not answer "
@@ -458,6 +502,12 @@ class StreamCapture(threading.Thread):
                     polls += 1
                     self.stop.wait(exponential(polls, base=0.5, cap=5.0))
                     continue
+                except BaseException:  # a full disk's line, a stop: the slot is free again
+                    self._release(row, token)
+                    raise
+                with session_scope() as s:
+                    spool_rows.captured(s, row.id, token=token, path=got.stored.path,
+                                        nbytes=got.stored.bytes, now=utcnow())
                 if engine.url in self._down:
                     self._down.discard(engine.url)
                     self.say(f"stream: capture server {engine.url} answers again")
@@ -478,13 +528,43 @@ class StreamCapture(threading.Thread):
                             hidden=self.probe.hidden, timeout=self.timeout,
                             pins=self.pins)
 
-    def _refuse(self, slot: Slot, exc: SampleError) -> None:
+    def _slot(self, row: spool_rows.Item) -> tuple[Engine, str]:
+        """A slot of a capture server's limit for ``row``'s call (the servers in turn): its
+        engine and the call's claim token. While every server is at its limit, it waits
+        (saying so once) and frees what dead holders left there (no tick may run beside
+        a streamed run)."""
+        limit = int(self.job.capture_limit)
+        lease = spool_rows.CAPTURE.lease_seconds(self.timeout)
+        polls = 0
+        while True:
+            for _ in self._servers:
+                engine = self._servers[self._turn % len(self._servers)]
+                self._turn += 1
+                token = secrets.token_hex(8)
+                with session_scope() as s:
+                    if spool_rows.start_capture(s, row.id, server=engine.url, limit=limit,
+                                                token=token, worker=self.worker, lease=lease,
+                                                now=utcnow()):
+                        return engine, token
+            if self.stop.is_set():
+                raise _Stopped()
+            self.full_waits += 1
+            if not self.said_full:
+                self.said_full = True
+                self.say(f"stream: capture server(s) {', '.join(e.url for e in self._servers)} "
+                         f"at their capture limit ({limit} calls each, shared with `synthq "
+                         "capture` and every rank); waiting for a slot, nothing is skipped")
+            timeout = get_settings().worker_timeout
+            with session_scope() as s:  # as the tick's sweep would: dead holders' calls
+                now = utcnow()
+                spool_rows.expire_captures(s, now=now, worker_timeout=timeout)
+                capture_states.expire(s, now=now, worker_timeout=timeout)
+            polls += 1
+            self.stop.wait(exponential(polls, base=0.1, cap=1.0))
+
+    def _release(self, row: spool_rows.Item, token: str) -> None:
         with session_scope() as s:
-            for r in spool_rows.items(s, self.run_id, rank=self.rank, epoch=slot.epoch,
-                                      states=[spool_rows.SPOOL.waiting],
-                                      examples=[slot.example]):
-                spool_rows.refuse(s, r.id, error_class=exc.error_class,
-                                  error_message=str(exc), now=utcnow())
+            spool_rows.release_capture(s, row.id, token=token, now=utcnow())
 
 
 class _Stopped(Exception):

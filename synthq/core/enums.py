@@ -68,6 +68,9 @@ class SpoolState(enum.StrEnum):
 
     #: Its features are not in the spool: the run's capture asks the engine for them.
     PENDING = "pending"
+    #: Its capture call is in flight on ``server`` (held under a claim and a lease): it
+    #: counts toward that server's capture limit, as a running capture does.
+    CAPTURING = "capturing"
     #: Its file is in the spool, ahead of the trainer (the capture's lead).
     SPOOLED = "spooled"
     #: The trainer trained on it (``step``); no checkpoint has committed that step yet.

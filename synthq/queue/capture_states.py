@@ -16,6 +16,12 @@ PostgreSQL, :func:`synthq.core.locks.hold`; SQLite's write transactions are seri
 already), so running
 captures on one server never exceed its job's ``capture_limit``, however many
 processes capture at once. Its samples' rows are never written here.
+
+That limit is one per server for every capture call synthq makes: the stage's (an
+inline capture's fallback included), and a streamed run's spool
+(:mod:`synthq.queue.spool_states`, a row ``capturing`` on the server). Both claims take
+their room from :func:`room`, under the same lock, over :func:`running_on`, which counts
+both kinds.
 """
 
 from __future__ import annotations
@@ -29,14 +35,14 @@ from sqlalchemy import Integer, String, func, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
-from synthq.core.enums import CaptureState, SampleState
+from synthq.core.enums import CaptureState, SampleState, SpoolState
 from synthq.core.errors import Lost
 from synthq.queue import ledger, outage
 from synthq.spec.config import get_settings
-from synthq.store.models import Capture, CaptureCall, Job, Sample, UTCDateTime
+from synthq.store.models import Capture, CaptureCall, Job, Sample, SpoolItem, UTCDateTime
 
 __all__ = ["CAPTURES", "Claimed", "add_missing", "claim", "done", "retry", "fail", "expire",
-           "requeue_failed", "running_on", "record_call", "latest_calls", "server_down",
+           "requeue_failed", "running_on", "room", "record_call", "latest_calls", "server_down",
            "next_probe_s"]
 
 def _lease(call_timeout: float) -> float:
@@ -99,8 +105,24 @@ def _count(session: Session, statement: Any) -> int:
 
 
 def running_on(session: Session, server: str) -> int:
-    return session.scalar(select(func.count()).select_from(Capture).where(
+    """Capture calls in flight on ``server``, of every kind: the stage's running captures
+    and streamed runs' spool rows capturing there (synthq.queue.spool_states.CAPTURE)."""
+    stage = session.scalar(select(func.count()).select_from(Capture).where(
         Capture.server == server, Capture.state == CaptureState.RUNNING)) or 0
+    spool = session.scalar(select(func.count()).select_from(SpoolItem).where(
+        SpoolItem.server == server, SpoolItem.state == SpoolState.CAPTURING)) or 0
+    return int(stage) + int(spool)
+
+
+def room(session: Session, server: str, *, limit: int, most: int, now: datetime) -> int:
+    """How many more capture calls may start on ``server`` now (at most ``most``), under
+    its lock, held to the caller's commit: the one capture limit per server, whichever
+    kind of capture claims (this module's :func:`claim`, the spool's
+    :func:`synthq.queue.spool_states.start_capture`); one probe at a time while it is down
+    (:func:`synthq.queue.outage.room`)."""
+    locks.hold(session, f"capture:{server}")
+    return outage.room(limit, running_on(session, server), latest_calls(session, server), now,
+                       most=most)
 
 
 def record_call(session: Session, capture_id: int, *, server: str, outcome: str,
@@ -139,15 +161,13 @@ def claim(session: Session, job_id: int, *, server: str, limit: int, most: int, 
     """Up to ``most`` due pending captures of the job → running on ``server``, never
     more than ``limit`` running there in all, nor more than one at a time (a probe, when
     its time has come) while the server is down (:func:`synthq.queue.outage.room`)."""
-    locks.hold(session, f"capture:{server}")
-    room = outage.room(limit, running_on(session, server), latest_calls(session, server), now,
-                       most=most)
-    if room <= 0:
+    free = room(session, server, limit=limit, most=most, now=now)
+    if free <= 0:
         return []
     due = select(Capture.id).where(
         Capture.job_id == job_id, Capture.state.in_(ledger.allowed(CAPTURES, "claim")),
         or_(Capture.next_attempt_at.is_(None), Capture.next_attempt_at <= now),
-    ).order_by(Capture.id).limit(room)
+    ).order_by(Capture.id).limit(free)
     if session.get_bind().dialect.name == "postgresql":
         due = due.with_for_update(skip_locked=True)
     ids = list(session.scalars(due))

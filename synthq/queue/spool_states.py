@@ -8,11 +8,21 @@ files of its step (under the run's claim token: the run's heartbeat is the lease
 what it holds); a committed checkpoint *finishes* them (consumed: the ledger's record
 of which example the run consumed in which epoch)::
 
-    pending ──offer (captured, or kept from an earlier epoch)──▶ spooled
-       ▲  │                                                        │ claim (the step)
-       │  └──refuse (its capture failed for good)──▶ failed        ▼
-       └──expire (a spooled file gone from the spool)──────── training ──finish──▶ consumed
-                                     (renew: trained again after a resume)  (a checkpoint)
+    pending ──offer (kept from an earlier epoch)───────────────▶ spooled
+     ▲ ▲ │ └─start_capture──▶ capturing ──captured (its file)──▲    │ claim (the step)
+     │ │ └─refuse─▶ failed ◀──fail──┘ │                             ▼
+     │ └──release / expire (lease)────┘                          training ──finish──▶ consumed
+     └──expire (a spooled file gone from the spool)──────────── (renew: trained again after
+                                                                 a resume)  (a checkpoint)
+
+A capture call in flight is a second kind of leased work on the same rows
+(:data:`CAPTURE`): the row is ``capturing`` on its ``server``, under the capture thread's
+claim and a lease (its call's timeout, the file's and the margin, as a stage capture's),
+held by a process that heart-beats in ``workers``, so the one dead-holder rule
+(:func:`synthq.queue.ledger.gone`) frees a killed trainer's call, in the sweep as for
+the stage's captures. It is claimed through the capture stage's room
+(:func:`synthq.queue.capture_states.room`): every capture call to a server counts toward
+its one ``capture_limit``, the stage's and the spools' alike.
 
 A killed trainer's rows are taken over by its run's next holder (:func:`take_over`, as
 :func:`synthq.queue.run_states.claim` takes the run over): those its checkpoint covers are
@@ -32,11 +42,13 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from synthq.core.enums import SpoolState
-from synthq.queue import ledger
+from synthq.queue import capture_states, ledger
 from synthq.store.models import SpoolItem
 
-__all__ = ["SPOOL", "Item", "add_epoch", "items", "offer", "take", "commit", "take_over",
-           "forget_file", "lost_file", "refuse", "consumed_per_epoch", "files"]
+__all__ = ["SPOOL", "CAPTURE", "Item", "add_epoch", "items", "offer", "take", "commit",
+           "take_over", "forget_file", "lost_file", "refuse", "consumed_per_epoch", "files",
+           "start_capture", "captured", "release_capture", "fail_capture", "expire_captures",
+           "take_back_captures"]
 
 #: The spool's consumption as a kind of leased work: offered (spooled) before it is
 #: claimed (training); no attempt budget and no retry (a capture's own retries are the
@@ -44,6 +56,17 @@ __all__ = ["SPOOL", "Item", "add_epoch", "items", "offer", "take", "commit", "ta
 SPOOL = ledger.Kind("spool item", SpoolItem, waiting=SpoolState.PENDING,
                     offered=SpoolState.SPOOLED, held=SpoolState.TRAINING,
                     done=SpoolState.CONSUMED, failed=SpoolState.FAILED, lease="expires_at")
+
+#: A spool row's capture call as a kind of leased work: claimed from pending on a server
+#: within its capture limit (:func:`start_capture`), done once its file is in the spool
+#: (spooled); the lease in ``expires_at``, set at the claim to outlive the call and its
+#: file like a stage capture's (:data:`synthq.queue.capture_states.CAPTURES`), never
+#: renewed; its holder a ``workers`` row (the run's capture thread heart-beats); no budget
+#: and no retry of the ledger's: the thread retries a call its server did not answer.
+CAPTURE = ledger.Kind("spool capture", SpoolItem, waiting=SpoolState.PENDING,
+                      held=SpoolState.CAPTURING, done=SpoolState.SPOOLED,
+                      failed=SpoolState.FAILED, lease="expires_at",
+                      lease_length=capture_states.CAPTURES.lease_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +199,68 @@ def refuse(session: Session, item_id: int, *, error_class: str, error_message: s
     """pending → failed: its capture failed for good (the run stops with the line)."""
     return ledger.move(session, SPOOL, "refuse", item_id, None, now=now,
                        error_class=error_class, error_message=error_message[:2000])
+
+
+# -- the capture call (CAPTURE) -----------------------------------------------------------
+
+
+def start_capture(session: Session, item_id: int, *, server: str, limit: int, token: str,
+                  worker: str, lease: float, now: datetime) -> bool:
+    """pending → capturing on ``server``, when the server has room within ``limit`` (its
+    one capture limit, counted with the stage's captures under its lock:
+    :func:`synthq.queue.capture_states.room`); False: no room now (or the row is not
+    pending). The caller commits at once: the lock is held to the commit."""
+    if capture_states.room(session, server, limit=limit, most=1, now=now) <= 0:
+        return False
+    result = ledger.claim(session, CAPTURE, [SpoolItem.id == item_id,
+                                             SpoolItem.state.in_(ledger.allowed(CAPTURE,
+                                                                                "claim"))],
+                          token=token, worker=worker, lease=now + timedelta(seconds=lease),
+                          now=now, values=dict(server=server))
+    return int(result.rowcount or 0) == 1
+
+
+def captured(session: Session, item_id: int, *, token: str, path: str, nbytes: int,
+             now: datetime) -> bool:
+    """capturing → spooled: its call stored its file in the spool, and the server's slot is
+    free. A row whose claim was lost meanwhile (its lease passed: pending again) is offered
+    from pending, since its file is in the spool all the same."""
+    values: dict[str, Any] = dict(path=path, bytes=nbytes, captures=SpoolItem.captures + 1,
+                                  error_class=None, error_message=None, finished_at=None)
+    return ledger.move(session, CAPTURE, "finish", item_id, token, now=now, **values) or \
+        ledger.move(session, SPOOL, "offer", item_id, None, now=now, **values)
+
+
+def release_capture(session: Session, item_id: int, *, token: str, now: datetime) -> bool:
+    """capturing → pending: its call ended with no file (its server did not answer, or the
+    file needs more room than was reserved); the thread asks again."""
+    return ledger.move(session, CAPTURE, "release", item_id, token, now=now)
+
+
+def fail_capture(session: Session, item_id: int, *, token: str, error_class: str,
+                 error_message: str, now: datetime) -> bool:
+    """capturing → failed: its server answered wrong (the run stops with the line)."""
+    return ledger.move(session, CAPTURE, "fail", item_id, token, now=now,
+                       error_class=error_class, error_message=error_message[:2000])
+
+
+def expire_captures(session: Session, *, now: datetime, worker_timeout: float | None = None,
+                    server: str | None = None) -> int:
+    """Capture calls whose holder is gone (the one rule, :func:`synthq.queue.ledger.gone`:
+    the lease passed, or its capture thread's ``workers`` row silent for
+    ``worker_timeout`` seconds) → pending: the server's slot is free, and the run's
+    capture asks for the example again; all servers', or ``server``'s."""
+    gone = ledger.gone(CAPTURE, now=now, worker_timeout=worker_timeout)
+    scope = [SpoolItem.server == server] if server is not None else []
+    return len(ledger.expire(session, CAPTURE, now=now, gone=gone, scope=scope))
+
+
+def take_back_captures(session: Session, run_id: int, rank: int, *, now: datetime) -> int:
+    """The rank's rows an earlier holder of the run left capturing (killed, or stopped
+    mid-call) → pending, when the run's new holder starts its capture: the run is this
+    holder's now, so those calls are nobody's."""
+    return ledger.apply(session, CAPTURE, "expire",
+                        [SpoolItem.run_id == run_id, SpoolItem.rank == rank], now=now)
 
 
 def consumed_per_epoch(session: Any, run_id: int) -> list[int]:

@@ -9,6 +9,8 @@ silent) into its declared states:
   class ``connection``, on its last attempt; the cut call logged ``lost``);
 * captures (:func:`synthq.queue.capture_states.expire`): → ``pending`` (``failed``, class
   ``lost``, on its last attempt);
+* a streamed run's capture calls (:func:`synthq.queue.spool_states.expire_captures`): →
+  ``pending``, so a killed trainer's call no longer holds its server's capture limit;
 * training runs (:func:`sweep_runs`): a run whose holder stopped heart-beating →
   ``pending``, and each such run (and a pending one whose message may have died) is sent
   a ``train`` message again.
@@ -30,7 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from synthq.queue import capture_states, ledger, run_states, states, workers
+from synthq.queue import capture_states, ledger, run_states, spool_states, states, workers
 from synthq.spec.config import get_settings
 from synthq.store.counts import compact_counts
 from synthq.store.db import session_scope, utcnow
@@ -92,6 +94,8 @@ def sweep(*, reclaim_all: bool = False, job_ids: Sequence[int] | None = None,
             # and the room they free would be filled on top of them (6 in flight, limit 3).
             moved += capture_states.expire(s, now=now, worker_timeout=timeout,
                                            job_ids=job_ids, everything=reclaim_all)
+            # A streamed run's calls hold the same servers' limit: freed by the same rule.
+            moved += spool_states.expire_captures(s, now=now, worker_timeout=timeout)
             if send_runs is not None:
                 runs = sweep_runs(s, now=now)
             workers.prune(s, now=now, older_than=FORGET_WORKERS_AFTER)

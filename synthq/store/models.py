@@ -596,6 +596,8 @@ class SpoolItem(Base):
         UniqueConstraint("run_id", "epoch", "example"),
         # A rank's rows by state (the spool's files, the lead, what a commit moves).
         Index("ix_spool_items_run_rank_state", "run_id", "rank", "state"),
+        # In flight per capture server (its one capture limit), and the lease sweep.
+        Index("ix_spool_items_server_state", "server", "state"),
     )
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True)
@@ -616,6 +618,9 @@ class SpoolItem(Base):
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     #: The run's step that trained on it.
     step: Mapped[int | None] = mapped_column(Integer)
+    #: The capture server of its latest capture call (while ``capturing``: the server whose
+    #: capture limit it holds).
+    server: Mapped[str | None] = mapped_column(String(500))
     #: Calls to a capture server that stored its file for this epoch (0: kept in the spool
     #: from an earlier epoch).
     captures: Mapped[int] = mapped_column(Integer, default=0)
