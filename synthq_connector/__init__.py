@@ -16,6 +16,10 @@ It is vLLM's ``ExampleHiddenStatesConnector`` with these changes:
 * **A checksum.** The file's safetensors metadata carries the sha256 of the
   ``hidden_states`` bytes and the tensor's shape and dtype; synthq checks it
   before a capture counts.
+* **Its layers named.** The metadata also carries the layer ids the engine captures
+  (``layer_ids``: the speculative config's ``eagle_aux_hidden_state_layer_ids``, in the
+  order of ``hidden_states``' second axis): the shape only counts them, and synthq
+  refuses a file of other layers than its job's with the same count.
 * **Names confined, one request per name.** A request names its file with
   ``kv_transfer_params.synthq_name`` (letters, digits, ``-``, ``_`` and ``.``, not
   starting with ``.``), written directly in the connector's ``shared_storage_path``.
@@ -75,10 +79,10 @@ from vllm.logger import init_logger
 
 # The keys are synthq.capture.protocol's (stdlib only: vLLM loads this package from the
 # repository, where synthq is too), so the capture stage and this connector share them.
-from synthq.capture.protocol import NAME_KEY, REFUSED_KEY
+from synthq.capture.protocol import LAYERS_KEY, NAME_KEY, REFUSED_KEY
 
 __all__ = ["SynthqHiddenStatesConnector", "tensor_sha256", "NAME_KEY", "REFUSED_KEY",
-           "file_name"]
+           "LAYERS_KEY", "file_name", "captured_layers"]
 
 logger = init_logger(__name__)
 
@@ -98,6 +102,18 @@ def file_name(req_id: str, params: Any) -> str:
     # (ids that differ only in unsafe characters stay apart).
     digest = hashlib.sha256(req_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{UNNAMED_PREFIX}{_UNSAFE_CHARS.sub('_', req_id)[:64]}-{digest}.safetensors"
+
+
+def captured_layers(vllm_config: Any) -> str | None:
+    """The layer ids this engine captures, as a file's ``layer_ids`` metadata says them
+    (``2,4,5,8``): the draft model's ``eagle_aux_hidden_state_layer_ids``, which vLLM's
+    ``extract_hidden_states`` captures in that order; None where the config has none."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    ids = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
+    if not ids:
+        return None
+    return ",".join(str(int(i)) for i in ids)
 
 
 def _try_lock(filename: str) -> int | None:
@@ -140,8 +156,9 @@ class _Done:
 
 
 def _write_whole(tensors: dict[str, torch.Tensor], filename: str, event: Any,
-                 lock_fd: int | None) -> None:
-    """Thread worker: write ``filename`` whole (tmp, fsync, rename), then release the lock."""
+                 lock_fd: int | None, layer_ids: str | None = None) -> None:
+    """Thread worker: write ``filename`` whole (tmp, fsync, rename), then release the lock;
+    ``layer_ids``: the captured layers (:func:`captured_layers`), kept in its metadata."""
     try:
         event.synchronize()
         hidden = tensors["hidden_states"].contiguous()
@@ -151,6 +168,8 @@ def _write_whole(tensors: dict[str, torch.Tensor], filename: str, event: Any,
             "dtype": str(hidden.dtype).removeprefix("torch."),
             "writer": "synthq_connector",
         }
+        if layer_ids is not None:
+            metadata[LAYERS_KEY] = layer_ids
         # A new, unguessable name in the folder, made with O_EXCL: a symlink planted
         # under a predictable one would be written through.
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(filename) + ".", suffix=".tmp",
@@ -211,6 +230,8 @@ class SynthqHiddenStatesConnector(ExampleHiddenStatesConnector):
             "unnamed_file_ttl_s", 3600))
         self._sweep_lock = threading.Lock()
         self._swept_at = 0.0
+        #: The layers each file holds, named in its metadata (synthq checks them).
+        self._layer_ids = captured_layers(self._vllm_config)
 
     # ---- scheduler side -------------------------------------------------------------
 
@@ -348,7 +369,7 @@ class SynthqHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _write_and_sweep(self, tensors: dict[str, torch.Tensor], filename: str, event: Any,
                          lock_fd: int | None) -> None:
         """Thread worker: the file, whole; then, at most once a minute, the sweep."""
-        _write_whole(tensors, filename, event, lock_fd)
+        _write_whole(tensors, filename, event, lock_fd, self._layer_ids)
         self._sweep_unnamed()
 
     def _sweep_unnamed(self) -> None:

@@ -10,6 +10,11 @@ A file counts only once it is in the store and its row says so (the row's
   ``hidden_states`` [tokens, layers, hidden] and ``token_ids`` [tokens], judged before
   the tensors are read; the tensors fit the file (else ``capture_incomplete``);
 * the connector's checksum of ``hidden_states`` matches (when it wrote one);
+* the layer ids the connector wrote in the file's metadata (protocol.LAYERS_KEY) are the
+  job's, checked from the header before any tensor is read (:class:`OtherLayers`, a
+  ``capture_mismatch``: the engine was started with other
+  ``eagle_aux_hidden_state_layer_ids``); a file without them (vLLM's stock connector) is
+  held to the layer count only;
 * ``token_ids`` equal the sample's ``input_ids`` and the layer count is the job's:
   otherwise ``capture_mismatch`` (never data);
 * every value of ``hidden_states`` is finite: a NaN or an infinity is
@@ -39,16 +44,41 @@ import numpy as np
 
 from synthq.capture import confine, files
 from synthq.capture.plan import AUTO
+from synthq.capture.protocol import LAYERS_KEY
 from synthq.capture.store import Store, Stored
 from synthq.core.errors import BadRequest, CaptureIncomplete, CaptureMismatch
 from synthq.core.retry import exponential
 
 __all__ = ["Ingested", "wait_whole", "ingest", "ingest_parts", "store_parts", "rows", "check",
-           "discard", "largest_file", "MAX_HIDDEN"]
+           "check_layers", "OtherLayers", "discard", "largest_file", "MAX_HIDDEN"]
 
 #: The hidden size a file may have when the target's is not known (the largest served
 #: models' are 16,384-25,600).
 MAX_HIDDEN = 1 << 16
+
+
+class OtherLayers(CaptureMismatch):
+    """The engine captures other layers than the job's, as its file's metadata says: the
+    server's configuration, not the sample's fault, so the capture stage stops at the first
+    (synthq.capture.stage) and a probe refuses the server."""
+
+
+def check_layers(metadata: dict[str, str], layers: list[int]) -> None:
+    """Raise :class:`OtherLayers` when the file's metadata names the layers its engine
+    captured (protocol.LAYERS_KEY) and they are not ``layers``; nothing when it names none
+    (vLLM's stock connector: the layer count is checked with the shape)."""
+    raw = metadata.get(LAYERS_KEY)
+    if raw is None:
+        return
+    try:
+        captured = [int(part) for part in raw.split(",")]
+    except ValueError:
+        raise CaptureMismatch(f"the file's {LAYERS_KEY} metadata is not layer ids: "
+                              f"{raw[:80]!r}") from None
+    if captured != [int(i) for i in layers]:
+        raise OtherLayers(
+            f"the engine captures layers {captured}, the job's are {list(layers)}: start it "
+            f"with eagle_aux_hidden_state_layer_ids {list(layers)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +167,7 @@ def store_parts(parts: Sequence[files.Tensor], pieces: Sequence[np.ndarray], *,
     if scale is not None:
         out["hidden_states_scale"] = files.Tensor("F32", (1,),
                                                   np.float32(scale).astype("<f4").tobytes())
-    meta_out = dict(metadata, layer_ids=",".join(str(i) for i in layers), dtype=dtype,
+    meta_out = dict(metadata, **{LAYERS_KEY: ",".join(str(i) for i in layers)}, dtype=dtype,
                     sha256_hidden_states=hashlib.sha256(states.data).hexdigest())
     if len(pieces) > 1:  # where each example's rows start (synthq.data.examples.split's cuts)
         meta_out["example_tokens"] = ",".join(str(len(p)) for p in pieces)
@@ -190,6 +220,7 @@ def _check_open(fd: int, want: np.ndarray, layers: list[int],
         raise CaptureIncomplete(f"the engine's file is not whole: {exc}") from None
     except files.Malformed as exc:
         raise CaptureMismatch(f"the engine's file is not a capture file: {exc}") from None
+    check_layers(meta, layers)  # the header's word, before a tensor is read
     states, ids_entry = entries.get("hidden_states"), entries.get("token_ids")
     if states is None or ids_entry is None:
         raise CaptureMismatch("the file has no hidden_states or token_ids tensor")

@@ -60,11 +60,14 @@ Piece = tuple[files.Tensor, np.ndarray] | None
 
 
 def probe(client: httpx.Client, url: str, model: str, *, folder: str | None = None,
-          pins: confine.Pins | None = None, seconds: float = PROBE_SECONDS) -> Path:
+          pins: confine.Pins | None = None, seconds: float = PROBE_SECONDS,
+          layers: list[int] | None = None) -> Path:
     """The folder where server ``url`` writes the hidden states of a generation call, or
     a :class:`UserError` in one line: a two-token completion asks it, as the final
     answer's call will, for the states of its prompt and output; the file must hold one
-    state per token but the last (its output's included). The file is deleted."""
+    state per token but the last (its output's included), and, given the job's
+    ``layers``, the states of those layers (the ids the connector names in the file, else
+    their count). The file is deleted."""
     deadline = time.monotonic() + seconds
     name = f"synthq-probe-{secrets.token_hex(8)}"
     body = {"model": model, "prompt": "synthq probe", "max_tokens": 2, "temperature": 0.0,
@@ -97,17 +100,27 @@ def probe(client: httpx.Client, url: str, model: str, *, folder: str | None = No
         ingest.wait_whole(engine_file, deadline=deadline)
         fd = engine_file.open(most=ingest.largest_file(tokens, 64, None))
         try:
-            entries, _, body_at = files.header(fd, os.fstat(fd).st_size)
+            entries, meta, body_at = files.header(fd, os.fstat(fd).st_size)
             ids = files.tensors_of(fd, entries, body_at, ["token_ids"])["token_ids"]
         finally:
             os.close(fd)
         saved = int(np.prod(ids.shape))
+        states = entries["hidden_states"].shape
     except (KeyError, TypeError, ValueError, SampleError, OSError) as exc:
         raise UserError(f"{refused}: its probe's file {path} cannot be read here: "
                         f"{type(exc).__name__}: {exc}") from None
     finally:
         engine_file.discard()
         engine_file.folder.close()
+    if layers is not None:
+        try:
+            ingest.check_layers(meta, layers)
+        except SampleError as exc:
+            raise UserError(f"{refused} the job's layers: {exc}") from None
+        if len(states) != 3 or states[1] != len(layers):
+            raise UserError(f"{refused} the job's layers: its probe's file has hidden_states "
+                            f"of shape {list(states)}, not [tokens, {len(layers)}, hidden] for "
+                            f"the job's layers {layers}")
     if saved != tokens - 1:
         raise UserError(f"{refused} its answers' states: its probe's file holds {saved} "
                         f"tokens' states, not the {tokens - 1} of its prompt and output (a "

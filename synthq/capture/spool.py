@@ -258,6 +258,9 @@ def probe(job: Any, servers: Sequence[str], layers: list[int], ids: np.ndarray, 
                                job=job, layers=layers, store=store,
                                metadata={"job": job.name, "example": "probe"},
                                hidden=hidden, timeout=timeout, pins=pins)
+            except ingest.OtherLayers as exc:  # the one line names both lists
+                raise UserError(f"capture server {url} cannot stream this run's features: "
+                                f"{exc}") from None
             except SampleError as exc:
                 raise UserError(f"capture server {url} cannot stream this run's features "
                                 f"(layers {layers}): {exc.error_class}: {exc}") from None

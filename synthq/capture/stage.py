@@ -374,7 +374,7 @@ class Stage:
             self.inline_folders = {
                 url: inline.probe(self.client, url, engines[url].model,
                                   folder=(job.capture_files or {}).get(url), pins=self.pins,
-                                  seconds=self.timeout)
+                                  seconds=self.timeout, layers=layers)
                 for url in job.servers if url in engines}
             self._sweep_inline()
         with session_scope() as s:
@@ -638,7 +638,10 @@ class Stage:
                         exc: SampleError) -> None:
         now = utcnow()
         message = str(exc)[:2000]
-        stop = self.streaks.failed(server, exc.error_class, message)
+        # A file naming other layers than the job's: the engine's settings, not the
+        # sample's; one is enough to stop (the calls after it would cost a prefill each).
+        stop = self.streaks.failed(server, exc.error_class, message,
+                                   at_once=isinstance(exc, ingest.OtherLayers))
         line = stop.line("capture", f"`synthq capture {job.name} --retry-failed`") \
             if stop is not None else None
         with session_scope() as s:

@@ -66,7 +66,8 @@ class Stop:
     def line(self, what: str, resume: str) -> str:
         """``capture stopped: server URL failed 5 captures in a row with bad_request:
         MESSAGE; fix it, then RESUME``."""
-        return (f"{what} stopped: server {self.server} failed {self.count} {what}s in a row "
+        failed = f"{self.count} {what}s in a row" if self.count > 1 else f"a {what}"
+        return (f"{what} stopped: server {self.server} failed {failed} "
                 f"with {self.error_class}: {self.message[:300]}; fix it, then {resume}")
 
 
@@ -108,10 +109,13 @@ class Streaks:
             self._runs.pop(server, None)
             return None
 
-    def failed(self, server: str, error_class: str, message: str) -> Stop | None:
+    def failed(self, server: str, error_class: str, message: str, *,
+               at_once: bool = False) -> Stop | None:
         """Count a failed call; the :class:`Stop` when it is the ``after``-th identical one in
         a row (once: the calls in flight meanwhile do not stop it again with another
-        count). Another class or message starts a new run."""
+        count). Another class or message starts a new run. ``at_once``: this failure alone
+        says the server is misconfigured (its file names other layers than the job's,
+        synthq.capture.ingest.OtherLayers), so it stops the stage by itself (once)."""
         if self.after <= 0:
             return None
         if error_class not in self.classes:
@@ -123,7 +127,7 @@ class Streaks:
             last, n = self._runs.get(server, ("", 0))
             n = n + 1 if last == key else 1
             self._runs[server] = (key, n)
-            if n != self.after:
+            if n != self.after and not (at_once and server not in self._stopped):
                 return None
             stop = self._stopped[server] = Stop(server, error_class, message, n)
         return stop

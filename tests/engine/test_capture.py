@@ -368,6 +368,27 @@ def test_disk_plan_refuses_before_any_call(capture_server: CaptureServer, genera
     assert _rows(data, "SELECT count(*) FROM captures WHERE attempts > 0")[0][0] == 0
 
 
+def test_a_server_capturing_other_layers_than_the_jobs_is_refused_at_its_first_file(
+        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
+    """Issue 43 item 5: the session's server captures [2, 4, 5, 8]; a job of [1, 3, 5, 8]
+    (the same count: the shape alone passed it) is refused by the ids synthq's connector
+    names in the file, in one line naming both lists, at its first file; nothing done."""
+    data = _copy(generated, tmp_path)
+    other = [1, 3, 5, 8]
+    assert other != CAPTURE_LAYERS and len(other) == len(CAPTURE_LAYERS)
+    out = _capture(data, "--server", capture_server.url, "--layers",
+                   ",".join(str(i) for i in other), "--limit", "1", "--json")
+    stops = [line for line in out.stdout.splitlines() if line.startswith("capture stopped")]
+    print(f"\nother layers: {stops}")
+    assert len(stops) == 1, out.stdout + out.stderr
+    assert f"the engine captures layers {CAPTURE_LAYERS}, the job's are {other}" in stops[0]
+    assert json.loads(out.stdout[out.stdout.index("{"):])["stopped"] == stops[0]
+    assert _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0] == 0
+    assert _rows(data, "SELECT count(*) FROM captures WHERE attempts > 0")[0][0] == 1
+    store = data / "hidden-states"
+    assert not store.exists() or not list(store.rglob("*.safetensors"))
+
+
 def test_bfloat16_store_halves_the_disk(capture_server: CaptureServer, generated: Path,
                                         tmp_path: Path) -> None:
     from synthq.capture import files

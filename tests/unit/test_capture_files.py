@@ -73,6 +73,45 @@ def test_ingest_refuses_another_layer_count(tmp_path: Path) -> None:
                       store=Store(tmp_path / "store"), metadata={})
 
 
+def test_ingest_refuses_other_layer_ids_of_the_same_count(tmp_path: Path) -> None:
+    """Issue 43 item 5: the connector names the layers it captured; a file of [1, 3, 4]
+    for a job of [2, 3, 4] has the job's layer count, and is refused by its ids in one
+    line naming both lists. A stock file (no ids) keeps the count check; the job's own ids
+    pass."""
+    from synthq.capture.protocol import LAYERS_KEY
+
+    path, store = tmp_path / "e.safetensors", Store(tmp_path / "store")
+    hidden = torch.randn(len(IDS), 3, 8)
+
+    def write(layer_ids: str | None) -> None:
+        meta = {"sha256_hidden_states": hashlib.sha256(
+            hidden.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
+        if layer_ids is not None:
+            meta[LAYERS_KEY] = layer_ids
+        save_file({"hidden_states": hidden,
+                   "token_ids": torch.from_numpy(IDS.astype(np.int64))}, str(path),
+                  metadata=meta)
+
+    write("1,3,4")
+    with pytest.raises(ingest.OtherLayers) as caught:
+        ingest.ingest(path, input_ids=IDS, layers=[2, 3, 4], dtype="float32", store=store,
+                      metadata={})
+    assert isinstance(caught.value, CaptureMismatch)
+    line = str(caught.value)
+    assert "\n" not in line and "[1, 3, 4]" in line and "[2, 3, 4]" in line, line
+    assert not list((tmp_path / "store").rglob("*.safetensors"))
+    write("2,3,4")
+    ingest.ingest(path, input_ids=IDS, layers=[2, 3, 4], dtype="float32", store=store,
+                  metadata={})
+    write(None)
+    ingest.ingest(path, input_ids=IDS, layers=[2, 3, 4], dtype="float32", store=store,
+                  metadata={})
+    write("2,3,x")
+    with pytest.raises(CaptureMismatch, match="not layer ids"):
+        ingest.ingest(path, input_ids=IDS, layers=[2, 3, 4], dtype="float32", store=store,
+                      metadata={})
+
+
 def test_ingest_retries_a_cut_file_or_a_bad_checksum(tmp_path: Path) -> None:
     path = tmp_path / "e.safetensors"
     _engine_file(path, IDS)

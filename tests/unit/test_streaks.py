@@ -59,3 +59,17 @@ def test_a_stop_holds_back_what_was_claimed_before_its_pause_committed() -> None
     assert s.holds("A", 11.0) is None  # claimed after it: the job was resumed
     assert s.holds("A", 9.0) is None  # and the stop is over
     assert s.failed("A", "bad_request", "x") is None  # counting starts again
+
+
+def test_a_failure_that_names_the_servers_settings_stops_it_at_once() -> None:
+    """A file of other layers than the job's (synthq.capture.ingest.OtherLayers) is the
+    engine's settings: the first stops the server, once; the line says one capture."""
+    s = Streaks(CAPTURE_CLASSES, after=5)
+    stop = s.failed("A", "capture_mismatch", "the engine captures layers [1]", at_once=True)
+    assert stop is not None and (stop.server, stop.count) == ("A", 1)
+    assert s.failed("A", "capture_mismatch", "the engine captures layers [1]",
+                    at_once=True) is None  # stopped once
+    assert "server A failed a capture with capture_mismatch: the engine" in stop.line(
+        "capture", "RESUME")
+    off = Streaks(CAPTURE_CLASSES, after=0)  # SYNTHQ_STOP_AFTER=0 never stops
+    assert off.failed("A", "capture_mismatch", "x", at_once=True) is None
