@@ -49,7 +49,7 @@ from synthq.capture.deadline import client as watched_client
 from synthq.capture.plan import DTYPES
 from synthq.capture.stage import Engine, _call, describe, server_key
 from synthq.capture.store import Store, Stored
-from synthq.core.errors import SampleError, UserError
+from synthq.core.errors import HandBack, SampleError, UserError
 from synthq.core.retry import exponential
 from synthq.queue import capture_states, workers
 from synthq.queue import spool_states as spool_rows
@@ -186,10 +186,11 @@ class _SpoolStore(Store):
         except OSError as exc:
             self.spool.remove(relative)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise UserError(f"the disk under the spool {self.spool.root} is full "
-                                f"({exc.strerror}): free space there (or lower --spool) and "
-                                "rerun `synthq train`: the run resumes from its last "
-                                "checkpoint") from None
+                raise HandBack(f"the disk under the spool {self.spool.root} is full "
+                               f"({exc.strerror}): an example's features needed "
+                               f"{len(data):,} bytes ({human(len(data))}) there; free space "
+                               "there (or lower --spool) and rerun the same `synthq train`: "
+                               "the run resumes from its last checkpoint") from None
             raise
 
 

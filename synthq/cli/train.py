@@ -289,6 +289,8 @@ def _run_here(run_id: int, info: dict[str, Any], as_json: bool) -> None:
         served = (f"; eval acceptance length {ev:.2f} on held-out prompts (trust this, not "
                   "accept≈)" if ev is not None else "")
         console.print(f"run {run_id} done: drafter in {row['checkpoint']}{served}")
+    if state == "pending":  # handed back (synthq.core.errors.HandBack): its line says why
+        raise fail(f"run {run_id} handed back: {row['error']}", code=1)
     if state != "done":
         raise fail(f"run {run_id} {state}: {row['error'] or 'see `synthq runs`'}", code=1)
 

@@ -4,7 +4,9 @@
 
     SynthqError
     ├── UserError                 bad CLI/API input: printed, never a traceback
-    │   └── DiskFull              the database's disk is full: stop, say where
+    │   ├── DiskFull              the database's disk is full: stop, say where
+    │   └── HandBack              the run cannot go on here now (a full disk under
+    │                             its spool): handed back, the same command resumes it
     └── SampleError               one call for one sample went wrong (has a class)
         ├── RetryableError        back off and try again, up to max_attempts
         │   ├── TimeoutError_         total time budget spent          (timeout)
@@ -57,6 +59,7 @@ __all__ = [
     "SynthqError",
     "UserError",
     "DiskFull",
+    "HandBack",
     "SampleError",
     "RetryableError",
     "PermanentError",
@@ -118,6 +121,13 @@ class DiskFull(UserError):
     def __init__(self, where: str) -> None:
         self.where = where
         super().__init__(f"disk full at {where}: free space and run the same command again")
+
+
+class HandBack(UserError):
+    """A training run stopped by where it runs, not by its data or settings (a full disk
+    under its spool): its holder hands it back (pending, with this line as its reason)
+    instead of failing it, so the same ``synthq train`` resumes it from its last
+    checkpoint."""
 
 
 class SampleError(SynthqError):

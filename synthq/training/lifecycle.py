@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from synthq.core.errors import UserError
+from synthq.core.errors import HandBack, UserError
 from synthq.queue import run_states as states
 from synthq.queue import workers
 from synthq.spec.config import get_settings
@@ -90,6 +90,12 @@ def execute_run(run_id: int, *, worker: str | None = None,
         raise
     except Lost:
         log.warning("training run %d: lost its claim (cancelled or taken over); stopped", run_id)
+        return _state(run_id)
+    except HandBack as exc:  # nothing wrong with the run: pending, the same command resumes it
+        stop.set()
+        beat.join()
+        with session_scope() as s:
+            states.release(s, run_id, token, now=utcnow(), reason=str(exc))
         return _state(run_id)
     except UserError as exc:
         _fail(ctx, str(exc))
@@ -157,6 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         train(ctx, None, None)  # leaves the group with the other ranks after the last step
     except Lost:
         pass
+    except HandBack as exc:  # any rank's spool: the run is handed back, resumable
+        with session_scope() as s:
+            states.release(s, ctx.run_id, ctx.token, now=utcnow(), reason=str(exc))
+        raise
     except Exception as exc:
         if rank == 0:
             _fail(ctx, f"{type(exc).__name__}: {exc}")

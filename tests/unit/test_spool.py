@@ -12,7 +12,7 @@ import pytest
 from synthq.capture import spool as spool_mod
 from synthq.capture.spool import Spool
 from synthq.capture.store import Store
-from synthq.core.errors import UserError
+from synthq.core.errors import HandBack, UserError
 from synthq.training.config import parse_size
 
 
@@ -66,6 +66,10 @@ def test_a_full_disk_under_the_spool_is_one_line(tmp_path: Path,
     assert str(err.value).startswith(f"the disk under the spool {sp.root} is full")
     assert "\n" not in str(err.value)
     assert sp.used == 0 and not sp.held
+    # Which folder, how many bytes the file needed; the run is handed back, not failed.
+    assert "needed 100 bytes" in str(err.value) and "rerun the same `synthq train`" in \
+        str(err.value)
+    assert isinstance(err.value, HandBack)
 
 
 def test_spool_sizes() -> None:
