@@ -348,7 +348,10 @@ def test_capacity_limits_concurrency(start_sim: Callable[[str], Simulator]) -> N
         thread.join()
     elapsed = time.monotonic() - started
     assert not errors and results == ["stop"] * 6
-    assert 1.45 <= elapsed < 2.5  # three rounds of 0.5 s
+    # At least three rounds of 0.5 s. No upper bound: that two ran at once is what
+    # max_running says, and a loaded machine's seconds say nothing (it failed at 2.5 s
+    # under a suite on three processes).
+    assert elapsed >= 1.45
     stats = limited.stats()
     assert stats["max_running"] == 2
     assert stats["max_active"] == 6
