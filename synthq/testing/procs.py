@@ -20,10 +20,35 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range.
+
+    A server the tests kill and start again on its port (vLLM, PostgreSQL, Redis, the
+    simulator) needs that port to stay free while it is down. A port the kernel handed
+    out for ``bind(0)`` is in its ephemeral range, which is also where every outgoing
+    connection takes its own port: one taken meanwhile (even by a client retrying the
+    dead server, which can connect to itself) makes the restart fail with "Address
+    already in use" (a fresh-clone run, 2026-12-06). Below the range no connection takes
+    it; two processes that draw the same port at once are told apart by the bind."""
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no free port below the ephemeral range on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def dies_with_parent() -> Callable[[], None] | None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from pathlib import Path
 import chat_tokenizers
 import httpx
 import pytest
+
+from synthq.testing.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 #: The tiny target: DeepSeek-V3's vocabulary (so the tests' real tokenizer fits),
@@ -68,12 +69,6 @@ def build_tiny_target(where: Path | None = None) -> Path:
     from support import built_once
 
     return built_once("capture-target", [code, str(python.resolve())], build)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

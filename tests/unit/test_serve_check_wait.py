@@ -5,7 +5,6 @@ vLLM has loaded (it used to fail at once with a connection error)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,13 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from synthq.core.errors import UserError
+from synthq.testing.procs import free_port
 from synthq.training.served import wait_serving
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Models(BaseHTTPRequestHandler):
@@ -38,7 +32,7 @@ class _Models(BaseHTTPRequestHandler):
 @pytest.fixture
 def late_server() -> Iterator[str]:
     """A server that starts listening 1.5 s after the test starts waiting."""
-    port = _free_port()
+    port = free_port()
     servers: list[ThreadingHTTPServer] = []
 
     def start() -> None:
@@ -62,7 +56,7 @@ def test_it_waits_for_a_server_still_starting(late_server: str) -> None:
 
 
 def test_it_gives_up_with_one_line_when_the_time_is_up() -> None:
-    url = f"http://127.0.0.1:{_free_port()}/v1"
+    url = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(UserError, match=r"did not answer within 1 s \(ConnectError"):
         wait_serving(url, "smol", timeout=1)
 
