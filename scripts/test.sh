@@ -48,13 +48,14 @@ rm -rf "$docs_out"
 # Three processes by default (pytest-xdist; the two cores were 16 % idle on two: 986 s of
 # pytest on three against 1,075 s on two, quiet fresh clones, 2026-12-06). The engine
 # tier runs in three groups, each on one process (one vLLM start per configuration):
-# the plain server's modules, the capture server's, the real target's. The largest
-# groups go first, the rest is shared out one test at a time. Each process has its own
+# the plain server's modules, the capture server's, the real target's. Those groups go
+# first, one to each process (tests/conftest.py orders them), the rest is shared out one
+# test at a time. Each process has its own
 # PostgreSQL database (named by its pid) and Redis database (SYNTHQ_TEST_REDIS's for the
 # first, the one below it for the second, and so on). SYNTHQ_TEST_PROCESSES=1 runs
 # everything in one process.
 procs="${SYNTHQ_TEST_PROCESSES:-3}"
 if [ "$procs" -gt 1 ]; then
-  exec .venv/bin/python -m pytest -n "$procs" --dist loadgroup "$@"
+  exec .venv/bin/python -m pytest -n "$procs" --dist loadgroup --no-loadscope-reorder "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

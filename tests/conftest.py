@@ -78,6 +78,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         why.update(_MARKER_MARKS[m.name] for m in item.iter_markers() if m.name in _MARKER_MARKS)
         for name in sorted(why - {m.name for m in item.iter_markers()}):
             item.add_marker(name)
+    # The engine tier's groups first, each to its own process (scripts/test.sh passes
+    # --no-loadscope-reorder, so xdist hands out the groups in this order, one to each
+    # process, then the rest one test at a time in pytest-randomly's order). Sorted by
+    # size, as xdist would, the real target's single test (three minutes) went where the
+    # shuffle put it among the single tests, and a late draw made the run's tail.
+    items.sort(key=_engine_group_first)
+
+
+#: The engine tier's xdist groups, the longest first.
+_ENGINE_GROUPS = ("engine-capture", "engine", "engine-real")
+
+
+def _engine_group_first(item: pytest.Item) -> int:
+    group = item.get_closest_marker("xdist_group")
+    name = group.args[0] if group is not None and group.args else None
+    return _ENGINE_GROUPS.index(name) if name in _ENGINE_GROUPS else len(_ENGINE_GROUPS)
 
 
 #: The markers of a test that may start a process. The fast tier (``scripts/test.sh
