@@ -255,6 +255,14 @@ def _preference(server: _Server) -> str | None:
     return None
 
 
+def _fallback(server: _Server) -> str | None:
+    """The second round's filter: any due sample, except that a down server's probe never
+    takes one that last failed on it while the job has other servers to send it to (a
+    chaos run's probe took a sample retried from the hanging server while the good one
+    was at its limit: the retry went back where it had just hung)."""
+    return "elsewhere" if server.down and server.shared else None
+
+
 @functools.cache
 def _take_statement(kind: str | None) -> Any:
     """Up to ``:room`` due samples of ``:job_ids`` (locked, others' locks skipped), in
@@ -345,7 +353,7 @@ def dispatch(publish: Publisher, *, job_ids: Sequence[int] | None = None,
                 if room <= 0 or (not preferred and not second_needed):
                     continue
                 taken = _take(s, entry, room, now, settings.queued_timeout,
-                              kind if preferred else None)
+                              kind if preferred else _fallback(entry))
                 taken_by.setdefault(entry.url, []).extend(taken)
                 rooms[entry.url] -= len(taken)
                 free -= len(taken)

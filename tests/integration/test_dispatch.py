@@ -173,6 +173,38 @@ def test_down_server_gets_one_probe_at_a_time(job_factory: Callable[..., Any]) -
     assert queued_on(down) == 8
 
 
+def test_a_down_servers_probe_never_takes_a_sample_that_just_failed_there(
+        job_factory: Callable[..., Any]) -> None:
+    """The other server at its limit and no fresh sample left: the down server's probe
+    does not take the retry that last failed on it (a chaos run saw it go back to the
+    hanging server); it takes one that failed elsewhere, and the retry waits for room on
+    the other server."""
+    from synthq.store.models import Attempt
+
+    up, down = "http://10.255.0.16:8000/v1", "http://10.255.0.17:8000/v1"
+    report = job_factory(["a", "b", "c", "d"], servers=[up, down], inflight_limit=2)
+    now = utcnow() - timedelta(seconds=10)  # the last probe is long past
+    with session_scope() as s:
+        a, b, c, d = s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)
+                               .order_by(Sample.id)).all()
+        for outcome in ["connection", "connection", "connection"]:  # down
+            s.add(Attempt(sample_id=a, server=down, started_at=now, ended_at=now,
+                          outcome=outcome))
+        # a and b failed on the down server (due again, a first); c and d hold the up
+        # server's two slots
+        s.execute(update(Sample).where(Sample.id.in_([a, b])).values(
+            attempts=1, last_server=down, next_attempt_at=now))
+        s.execute(update(Sample).where(Sample.id.in_([c, d])).values(
+            state="running", server=up, attempts=1))
+    batch: list[Dispatched] = []
+    dispatch(batch.extend)
+    assert batch == [] and queued_on(down) == 0  # no probe with a retry from there
+    with session_scope() as s:  # b failed on the up server since: it may probe
+        s.execute(update(Sample).where(Sample.id == b).values(last_server=up))
+    dispatch(batch.extend)
+    assert [d.sample_id for d in batch] == [b] and queued_on(down) == 1
+
+
 def test_bulk_insert_keeps_dataset_order_and_dedupes(job_factory: Callable[..., Any]) -> None:
     prompts = [f"p{i}" for i in range(12_000)] + ["p5", "p7"]  # two repeats
     report = job_factory(prompts)
