@@ -214,10 +214,15 @@ def tiny_target(
                                       "target).")] = 0,
     force: Annotated[bool, typer.Option(help="Overwrite a directory that has a "
                                         "model.")] = False,
+    cache: Annotated[bool, typer.Option(help="Keep the build in synthq's cache "
+                                        "(~/.cache/synthq) and copy it from there next "
+                                        "time (the build is seeded: the same options "
+                                        "give the same model).")] = True,
 ) -> None:
     """Build a tiny Llama (head_dim 64) and its byte-level BPE tokenizer with a chat
     template, trained for a few seconds to count ("count from 23 to 29" -> "23 24 ... 29"),
-    so that a CPU vLLM can serve it and a drafter can learn it.
+    so that a CPU vLLM can serve it and a drafter can learn it. Built once per machine
+    (minutes on a busy CPU); later calls copy the cache.
 
     Example: `synthq testing tiny-target synthq-data/tiny && python -m
     vllm.entrypoints.openai.api_server --model synthq-data/tiny --dtype float32 -O0` (or
@@ -226,15 +231,23 @@ def tiny_target(
     import json
     from pathlib import Path
 
-    from synthq.testing.tiny import TinySpec, build_tiny_target
+    from synthq.testing.real import copy_target
+    from synthq.testing.tiny import TinySpec, build_tiny_target, cached_tiny_target
 
     out = Path(directory)
     if (out / "config.json").exists() and not force:
         raise fail(f"{out} already holds a model (--force to overwrite)")
     if layers < 4 or steps < 0:
         raise fail("--layers must be at least 4 and --steps at least 0")
-    summary = build_tiny_target(out, TinySpec(layers=layers, steps=steps, seed=seed),
-                                say=lambda line: err.print(line, highlight=False))
+    spec = TinySpec(layers=layers, steps=steps, seed=seed)
+    say = lambda line: err.print(line, highlight=False)  # noqa: E731
+    if not cache:
+        summary = build_tiny_target(out, spec, say=say)
+    else:
+        cached = cached_tiny_target(spec, say=say)
+        copy_target(cached, out)
+        summary = json.loads((out / "tiny_target.json").read_text())
+        summary.update(directory=str(out), cache=str(cached))
     console.print_json(json.dumps(summary))
 
 

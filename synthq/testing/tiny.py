@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TinySpec", "build_tiny_target", "count_prompt", "count_answer", "prompts",
-           "write_prompt_set", "CHAT_TEMPLATE", "END_OF_TURN"]
+__all__ = ["TinySpec", "build_tiny_target", "cached_tiny_target", "count_prompt",
+           "count_answer", "prompts", "write_prompt_set", "CHAT_TEMPLATE", "END_OF_TURN"]
 
 END_OF_TURN = "<|im_end|>"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", END_OF_TURN, "<think>", "</think>"]
@@ -171,6 +171,24 @@ def build_tiny_target(directory: Path, spec: TinySpec | None = None,
         torch.set_num_threads(threads)
 
 
+def cached_tiny_target(spec: TinySpec | None = None,
+                       say: Callable[[str], None] | None = None) -> Path:
+    """The target of ``spec`` in synthq's cache (``~/.cache/synthq/tiny-target-KEY``),
+    built first if this version of this file has not built it yet: the build is seeded,
+    so a second one would write the same model. KEY is this file's bytes and the spec."""
+    import dataclasses
+    import hashlib
+
+    from synthq.testing.real import cached_build
+
+    spec = spec or TinySpec()
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    if spec != TinySpec():  # the default's key is the file's alone, as it always was
+        key.update(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
+    return cached_build(f"tiny-target-{key.hexdigest()[:12]}", "tiny_target.json",
+                        lambda partial: build_tiny_target(partial, spec, say))
+
+
 def _build(directory: Path, spec: TinySpec, say: Callable[[str], None] | None,
            t0: float) -> dict[str, Any]:
     import torch
@@ -190,7 +208,7 @@ def _build(directory: Path, spec: TinySpec, say: Callable[[str], None] | None,
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / spec.steps))
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, spec.steps)))
     rng = random.Random(spec.seed)
     loss = float("nan")
     model.train()

@@ -30,30 +30,14 @@ MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_target() -> Path:
+    """``synthq testing tiny-target``'s model, built once per version of its code (a
+    minute or more on a busy machine) and kept in synthq's cache."""
     if given := os.environ.get("SYNTHQ_ENGINE_TARGET"):
         return Path(given)
-    import hashlib
-    import shutil
+    from synthq.testing.tiny import cached_tiny_target
 
-    from synthq.testing import tiny
-    from synthq.testing.vllm import venv_path
-
-    # Built once per version of its code (a minute or more on a busy machine) and
-    # kept beside the vLLM venv: a rerun on the same machine reuses it.
-    key = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
-    cached = venv_path().parent / f"tiny-target-{key}"
-    if (cached / "tiny_target.json").is_file():
-        return cached
-    out = tmp_path_factory.mktemp("engine") / "tiny"
-    tiny.build_tiny_target(out)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(out, cached.with_suffix(".tmp"), dirs_exist_ok=True)
-        cached.with_suffix(".tmp").rename(cached)
-    except OSError:  # another session cached it first, or no room: use this one
-        return out
-    return cached
+    return cached_tiny_target()
 
 
 class Engine:

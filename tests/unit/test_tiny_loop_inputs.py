@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 
@@ -63,3 +64,35 @@ def test_the_simulator_counts_as_the_tiny_target_does() -> None:
         assert (cut["message"]["content"], cut["finish_reason"]) == ("23 24 25", "length")
         other = _ask(client, "count the sheep")  # any other prompt: the usual answer
         assert other["message"]["content"].startswith("count the sheep ")
+
+
+def test_tiny_target_is_built_once_and_copied_from_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second `synthq testing tiny-target` copies the first one's build (the same
+    files, linked: no second build), another spec is another build, and `--no-cache`
+    builds in place without touching the cache."""
+    from synthq.cli import app
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    small = ["--layers", "4", "--steps", "0"]
+
+    def build(name: str, *extra: str) -> dict:  # type: ignore[type-arg]
+        result = CliRunner().invoke(app, ["testing", "tiny-target", str(tmp_path / name),
+                                          *small, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout[result.stdout.index("{"):])
+
+    first, second = build("a"), build("b")
+    assert first["cache"] == second["cache"]
+    cached = Path(first["cache"])
+    assert cached.parent == tmp_path / "cache" / "synthq"
+    weights = [tmp_path / d / "model.safetensors" for d in ("a", "b")]
+    assert weights[0].stat().st_ino == weights[1].stat().st_ino == (
+        cached / "model.safetensors").stat().st_ino
+    assert (first["directory"], second["directory"]) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    other = build("c", "--seed", "1")
+    assert other["cache"] != first["cache"]
+    plain = build("d", "--no-cache")
+    assert "cache" not in plain and plain["directory"] == str(tmp_path / "d")
+    assert (tmp_path / "d" / "model.safetensors").stat().st_nlink == 1
+    assert len(list(cached.parent.iterdir())) == 2  # a's (b copied it) and c's
