@@ -21,6 +21,10 @@ from hypothesis import strategies as st
 from synthq.core import errors
 from synthq.data.tokenize import ChatTokenizer, TokenizerSetupError, TokenizeSettings
 
+# The module on one process (scripts/test.sh's xdist): its six tokenizers (DeepSeek-V3's
+# and Llama-3's vocabularies among them: 15 s of CPU) load once instead of on each.
+pytestmark = pytest.mark.xdist_group("unit-tokenize")
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -216,8 +220,8 @@ text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
 @given(turns=st.lists(st.tuples(text, text), min_size=1, max_size=3), system=st.none() | text,
        answer=text, name=st.sampled_from(["llama3", "qwen3-drop", "deepseek-v3", "generation"]))
 @example(turns=[("hi", "x")], system=None, answer="\r0\r", name="qwen3-drop")
-def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatTokenizer],
-                                                     turns, system, answer, name) -> None:  # type: ignore[no-untyped-def]
+def _masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatTokenizer],
+                                        turns, system, answer, name) -> None:  # type: ignore[no-untyped-def]
     tok = tokenizers[name]
     prompt = [{"role": "system", "content": system}] if system else []
     for i, (user, assistant) in enumerate(turns):
@@ -241,11 +245,15 @@ def test_property_masked_tokens_decode_to_the_answer(tokenizers: dict[str, ChatT
     assert rendered.count(got) >= 1
 
 
-def test_property_test_was_not_vacuous(tokenizers: dict[str, ChatTokenizer]) -> None:
-    """Refusals stay rare in the property test (a refusal is safe, not a pass). In a
-    random order this may run first: it runs the property test then, never a skip."""
-    if not ACCEPTED and not REFUSED:
-        test_property_masked_tokens_decode_to_the_answer(tokenizers)
+def test_property_masked_tokens_decode_to_the_answer(
+        tokenizers: dict[str, ChatTokenizer]) -> None:
+    """The property above over Hypothesis's examples, then: refusals stay rare (a refusal
+    is safe, not a pass), so the property was not vacuous. One test, so the examples run
+    once, in one process (it was two tests, and the second ran the property again
+    wherever xdist put it without the first)."""
+    REFUSED.clear()
+    ACCEPTED.clear()
+    _masked_tokens_decode_to_the_answer(tokenizers)
     assert ACCEPTED or REFUSED
     assert len(ACCEPTED) >= 4 * len(REFUSED), REFUSED[:5]
 
