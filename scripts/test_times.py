@@ -62,6 +62,29 @@ def table(times: dict[str, float], top: int, wall: float | None,
     return "\n".join(lines)
 
 
+def timeline(path: Path) -> str:
+    """Each process's busy seconds and when its last test ended, from the run's first
+    report (the ``stop`` and ``worker`` each phase records): a process that ends long
+    before the last one left its core to the others for that long."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("worker") and r.get("stop")]
+    if not rows:
+        return ""
+    first = min(r["stop"] - r["seconds"] for r in rows)
+    busy: dict[str, float] = defaultdict(float)
+    last: dict[str, float] = defaultdict(float)
+    for r in rows:
+        busy[r["worker"]] += r["seconds"]
+        last[r["worker"]] = max(last[r["worker"]], r["stop"] - first)
+    end = max(last.values())
+    lines = ["", "| process | busy seconds | its last test ended at | idle before the end |",
+             "|---|---:|---:|---:|"]
+    for worker in sorted(busy, key=lambda w: int(w.lstrip("gw") or 0)):
+        lines.append(f"| {worker} | {busy[worker]:,.0f} | {last[worker]:,.0f} s | "
+                     f"{end - last[worker]:,.0f} s |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("times", type=Path, help="the SYNTHQ_TEST_TIMES file of a run")
@@ -69,6 +92,7 @@ def main() -> None:
     parser.add_argument("--wall", type=float, help="the run's wall time, printed beside")
     args = parser.parse_args()
     print(table(load(args.times), args.top, args.wall, load(args.times, "cpu_seconds")))
+    print(timeline(args.times))
 
 
 if __name__ == "__main__":

@@ -189,7 +189,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         fh.write(json.dumps({"test": report.nodeid, "when": report.when,
                              "seconds": round(report.duration, 3),
                              "cpu_seconds": dict(report.user_properties).get("cpu_seconds"),
-                             "outcome": report.outcome}) + "\n")
+                             "outcome": report.outcome,
+                             # when it ended, and on which process: the run's timeline
+                             "stop": round(getattr(report, "stop", 0.0), 3),
+                             "worker": getattr(getattr(getattr(report, "node", None),
+                                                       "gateway", None), "id", None)}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

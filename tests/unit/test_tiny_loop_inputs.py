@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -69,12 +70,14 @@ def test_the_simulator_counts_as_the_tiny_target_does() -> None:
 def test_tiny_target_is_built_once_and_copied_from_the_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second `synthq testing tiny-target` copies the first one's build (the same
-    files, linked: no second build), another spec is another build, and `--no-cache`
-    builds in place without touching the cache."""
+    files, linked: no second build); another spec is another build; `--no-cache` builds
+    in place and leaves the cache alone."""
     from synthq.cli import app
+    from synthq.testing import tiny
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     small = ["--layers", "4", "--steps", "0"]
+    builds: list[Path] = []
 
     def build(name: str, *extra: str) -> dict:  # type: ignore[type-arg]
         result = CliRunner().invoke(app, ["testing", "tiny-target", str(tmp_path / name),
@@ -82,17 +85,34 @@ def test_tiny_target_is_built_once_and_copied_from_the_cache(
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout[result.stdout.index("{"):])
 
+    real_build = tiny.build_tiny_target
+
+    def counted(directory: Path, *args: Any, **kwargs: Any) -> dict:  # type: ignore[type-arg]
+        builds.append(directory)
+        return real_build(directory, *args, **kwargs)
+
+    monkeypatch.setattr(tiny, "build_tiny_target", counted)
     first, second = build("a"), build("b")
-    assert first["cache"] == second["cache"]
+    assert len(builds) == 1 and first["cache"] == second["cache"]
     cached = Path(first["cache"])
     assert cached.parent == tmp_path / "cache" / "synthq"
     weights = [tmp_path / d / "model.safetensors" for d in ("a", "b")]
     assert weights[0].stat().st_ino == weights[1].stat().st_ino == (
         cached / "model.safetensors").stat().st_ino
     assert (first["directory"], second["directory"]) == (str(tmp_path / "a"), str(tmp_path / "b"))
+
+    # The rest needs no real model: a build that writes its summary alone.
+    def fake(directory: Path, spec: Any = None, say: Any = None) -> dict:  # type: ignore[type-arg]
+        builds.append(directory)
+        directory.mkdir(parents=True)
+        summary = {"directory": str(directory), "seed": spec.seed}
+        (directory / "tiny_target.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(tiny, "build_tiny_target", fake)
     other = build("c", "--seed", "1")
-    assert other["cache"] != first["cache"]
+    assert len(builds) == 2 and other["cache"] != first["cache"] and other["seed"] == 1
     plain = build("d", "--no-cache")
+    assert len(builds) == 3 and builds[-1] == tmp_path / "d"
     assert "cache" not in plain and plain["directory"] == str(tmp_path / "d")
-    assert (tmp_path / "d" / "model.safetensors").stat().st_nlink == 1
     assert len(list(cached.parent.iterdir())) == 2  # a's (b copied it) and c's
