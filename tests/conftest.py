@@ -82,18 +82,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # --no-loadscope-reorder, so xdist hands out the groups in this order, one to each
     # process, then the rest one test at a time in pytest-randomly's order). Sorted by
     # size, as xdist would, the real target's single test (three minutes) went where the
-    # shuffle put it among the single tests, and a late draw made the run's tail.
-    items.sort(key=_engine_group_first)
+    # shuffle put it among the single tests, and a late draw made the run's tail. Then the
+    # tiers whose tests take seconds to a minute, and the unit tests (a median of
+    # milliseconds) last, so the run ends on short tests on every process, not on one
+    # long test while the other processes have nothing left: the longest first, as a
+    # scheduler does; the order within each tier stays random.
+    items.sort(key=_longest_first)
 
 
 #: The engine tier's xdist groups, the longest first.
 _ENGINE_GROUPS = ("engine-capture", "engine", "engine-real")
+#: Then the tiers (tests/FOLDER) by their tests' usual length (scripts/test_times.py:
+#: chaos's median 13 s, e2e's 6 s, training's up to a minute; the rest under a second).
+_LONG_TIERS = ("chaos", "e2e", "training", "integration", "api")
 
 
-def _engine_group_first(item: pytest.Item) -> int:
+def _longest_first(item: pytest.Item) -> tuple[int, int]:
     group = item.get_closest_marker("xdist_group")
     name = group.args[0] if group is not None and group.args else None
-    return _ENGINE_GROUPS.index(name) if name in _ENGINE_GROUPS else len(_ENGINE_GROUPS)
+    if name in _ENGINE_GROUPS:
+        return 0, _ENGINE_GROUPS.index(name)
+    folder = item.path.parent.name
+    return 1, _LONG_TIERS.index(folder) if folder in _LONG_TIERS else len(_LONG_TIERS)
 
 
 #: The markers of a test that may start a process. The fast tier (``scripts/test.sh
