@@ -9,16 +9,20 @@ the engine tier is never skipped.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import chat_tokenizers
 import httpx
+import numpy as np
 import pytest
 
 from synthq.testing.procs import free_port
@@ -226,3 +230,77 @@ def generate_capture_job(root: Path, samples: int, *, spread: int) -> Path:
     finally:
         sim.stop()
     return data
+
+
+class Reference:
+    """transformers' hidden states of the tiny target: ``output_hidden_states`` at the
+    captured indices, the last layer's output before the final norm (vLLM captures it
+    there), and the final norm to check the training features.
+
+    :meth:`of` loads it once per target folder, and :meth:`states` computes each token
+    sequence once: tests/engine/test_capture.py's tests check the same 60 samples again
+    and again (tests/engine/test_stream.py checks its stage's files with it too)."""
+
+    _loaded: ClassVar[dict[Path, Reference]] = {}
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Reference:
+        if model_dir not in cls._loaded:
+            cls._loaded[model_dir] = cls(model_dir)
+        return cls._loaded[model_dir]
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        self.torch = torch
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pre_norm: Any = None
+        self.model.model.layers[-1].register_forward_hook(self._keep)
+        self._states: dict[bytes, np.ndarray] = {}
+
+    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
+        self.pre_norm = output[0] if isinstance(output, tuple) else output
+
+    def states(self, input_ids: np.ndarray) -> np.ndarray:
+        """[tokens, len(CAPTURE_LAYERS), hidden] (read-only: it is kept)."""
+        key = np.asarray(input_ids, dtype="<i8").tobytes()
+        if key not in self._states:
+            self._states[key] = self._compute(input_ids)
+            self._states[key].flags.writeable = False
+        return self._states[key]
+
+    def _compute(self, input_ids: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        with torch.no_grad():
+            # The decoder alone: the logits over 129k ids are not needed here.
+            out = self.model.model(torch.from_numpy(input_ids.astype(np.int64))[None],
+                                   output_hidden_states=True)
+        n = len(self.model.model.layers)
+        parts = [self.pre_norm[0] if i == n else out.hidden_states[i][0] for i in CAPTURE_LAYERS]
+        return torch.stack(parts, dim=1).numpy()
+
+
+def check_files(data: Path, reference: Reference, *, atol: float) -> int:
+    """Every done capture's file: in the store, its sha256, its token ids and hidden states."""
+    from synthq.capture import files
+
+    store = data / "hidden-states"
+    conn = sqlite3.connect(data / "synthq.db", timeout=30)
+    try:
+        rows = conn.execute(
+            "SELECT c.path, c.sha256, c.bytes, s.input_ids FROM captures c JOIN samples s "
+            "ON s.id = c.sample_id WHERE c.state = 'done'").fetchall()
+    finally:
+        conn.close()
+    for path, sha, nbytes, raw in rows:
+        blob = (store / path).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == sha and len(blob) == nbytes
+        tensors, _ = files.read(store / path)
+        ids = np.frombuffer(raw, dtype="<i4")
+        assert np.array_equal(tensors["token_ids"].array(), ids)
+        got = tensors["hidden_states"].array()
+        want = reference.states(ids)
+        assert got.shape == want.shape == (len(ids), len(CAPTURE_LAYERS), HIDDEN)
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    return len(rows)

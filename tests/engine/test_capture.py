@@ -3,12 +3,12 @@ synthq's connector), checked against transformers, and a capture killed with -9.
 
 One capture server and one generated job (the simulator answers, DeepSeek-V3's
 real tokenizer makes the examples) serve the module; each test works on its own
-copy of the job's data directory.
+copy of the job's data directory. The capture server killed (-9) and restarted mid-stage:
+tests/engine/test_stream.py's one kill test, beside a streamed run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import signal
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +27,8 @@ from capture_server import (
     HIDDEN,
     UNNAMED_TTL_S,
     CaptureServer,
+    Reference,
+    check_files,
     generate_capture_job,
     launch_capture_server,
     serving,
@@ -124,74 +126,6 @@ def _rows(data: Path, query: str) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-class Reference:
-    """transformers' hidden states of the tiny target: ``output_hidden_states`` at the
-    captured indices, the last layer's output before the final norm (vLLM captures it
-    there), and the final norm to check the training features.
-
-    :meth:`of` loads it once per target folder, and :meth:`states` computes each token
-    sequence once: the module's tests check the same 60 samples again and again."""
-
-    _loaded: ClassVar[dict[Path, Reference]] = {}
-
-    @classmethod
-    def of(cls, model_dir: Path) -> Reference:
-        if model_dir not in cls._loaded:
-            cls._loaded[model_dir] = cls(model_dir)
-        return cls._loaded[model_dir]
-
-    def __init__(self, model_dir: Path) -> None:
-        import torch
-        from transformers import LlamaForCausalLM
-
-        self.torch = torch
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.pre_norm: Any = None
-        self.model.model.layers[-1].register_forward_hook(self._keep)
-        self._states: dict[bytes, np.ndarray] = {}
-
-    def _keep(self, module: Any, inputs: Any, output: Any) -> None:
-        self.pre_norm = output[0] if isinstance(output, tuple) else output
-
-    def states(self, input_ids: np.ndarray) -> np.ndarray:
-        """[tokens, len(CAPTURE_LAYERS), hidden] (read-only: it is kept)."""
-        key = np.asarray(input_ids, dtype="<i8").tobytes()
-        if key not in self._states:
-            self._states[key] = self._compute(input_ids)
-            self._states[key].flags.writeable = False
-        return self._states[key]
-
-    def _compute(self, input_ids: np.ndarray) -> np.ndarray:
-        torch = self.torch
-        with torch.no_grad():
-            # The decoder alone: the logits over 129k ids are not needed here.
-            out = self.model.model(torch.from_numpy(input_ids.astype(np.int64))[None],
-                                   output_hidden_states=True)
-        n = len(self.model.model.layers)
-        parts = [self.pre_norm[0] if i == n else out.hidden_states[i][0] for i in CAPTURE_LAYERS]
-        return torch.stack(parts, dim=1).numpy()
-
-
-def _check_files(data: Path, reference: Reference, *, atol: float) -> int:
-    """Every done capture's file: in the store, its sha256, its token ids and hidden states."""
-    from synthq.capture import files
-
-    store = data / "hidden-states"
-    rows = _rows(data, "SELECT c.path, c.sha256, c.bytes, s.input_ids FROM captures c "
-                       "JOIN samples s ON s.id = c.sample_id WHERE c.state = 'done'")
-    for path, sha, nbytes, raw in rows:
-        blob = (store / path).read_bytes()
-        assert hashlib.sha256(blob).hexdigest() == sha and len(blob) == nbytes
-        tensors, _ = files.read(store / path)
-        ids = np.frombuffer(raw, dtype="<i4")
-        assert np.array_equal(tensors["token_ids"].array(), ids)
-        got = tensors["hidden_states"].array()
-        want = reference.states(ids)
-        assert got.shape == want.shape == (len(ids), len(CAPTURE_LAYERS), HIDDEN)
-        np.testing.assert_allclose(got, want, atol=atol, rtol=0)
-    return len(rows)
-
-
 def test_captured_files_equal_transformers_hidden_states(
         capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
     data = _copy(generated, tmp_path)
@@ -205,7 +139,7 @@ def test_captured_files_equal_transformers_hidden_states(
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
     # All samples, with prefix caching on (the server's default; they share a prefix).
-    assert _check_files(data, Reference.of(capture_server.model_dir), atol=1e-4) == SAMPLES
+    assert check_files(data, Reference.of(capture_server.model_dir), atol=1e-4) == SAMPLES
     # Disk: the tensor bytes are what the plan says a token costs (4 layers × 128 × 4 B),
     # plus the ids (8 B a token) and a header of a few hundred bytes per file.
     (tokens, nbytes), = _rows(data, "SELECT sum(num_tokens), sum(bytes) FROM captures")
@@ -290,12 +224,12 @@ def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
     assert 10 <= done_at_kill < SAMPLES
     reference = Reference.of(capture_server.model_dir)
     # Every capture counted as done has its whole file (a half one would fail its hash).
-    assert _check_files(data, reference, atol=1e-4) == done_at_kill
+    assert check_files(data, reference, atol=1e-4) == done_at_kill
 
     out = subprocess.run(cmd, env=_env(data), cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr + out.stdout
-    assert _check_files(data, reference, atol=1e-4) == SAMPLES
+    assert check_files(data, reference, atol=1e-4) == SAMPLES
     assert _rows(data, "SELECT count(*) FROM captures WHERE state != 'done'")[0][0] == 0
     # Captured twice: only what was in flight at the kill (at most the limit).
     calls = _rows(data, "SELECT sum(attempts) FROM captures")[0][0]
@@ -305,53 +239,6 @@ def test_kill9_mid_stage_resumes_without_half_files_or_repeats(
     # A cut write leaves at most a temporary file, which nothing counts.
     counted = {p for (p,) in _rows(data, "SELECT path FROM captures")}
     assert all(not p.endswith(".tmp") for p in counted)
-
-
-def test_vllm_killed_and_restarted_mid_stage_fails_no_capture(
-        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
-    """Issue 30 item 6, capture: the capture server is killed (-9) mid-stage and started
-    again on its port (a cold start). Before, each capture burned its attempts on refused
-    calls (full-jitter backoff, 5 attempts: about 30 s) and failed for good; now the stage
-    sees the server down, probes it one capture at a time, charges nothing meanwhile,
-    and finishes on its own once it serves: every capture done, and the calls charged
-    beyond one per sample are at most those in flight plus the ones before it tripped."""
-    import time
-
-    from synthq.queue.dispatch import TRIP_AFTER
-
-    data = _copy(generated, tmp_path)
-    layers = ",".join(str(i) for i in CAPTURE_LAYERS)
-    limit = 2
-    cmd = [sys.executable, "-m", "synthq.cli", "capture", "cap", "--server",
-           capture_server.url, "--layers", layers, "--limit", str(limit)]
-    log_path = tmp_path / "capture.log"
-    with open(log_path, "wb") as log:
-        stage = subprocess.Popen(cmd, env=_env(data), cwd=REPO, stdout=log,
-                                 stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: (data / "synthq.db").exists() and _rows(
-                data, "SELECT count(*) FROM sqlite_master WHERE name = 'captures'")[0][0]
-                and _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
-                >= 10, 240, "the capture made no progress", interval=0.1)
-            capture_server.kill()
-            done_at_kill = _rows(data, "SELECT count(*) FROM captures WHERE state = 'done'")[0][0]
-            assert done_at_kill < SAMPLES, "the stage finished before the kill"
-            started = time.monotonic()
-            capture_server.restart()
-            print(f"\ncapture server killed at {done_at_kill}/{SAMPLES} captured, serving "
-                  f"again after {time.monotonic() - started:.0f} s")
-            rc = stage.wait(300)
-        finally:
-            if stage.poll() is None:
-                stage.kill()
-    said = log_path.read_text(errors="replace")
-    assert rc == 0, said[-3000:]
-    assert "is down" in said and "answers again" in said, said[-3000:]
-    assert _rows(data, "SELECT state, count(*) FROM captures GROUP BY state") == [
-        ("done", SAMPLES)], said[-3000:]
-    assert _check_files(data, Reference.of(capture_server.model_dir), atol=1e-4) == SAMPLES
-    calls = _rows(data, "SELECT sum(attempts) FROM captures")[0][0]
-    assert SAMPLES <= calls <= SAMPLES + limit + TRIP_AFTER, calls
 
 
 def test_disk_plan_refuses_before_any_call(capture_server: CaptureServer, generated: Path,
@@ -600,7 +487,7 @@ def test_stock_connector_files_are_captured_from_the_declared_folder(
     summary = json.loads(out.stdout[out.stdout.index("{"):])
     assert summary["done"] == summary["total"] == SAMPLES and summary["failures"] == {}
     reference = Reference.of(server.model_dir)
-    assert _check_files(data, reference, atol=1e-4) == SAMPLES
+    assert check_files(data, reference, atol=1e-4) == SAMPLES
     from synthq.capture import files
 
     worst = 0.0

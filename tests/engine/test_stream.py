@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import sqlite3
@@ -76,13 +77,33 @@ def _train_argv(server: CaptureServer, spool: int, *extra: str) -> list[str]:
 
 
 class _Watched:
-    """A training subprocess whose spool folder's bytes are polled until it exits."""
+    """A training subprocess whose spool folder's bytes are polled until it exits. With
+    ``log``, its output goes to ``log.out`` and ``log.err``, unbuffered: :meth:`said`
+    reads it while it runs."""
 
-    def __init__(self, data: Path, argv: list[str], **env: str) -> None:
-        self.data = data
-        self.proc = subprocess.Popen(argv, env=_env(data, **env), cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, data: Path, argv: list[str], *, log: Path | None = None,
+                 **env: str) -> None:
+        self.data, self.log = data, log
+        if log is None:
+            self.proc = subprocess.Popen(argv, env=_env(data, **env), cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+        else:
+            with open(log.with_suffix(".out"), "w") as out, \
+                    open(log.with_suffix(".err"), "w") as err:
+                self.proc = subprocess.Popen(argv, env=_env(data, PYTHONUNBUFFERED="1", **env),
+                                             cwd=REPO, stdout=out, stderr=err, text=True)
         self.most = 0
+
+    def said(self) -> str:
+        """Its console's lines so far, unwrapped (with ``log``)."""
+        assert self.log is not None
+        return " ".join(self.log.with_suffix(".out").read_text(errors="replace").split())
+
+    def errors(self) -> str:
+        """The end of its error output so far (with ``log``)."""
+        assert self.log is not None
+        return self.log.with_suffix(".err").read_text(errors="replace")[-3000:]
 
     def spool_bytes(self) -> int:
         total = 0
@@ -103,7 +124,11 @@ class _Watched:
             assert time.monotonic() < deadline, "the training run did not end"
             self.poll()
             time.sleep(0.02)
-        out, err = self.proc.communicate()
+        if self.log is None:
+            out, err = self.proc.communicate()
+        else:
+            out, err = (self.log.with_suffix(end).read_text(errors="replace")
+                        for end in (".out", ".err"))
         return self.proc.returncode, out, err
 
 
@@ -179,61 +204,6 @@ def test_a_spool_that_holds_the_job_captures_each_sample_once(
     assert _runs(data)[0]["consumed_per_epoch"] == [SAMPLES] * 3
 
 
-def test_kill9_of_the_trainer_resumes_on_exactly_what_its_checkpoint_had_not_seen(
-        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
-    """kill -9 mid-run: the rerun resumes from the checkpoint, the examples that the
-    checkpoint's steps consumed are not trained again, every other one is (by the second
-    process), each exactly once per epoch. A rerun of a job retokenized since is refused
-    with one line, and changes nothing."""
-    data = _copy(generated, tmp_path)
-    examples = _examples(data)
-    size = 3 * _largest_file(data)
-    argv = _train_argv(capture_server, size, "--epochs", "3", "--save-every", "2")
-    first = _Watched(data, argv)
-    wait_for(lambda: first.poll() or first.proc.poll() is not None or _rows(
-        data, "SELECT count(*) FROM spool_items WHERE state = 'consumed'")[0][0] >= 5,
-        300, "no checkpoint consumed anything", interval=0.05)
-    assert first.proc.poll() is None, "the run ended before the kill"
-    first.proc.send_signal(signal.SIGKILL)
-    first.proc.wait(30)
-    before = _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id")
-    [(checkpoint,)] = _rows(data, "SELECT checkpoint FROM training_runs")
-    assert checkpoint and "step-" in checkpoint
-    status = subprocess.run([sys.executable, "-m", "synthq.cli", "status", "cap"],
-                            env=_env(data), cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
-    said = " ".join(status.stdout.split())
-    assert status.returncode == 0 and "spool of run 1 (running):" in said, status.stdout
-    assert f"of {size:,} bytes" in said and "high-water" in said and "capture lead" in said
-
-    # The job retokenized since: refused, nothing changed.
-    conn = sqlite3.connect(data / "synthq.db")
-    conn.execute("UPDATE jobs SET tokenize_version = tokenize_version + 1")
-    conn.commit()
-    refused = subprocess.run(argv, env=_env(data), cwd=REPO, capture_output=True, text=True,
-                             timeout=300)
-    assert refused.returncode != 0
-    assert "was retokenized" in refused.stderr + refused.stdout
-    assert _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id") == before
-    conn.execute("UPDATE jobs SET tokenize_version = tokenize_version - 1")
-    conn.commit()
-    conn.close()
-
-    second = _Watched(data, argv)
-    rc, _, err = second.wait()
-    assert rc == 0, err[-3000:]
-    [record] = _runs(data)
-    resumed = record["resumed_from"]
-    assert resumed > 0
-    assert _consumed(data) == {0: examples, 1: examples, 2: examples}
-    assert record["consumed_per_epoch"] == [SAMPLES] * 3
-    pid1, pid2 = first.proc.pid, second.proc.pid
-    for step, worker in _rows(data, "SELECT step, worker FROM spool_items"):
-        assert worker.endswith(f":{pid1 if step <= resumed else pid2}"), (step, worker)
-    assert max(first.most, second.most) <= size
-    assert record["spool_high_water"] <= size
-
-
 def test_two_gloo_ranks_take_disjoint_shards_of_the_stream(
         capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
     data = _copy(generated, tmp_path)
@@ -288,28 +258,194 @@ def test_bad_input_is_one_line_and_nothing_is_lost(
     assert os.path.isdir(data)
 
 
-def test_a_capture_server_killed_and_restarted_mid_run_skips_nothing(
-        capture_server: CaptureServer, generated: Path, tmp_path: Path) -> None:
-    """kill -9 of the engine while the run streams: the capture says so once, retries
-    until the restarted engine answers, and every example is still trained exactly once
-    per epoch (the capture runs in the trainer's process: killing it is the trainer's
-    kill -9, above)."""
+#: Samples of the kill test's job: the fewest whose tenth, by features, still holds one
+#: step's (43 and 44 tokens: a tenth of 11 is 98,276 B, the largest example's file at most
+#: 94,560 B by :func:`_largest_file`; 10 would give 89,436 B).
+TENTH_SAMPLES = 11
+
+
+def test_kill9_of_the_trainer_then_of_the_capture_server_beside_a_stage_loses_nothing(
+        launched_capture_server: CaptureServer, tmp_path: Path) -> None:
+    """Issue 43's done-when: a streamed run with a spool of 10 % of its job's features,
+    its trainer killed (-9) at a random step and rerun; during the rerun, beside a
+    ``synthq capture`` stage on a copy of the job, the capture server killed (-9) once and
+    started again on its port. It replaces three tests, each of whose assertions holds:
+
+    * the trainer's kill (``test_kill9_of_the_trainer_resumes_on_exactly_what_its_
+      checkpoint_had_not_seen``): the run killed mid-run; ``synthq status`` shows the open
+      run's spool (of SIZE bytes, high-water, capture lead); a rerun of the job retokenized
+      since is refused with one line and changes no ledger row; the rerun resumes from the
+      checkpoint (``resumed_from`` > 0), each step's rows trained by the first process up
+      to it and by the second after it; every example consumed exactly once per epoch
+      (``spool_items``, and the run's ``consumed_per_epoch``); the spool (watched from
+      outside) and the run's ``spool_high_water`` never over SIZE.
+    * the engine's kill under the streamed run (``test_a_capture_server_killed_and_
+      restarted_mid_run_skips_nothing``): the run is mid-flight at the kill and waits for
+      its features (alive once it said the server does not answer); its console says
+      ``does not answer`` and ``answers again``; it finishes, every example consumed once
+      per epoch, the spool within SIZE.
+    * the engine's kill under the stage (``test_vllm_killed_and_restarted_mid_stage_fails_
+      no_capture``, tests/engine/test_capture.py): the stage is mid-flight at the kill; it
+      exits 0 and says the server ``is down`` and ``answers again``; every capture done;
+      every file equals transformers' states (1e-4); the calls charged are at most
+      SAMPLES + limit + TRIP_AFTER.
+
+    The rerun is held (SIGSTOP) from its first step until the stage has captured (a
+    process's start, seconds), and goes on at the engine's kill: both are mid-flight then
+    whatever the machine's load. It kills the session's capture server itself
+    (``SYNTHQ_STREAM_CAPTURE``'s is not used), and makes its own job while that server
+    starts."""
+    from capture_server import CAPTURE_LAYERS, Reference, check_files
+
+    from synthq.queue.dispatch import TRIP_AFTER
+
+    n = TENTH_SAMPLES
+    (tmp_path / "generated").mkdir()
+    generated = generate_capture_job(tmp_path / "generated", n, spread=2)
+    waited = time.monotonic()
+    server = serving(launched_capture_server)
+    waited = time.monotonic() - waited
     data = _copy(generated, tmp_path)
+    stage_data = tmp_path / "stage"
+    shutil.copytree(generated, stage_data)
     examples = _examples(data)
-    size = 3 * _largest_file(data)
-    run = _Watched(data, _train_argv(capture_server, size, "--epochs", "2"))
-    wait_for(lambda: run.poll() or run.proc.poll() is not None or _rows(
-        data, "SELECT count(*) FROM spool_items WHERE captures > 0")[0][0] >= 4,
-        300, "nothing was captured", interval=0.05)
-    assert run.proc.poll() is None, "the run ended before the engine was killed"
-    capture_server.kill()
-    time.sleep(3)
-    assert run.proc.poll() is None  # the trainer waits for its features
-    capture_server.restart()
-    rc, out, err = run.wait()
+    [(tokens,)] = _rows(data, "SELECT sum(num_tokens) FROM samples WHERE state = 'done'")
+    size = int(tokens) * PER_TOKEN // 10  # a tenth of the job's features (headers aside)
+    assert size >= _largest_file(data), "a tenth of the job no longer holds one step: " \
+        "more samples"
+    epochs = 2
+    total = epochs * n
+    seed = int(os.environ.get("SYNTHQ_KILL_SEED") or random.randrange(1 << 32))
+    # After the first checkpoint, with steps left for the rerun to capture at the engine's
+    # kill (the spool holds one file: each step's is captured after the one before).
+    kill_at = random.Random(seed).randint(3, total - 4)
+    print(f"\nkill -9 of the trainer at step {kill_at} of {total} (seed {seed}: "
+          f"SYNTHQ_KILL_SEED={seed} draws it again)")
+    argv = _train_argv(server, size, "--epochs", str(epochs), "--save-every", "2")
+
+    # -- the trainer's kill -9 ---------------------------------------------------------------
+    first = _Watched(data, argv)
+
+    def reached() -> bool:
+        [(step, consumed)] = _rows(data, "SELECT coalesce(max(step), 0), coalesce(sum(state "
+                                         "= 'consumed'), 0) FROM spool_items")
+        return bool(step >= kill_at and consumed)
+
+    wait_for(lambda: first.poll() or first.proc.poll() is not None or reached(), 300,
+             f"the run did not reach step {kill_at}", interval=0.05)
+    assert first.proc.poll() is None, "the run ended before the kill"
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    before = _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id")
+    [(checkpoint,)] = _rows(data, "SELECT checkpoint FROM training_runs")
+    assert checkpoint and "step-" in checkpoint
+    status = subprocess.run([sys.executable, "-m", "synthq.cli", "status", "cap"],
+                            env=_env(data), cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    said = " ".join(status.stdout.split())
+    assert status.returncode == 0 and "spool of run 1 (running):" in said, status.stdout
+    assert f"of {size:,} bytes" in said and "high-water" in said and "capture lead" in said
+
+    # The job retokenized since: refused, nothing changed.
+    conn = sqlite3.connect(data / "synthq.db")
+    conn.execute("UPDATE jobs SET tokenize_version = tokenize_version + 1")
+    conn.commit()
+    refused = subprocess.run(argv, env=_env(data), cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0
+    assert "was retokenized" in refused.stderr + refused.stdout
+    assert _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id") == before
+    conn.execute("UPDATE jobs SET tokenize_version = tokenize_version - 1")
+    conn.commit()
+    conn.close()
+
+    # -- the rerun, and beside it the stage; the capture server's kill -9 ----------------------
+    limit = 1
+    stage_cmd = [sys.executable, "-m", "synthq.cli", "capture", "cap", "--server", server.url,
+                 "--layers", ",".join(str(i) for i in CAPTURE_LAYERS), "--limit", str(limit)]
+    stage_log = tmp_path / "capture.log"
+
+    def stage_done() -> int:
+        if not _rows(stage_data, "SELECT count(*) FROM sqlite_master WHERE name = 'captures'"
+                     )[0][0]:
+            return 0
+        return int(_rows(stage_data, "SELECT count(*) FROM captures WHERE state = 'done'"
+                         )[0][0])
+
+    def trained_by(pid: int) -> int:
+        return int(_rows(data, "SELECT count(*) FROM spool_items WHERE state IN ('training', "
+                               "'consumed') AND worker LIKE ?", f"%:{pid}")[0][0])
+
+    second = _Watched(data, argv, log=tmp_path / "second")
+    started: list[subprocess.Popen[Any]] = [second.proc]
+    try:
+        wait_for(lambda: second.poll() or second.proc.poll() is not None
+                 or trained_by(second.proc.pid), 300, "the rerun trained nothing",
+                 interval=0.05)
+        assert second.proc.poll() is None, \
+            f"the rerun ended before the engine's kill: {second.errors()}"
+        second.proc.send_signal(signal.SIGSTOP)  # held while the stage starts
+        with open(stage_log, "wb") as log:
+            stage = subprocess.Popen(stage_cmd, env=_env(stage_data), cwd=REPO, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        started.append(stage)
+        wait_for(lambda: stage.poll() is not None or stage_done() >= 1, 240,
+                 "the capture made no progress", interval=0.05)
+        second.proc.send_signal(signal.SIGCONT)
+        server.kill()
+        done_at_kill = stage_done()
+        assert stage.poll() is None and done_at_kill < n, "the stage finished before the kill"
+        [(trained_at_kill,)] = _rows(data, "SELECT count(*) FROM spool_items WHERE state IN "
+                                           "('training', 'consumed')")
+        assert second.proc.poll() is None and trained_at_kill < total, \
+            f"the run ended before the engine was killed: {second.errors()}"
+        # The trainer waits for its features (as the stage for its server).
+        wait_for(lambda: second.poll() or second.proc.poll() is not None
+                 or "does not answer" in second.said(), 120,
+                 lambda: f"the rerun never asked the killed engine: {second.errors()}",
+                 interval=0.05)
+        assert second.proc.poll() is None, second.errors()
+        assert stage.poll() is None, stage_log.read_text(errors="replace")[-3000:]
+        restarted = time.monotonic()
+        server.restart()
+        print(f"capture server killed at {done_at_kill}/{n} captured by the stage and "
+              f"{trained_at_kill}/{total} trained by the run, serving again after "
+              f"{time.monotonic() - restarted:.0f} s")
+        stage_rc = stage.wait(300)
+        rc, out, err = second.wait()
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+    # -- the stage: nothing failed, every file the engine's --------------------------------
+    stage_said = stage_log.read_text(errors="replace")
+    assert stage_rc == 0, stage_said[-3000:]
+    assert "is down" in stage_said and "answers again" in stage_said, stage_said[-3000:]
+    assert _rows(stage_data, "SELECT state, count(*) FROM captures GROUP BY state") == [
+        ("done", n)], stage_said[-3000:]
+    assert check_files(stage_data, Reference.of(server.model_dir), atol=1e-4) == n
+    calls = _rows(stage_data, "SELECT sum(attempts) FROM captures")[0][0]
+    assert n <= calls <= n + limit + TRIP_AFTER, calls
+
+    # -- the streamed run: resumed, nothing skipped or trained twice, within SIZE -----------
     assert rc == 0, err[-3000:]
     said = " ".join(out.split())  # the console's lines, unwrapped
-    assert "does not answer" in said and "answers again" in said
-    assert _consumed(data) == {0: examples, 1: examples}
-    assert _runs(data)[0]["consumed_per_epoch"] == [SAMPLES, SAMPLES]
-    assert run.most <= size
+    assert "does not answer" in said and "answers again" in said, said[-3000:]
+    [record] = _runs(data)
+    resumed = record["resumed_from"]
+    assert resumed > 0
+    assert _consumed(data) == {e: examples for e in range(epochs)}
+    assert record["consumed_per_epoch"] == [n] * epochs
+    pid1, pid2 = first.proc.pid, second.proc.pid
+    for step, worker in _rows(data, "SELECT step, worker FROM spool_items"):
+        assert worker.endswith(f":{pid1 if step <= resumed else pid2}"), (step, worker)
+    assert max(first.most, second.most) <= size
+    assert 0 < record["spool_high_water"] <= size
+    [(job_bytes,)] = _rows(stage_data, "SELECT sum(bytes) FROM captures")
+    assert size <= job_bytes / 10
+    print(f"spool {size:,} B of the job's {job_bytes:,} B of features ({n} examples, the "
+          f"stage's files): {size / job_bytes:.2%}; high-water {record['spool_high_water']:,} "
+          f"B (watched: {max(first.most, second.most):,} B); resumed from step {resumed}; "
+          f"{waited:.0f} s waited for the server's first start")
