@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from sqlalchemy import select, update
+from fake_engine import capture_job
+from sqlalchemy import select
 from support import run_cli
 
 pytestmark = pytest.mark.integration
@@ -19,19 +20,8 @@ URL = "http://capture.invalid/v1"
 
 
 def _capture_job(job_factory: Any, n: int) -> int:
-    from synthq.store.db import session_scope
-    from synthq.store.models import Job, Sample
-
-    report = job_factory([f"prompt {i}" for i in range(n)], servers=["http://127.0.0.1:9/v1"])
-    with session_scope() as s:
-        for sid in s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)):
-            tokens = np.arange(6, dtype="<i4") + sid
-            s.execute(update(Sample).where(Sample.id == sid).values(
-                state="done", input_ids=tokens.tobytes(), num_tokens=6, tokenize_version=1))
-        s.execute(update(Job).where(Job.id == report.job_id).values(
-            capture_servers=[URL], capture_layers=[2, 4, 5, 8], capture_limit=2,
-            state="finished"))
-    return int(report.job_id)
+    return capture_job(job_factory, n, URL, limit=2,
+                       tokens=lambda sid: np.arange(6, dtype="<i4") + sid)
 
 
 def _busy_engine(request: httpx.Request) -> httpx.Response:

@@ -16,48 +16,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_engine import LAYERS, capture_job, captures_by_state, engine_file
 from hostile_capture import HostileServer, Request, answer, describe_or
-from sqlalchemy import func, select, update
-
-from synthq.capture import files
+from sqlalchemy import select
 
 pytestmark = pytest.mark.integration
 
-LAYERS = [2, 4, 5, 8]
-
-
-def _job(job_factory: Any, n: int, url: str, *, limit: int = 1, **fields: Any) -> int:
-    """``n`` done samples of a job whose capture server is ``url``."""
-    from synthq.store.db import session_scope
-    from synthq.store.models import Job, Sample
-
-    report = job_factory([f"prompt {i}" for i in range(n)], **fields)
-    with session_scope() as s:
-        for sid in s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)):
-            tokens = np.arange(5, dtype="<i4") + sid
-            s.execute(update(Sample).where(Sample.id == sid).values(
-                state="done", input_ids=tokens.tobytes(), num_tokens=5, tokenize_version=1))
-        s.execute(update(Job).where(Job.id == report.job_id).values(
-            capture_servers=[url], capture_layers=LAYERS, capture_limit=limit,
-            state="finished"))
-    return int(report.job_id)
-
-
-def _states(job_id: int) -> dict[str, int]:
-    from synthq.store.db import session_scope
-    from synthq.store.models import Capture
-
-    with session_scope() as s:
-        return {str(k): v for k, v in s.execute(
-            select(Capture.state, func.count()).where(Capture.job_id == job_id)
-            .group_by(Capture.state))}
-
 
 def _capture_bytes(ids: list[int]) -> bytes:
-    states = np.ones((len(ids), len(LAYERS), 8), dtype="<f4")
-    return files.dumps({"hidden_states": files.Tensor("F32", states.shape, states.tobytes()),
-                        "token_ids": files.Tensor("I64", (len(ids),), np.asarray(
-                            ids, dtype="<i8").tobytes())}, {})
+    return engine_file(np.ones((len(ids), len(LAYERS), 8), dtype="<f4"), ids, checksum=False)
 
 
 def _run(job_id: int, seconds: float, within: float, server: HostileServer) -> Any:
@@ -77,7 +44,7 @@ def _run(job_id: int, seconds: float, within: float, server: HostileServer) -> A
     if thread.is_alive():
         server.close()
         thread.join(30)
-        pytest.fail(f"the stage still ran after {within:g} s: {_states(job_id)}; {said}")
+        pytest.fail(f"the stage still ran after {within:g} s: {captures_by_state(job_id)}; {said}")
     assert out, "the stage raised (see the log)"
     return out[0], took, said
 
@@ -109,7 +76,7 @@ def test_an_answer_trickled_a_byte_at_a_time_ends_at_the_deadline(
 
     server = HostileServer(describe_or(trickle))
     try:
-        job_id = _job(job_factory, 1, server.url, max_attempts=2)
+        job_id = capture_job(job_factory, 1, server.url, max_attempts=2)
         left, took, _ = _run(job_id, seconds=30, within=25, server=server)
     finally:
         server.close()
@@ -139,7 +106,7 @@ def test_a_jobs_own_capture_timeout_bounds_its_calls(
 
     server = HostileServer(describe_or(trickle))
     try:
-        job_id = _job(job_factory, 1, server.url, max_attempts=1)
+        job_id = capture_job(job_factory, 1, server.url, max_attempts=1)
         with session_scope() as s:
             after = service.set_capture(s, s.get_one(Job, job_id), {"capture_timeout": 1.0})
         assert after["capture_timeout"] == 1.0
@@ -166,7 +133,7 @@ def test_a_server_that_always_answers_500_fails_its_captures(
 
     server = HostileServer(describe_or(always_500))
     try:
-        job_id = _job(job_factory, 3, server.url, max_attempts=2)
+        job_id = capture_job(job_factory, 3, server.url, max_attempts=2)
         left, took, said = _run(job_id, seconds=20, within=40, server=server)
     finally:
         server.close()
@@ -197,7 +164,7 @@ def test_a_symlink_planted_as_the_server_answers_is_not_followed(
 
     server = HostileServer(describe_or(plant))
     try:
-        job_id = _job(job_factory, 3, server.url)
+        job_id = capture_job(job_factory, 3, server.url)
         left, _, _ = _run(job_id, seconds=20, within=40, server=server)
     finally:
         server.close()
@@ -218,7 +185,7 @@ def test_a_path_through_a_file_fails_in_one_line(job_factory: Any, tmp_path: Pat
 
     server = HostileServer(describe_or(through_a_file))
     try:
-        job_id = _job(job_factory, 3, server.url)
+        job_id = capture_job(job_factory, 3, server.url)
         left, _, _ = _run(job_id, seconds=20, within=40, server=server)
     finally:
         server.close()
@@ -247,7 +214,7 @@ def test_the_capture_body_names_each_file(job_factory: Any, tmp_path: Path) -> N
 
     server = HostileServer(describe_or(write))
     try:
-        job_id = _job(job_factory, 3, server.url, limit=2)
+        job_id = capture_job(job_factory, 3, server.url, limit=2)
         left, _, _ = _run(job_id, seconds=20, within=40, server=server)
     finally:
         server.close()

@@ -15,7 +15,6 @@ the real connector in vLLM.
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -24,16 +23,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_engine import LAYERS, capture_job, captures_by_state, engine_file
 from hostile_capture import HostileServer, Request, answer, describe_or
-from sqlalchemy import func, select, update
+from sqlalchemy import select
 
-from synthq.capture import files
 from synthq.capture.protocol import LAYERS_KEY, NAME_KEY
 from synthq.core.errors import UserError
 
 pytestmark = pytest.mark.integration
 
-LAYERS = [2, 4, 5, 8]
 OTHER = [1, 3, 5, 8]  # the same count: only the ids tell them apart
 HIDDEN = 8
 
@@ -57,15 +55,11 @@ class Engine:
             usage = {"prompt_tokens": len(prompt), "completion_tokens": 1}
             ids = [int(i) for i in prompt]
         states = np.ones((len(ids), len(LAYERS), HIDDEN), dtype="<f4")
-        meta = {"sha256_hidden_states": hashlib.sha256(states.tobytes()).hexdigest(),
-                "writer": "synthq_connector"}
+        meta = {"writer": "synthq_connector"}
         if self.layer_ids is not None:
             meta[LAYERS_KEY] = ",".join(str(i) for i in self.layer_ids)
         path = self.folder / f"{body['kv_transfer_params'][NAME_KEY]}.safetensors"
-        path.write_bytes(files.dumps(
-            {"hidden_states": files.Tensor("F32", states.shape, states.tobytes()),
-             "token_ids": files.Tensor("I64", (len(ids),),
-                                       np.asarray(ids, dtype="<i8").tobytes())}, meta))
+        path.write_bytes(engine_file(states, ids, **meta))
         answer(conn, {"choices": [{"text": ""}], "usage": usage,
                       "kv_transfer_params": {"hidden_states_path": str(path)}})
 
@@ -89,32 +83,6 @@ def engine_at(tmp_path: Path) -> Iterator[Any]:
         engine.server.close()
 
 
-def _job(job_factory: Any, n: int, url: str) -> int:
-    """``n`` done samples of a job of layers :data:`LAYERS` captured by ``url``."""
-    from synthq.store.db import session_scope
-    from synthq.store.models import Job, Sample
-
-    report = job_factory([f"prompt {i}" for i in range(n)])
-    with session_scope() as s:
-        for sid in s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)):
-            tokens = np.arange(5, dtype="<i4") + sid
-            s.execute(update(Sample).where(Sample.id == sid).values(
-                state="done", input_ids=tokens.tobytes(), num_tokens=5, tokenize_version=1))
-        s.execute(update(Job).where(Job.id == report.job_id).values(
-            capture_servers=[url], capture_layers=LAYERS, capture_limit=1, state="finished"))
-    return int(report.job_id)
-
-
-def _states(job_id: int) -> dict[str, int]:
-    from synthq.store.db import session_scope
-    from synthq.store.models import Capture
-
-    with session_scope() as s:
-        return {str(k): v for k, v in s.execute(
-            select(Capture.state, func.count()).where(Capture.job_id == job_id)
-            .group_by(Capture.state))}
-
-
 def _stage(job_id: int) -> tuple[Any, list[str]]:
     """The capture stage run to its end in a thread (120 s at most: a failure, not a hang)."""
     from synthq.capture.stage import Stage
@@ -126,7 +94,7 @@ def _stage(job_id: int) -> tuple[Any, list[str]]:
         daemon=True)
     thread.start()
     thread.join(120)
-    assert not thread.is_alive(), f"the stage still ran after 120 s: {_states(job_id)}"
+    assert not thread.is_alive(), f"the stage still ran after 120 s: {captures_by_state(job_id)}"
     assert out, "the stage raised (see the log)"
     return out[0], said
 
@@ -144,7 +112,7 @@ def test_the_stage_stops_at_the_first_file_of_other_layers(
     from synthq.store.models import Job
 
     engine = engine_at(OTHER)
-    job_id = _job(job_factory, 3, engine.url)
+    job_id = capture_job(job_factory, 3, engine.url)
     left, said = _stage(job_id)
     stops = [line for line in said if "stopped" in line]
     print(f"\nthe stage said: {stops}")
@@ -152,7 +120,7 @@ def test_the_stage_stops_at_the_first_file_of_other_layers(
     assert f"captures layers {OTHER}, the job's are {LAYERS}" in stops[0], stops[0]
     # One file was enough: the others were not sent (each a prefill), nothing counts done.
     assert engine.calls == 1, engine.calls
-    assert left.done == 0 and _states(job_id).get("done", 0) == 0, left
+    assert left.done == 0 and captures_by_state(job_id).get("done", 0) == 0, left
     assert _stored() == []
     with session_scope() as s:
         assert s.scalar(select(Job.capture_stopped).where(Job.id == job_id)) == stops[0]
@@ -162,7 +130,7 @@ def test_the_stage_stops_at_the_first_file_of_other_layers(
 def test_the_jobs_own_layers_or_a_stock_file_of_their_count_are_captured(
         job_factory: Any, engine_at: Any, layer_ids: list[int] | None) -> None:
     engine = engine_at(layer_ids)
-    job_id = _job(job_factory, 3, engine.url)
+    job_id = capture_job(job_factory, 3, engine.url)
     left, said = _stage(job_id)
     assert left.done == 3 and engine.calls == 3, (left, said)
     assert len(_stored()) == 3
@@ -172,7 +140,7 @@ def _loaded_job(job_factory: Any, url: str) -> Any:
     from synthq.store.db import session_scope
     from synthq.store.models import Job
 
-    job_id = _job(job_factory, 1, url)
+    job_id = capture_job(job_factory, 1, url)
     with session_scope() as s:
         job = s.get(Job, job_id)
         s.expunge(job)

@@ -10,24 +10,29 @@ the stage against the real vLLM.
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select, update
+from fake_engine import (
+    LAYERS,
+    FakeEngine,
+    capture_answer,
+    capture_job,
+    captures_by_state,
+    engine_file,
+)
+from sqlalchemy import select, update
 from support import wait_for
 
 from synthq.capture import files
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
-LAYERS = [2, 4, 5, 8]
 HIDDEN = 16
 
 
@@ -40,7 +45,7 @@ def hidden_of(ids: list[int]) -> np.ndarray:
     return (tok * 0.001 + t * 0.01 + layer + h * 0.1).astype(np.float32)
 
 
-class FakeCaptureServer:
+class FakeCaptureServer(FakeEngine):
     def __init__(self, engine_dir: Path, hold: float = 0.3) -> None:
         self.engine_dir, self.hold = engine_dir, hold
         self.active = self.most = self.requests = 0
@@ -51,62 +56,29 @@ class FakeCaptureServer:
         self.stock_naming = False
         self.wrong_ids = False
         self.lock = threading.Lock()
-        server = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _json(self, obj: Any) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._json({"data": [{"id": "fake"}]} if self.path.endswith("/models")
-                           else {"version": "fake"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                with server.lock:
-                    server.active += 1
-                    server.requests += 1
-                    request_no = server.requests
-                    server.most = max(server.most, server.active)
-                try:
-                    time.sleep(server.hold)
-                    ids = body["prompt"]
-                    name = body["kv_transfer_params"]["synthq_name"]
-                    if server.stock_naming:
-                        name = f"cmpl-{request_no}-0"
-                    path = server.engine_dir / f"{name}.safetensors"
-                    hidden = hidden_of(ids)
-                    if server.wrong_ids:
-                        ids = [i + 1 for i in ids]
-                    tensors = {"hidden_states": files.Tensor("F32", hidden.shape,
-                                                             hidden.tobytes()),
-                               "token_ids": files.Tensor("I64", (len(ids),), np.asarray(
-                                   ids, dtype="<i8").tobytes())}
-                    path.write_bytes(files.dumps(tensors, {"sha256_hidden_states":
-                                                           hashlib.sha256(hidden.tobytes())
-                                                           .hexdigest()}))
-                finally:
-                    with server.lock:
-                        server.active -= 1
-                answer = server.answer_path or path
-                self._json({"choices": [{"text": ""}],
-                            "kv_transfer_params": {"hidden_states_path": str(answer)}})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def capture(self, body: dict[str, Any]) -> Any:
+        with self.lock:
+            self.active += 1
+            self.requests += 1
+            request_no = self.requests
+            self.most = max(self.most, self.active)
+        try:
+            time.sleep(self.hold)
+            ids = body["prompt"]
+            name = body["kv_transfer_params"]["synthq_name"]
+            if self.stock_naming:
+                name = f"cmpl-{request_no}-0"
+            path = self.engine_dir / f"{name}.safetensors"
+            hidden = hidden_of(ids)
+            if self.wrong_ids:
+                ids = [i + 1 for i in ids]
+            path.write_bytes(engine_file(hidden, ids))
+        finally:
+            with self.lock:
+                self.active -= 1
+        return capture_answer(self.answer_path or path)
 
 
 @pytest.fixture
@@ -118,31 +90,9 @@ def fake_engine(tmp_path: Path) -> Iterator[FakeCaptureServer]:
 
 
 def _done_samples(job_factory: Any, n: int, engine_url: str, limit: int) -> int:
-    from synthq.store.db import session_scope
-    from synthq.store.models import Job, Sample
-
-    report = job_factory([f"prompt {i}" for i in range(n)], servers=["http://127.0.0.1:9/v1"])
-    with session_scope() as s:
-        ids = list(s.scalars(select(Sample.id).where(Sample.job_id == report.job_id)))
-        for sid in ids:
-            tokens = np.arange(5 + sid % 7, dtype="<i4") + sid
-            s.execute(update(Sample).where(Sample.id == sid).values(
-                state="done", input_ids=tokens.tobytes(), num_tokens=len(tokens),
-                tokenize_version=1))
-        s.execute(update(Job).where(Job.id == report.job_id).values(
-            capture_servers=[engine_url], capture_layers=LAYERS, capture_limit=limit,
-            state="finished"))
-    return int(report.job_id)
-
-
-def _states(job_id: int) -> dict[str, int]:
-    from synthq.store.db import session_scope
-    from synthq.store.models import Capture
-
-    with session_scope() as s:
-        return {str(k): v for k, v in s.execute(
-            select(Capture.state, func.count()).where(Capture.job_id == job_id)
-            .group_by(Capture.state))}
+    """``n`` done samples of 5 to 11 ids each, captured by ``engine_url``."""
+    return capture_job(job_factory, n, engine_url, limit=limit,
+                       tokens=lambda sid: np.arange(5 + sid % 7, dtype="<i4") + sid)
 
 
 def _check_store(job_id: int, store: Path) -> int:
@@ -176,11 +126,12 @@ def test_two_capture_workers_keep_the_limit_and_survive_a_kill9(
     victim = workers.worker(concurrency=2, name="cap1", queues="capture,control")
     workers.worker(concurrency=2, name="cap2", queues="capture,control")
     workers.beat()
-    wait_for(lambda: _states(job_id).get("done", 0) >= 8, 240,
-             f"no capture progress: {_states(job_id)}\n{workers.logs()}")
+    wait_for(lambda: captures_by_state(job_id).get("done", 0) >= 8, 240,
+             f"no capture progress: {captures_by_state(job_id)}\n{workers.logs()}")
     victim.kill9()
-    wait_for(lambda: _states(job_id).get("done", 0) == n, 240,
-             f"the stage did not finish after the kill: {_states(job_id)}\n{workers.logs()}")
+    wait_for(lambda: captures_by_state(job_id).get("done", 0) == n, 240,
+             f"the stage did not finish after the kill: {captures_by_state(job_id)}\n"
+             f"{workers.logs()}")
     # The exact limit held across both processes, kill and reclaim included.
     assert fake_engine.most <= limit, fake_engine.most
     # Every capture counted as done has its whole, checked file.
@@ -226,7 +177,7 @@ def test_a_dead_capture_process_does_not_hold_its_servers_room(
     assert len(held) == 3  # the dead process holds the whole room, leases of an hour
     with session_scope() as s:
         assert due_jobs(s, now=utcnow()) == [job_id]
-    assert _states(job_id) == {"pending": 6}
+    assert captures_by_state(job_id) == {"pending": 6}
 
 
 def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
@@ -264,7 +215,7 @@ def test_a_misconfigured_server_stops_the_stage_after_a_few_calls(
     assert fake_engine.requests == calls
     fake_engine.answer_path = None  # the fix
     run_cli("capture", str(job_id), "--retry-failed")
-    assert _states(job_id) == {"done": n}
+    assert captures_by_state(job_id) == {"done": n}
     with session_scope() as s:
         status = job_status(s, s.get_one(Job, job_id))
     assert status.capture is not None and status.capture.stopped is None

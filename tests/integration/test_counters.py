@@ -33,28 +33,14 @@ pytestmark = pytest.mark.integration
 SERVERS = ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path,
-            monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "postgresql":
-        request.getfixturevalue("pg")
-    else:
-        from support import TEST_ENV, _reset_process_state
-
-        from synthq.store.migrate import upgrade
-
-        url = f"sqlite:///{tmp_path / 'counters.db'}"
-        upgrade(url)
-        monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
-        monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
-        for key, value in TEST_ENV.items():
-            monkeypatch.setenv(key, value)
-        _reset_process_state()
-    monkeypatch.setenv("SYNTHQ_BROKER_URL", "")  # capacity: the test says how much
+@pytest.fixture
+def backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """tests/integration/conftest.py's, with no broker (capacity: the test says how much)."""
+    monkeypatch.setenv("SYNTHQ_BROKER_URL", "")
     from synthq.spec.config import get_settings
 
     get_settings.cache_clear()
-    yield request.param
+    yield backend
 
 
 def _job(name: str, n: int) -> int:

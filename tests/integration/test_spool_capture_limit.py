@@ -8,9 +8,7 @@ tests/integration/test_spool_capture_processes.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,26 +20,6 @@ from synthq.store.db import session_scope, utcnow
 pytestmark = pytest.mark.integration
 
 SERVER = "http://127.0.0.1:9/v1"
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path,
-            monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "postgresql":
-        request.getfixturevalue("pg")
-    else:
-        from support import TEST_ENV, _reset_process_state
-
-        from synthq.store.migrate import upgrade
-
-        url = f"sqlite:///{tmp_path / 'spool.db'}"
-        upgrade(url)
-        monkeypatch.setenv("SYNTHQ_DATABASE_URL", url)
-        monkeypatch.setenv("SYNTHQ_DATA_DIR", str(tmp_path / "data"))
-        for key, value in TEST_ENV.items():
-            monkeypatch.setenv(key, value)
-        _reset_process_state()
-    yield request.param
 
 
 def _job_and_run(n: int, *, limit: int) -> tuple[int, int, list[int]]:

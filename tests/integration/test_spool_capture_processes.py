@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_engine import LAYERS, captures_by_state
 from sqlalchemy import select
 from support import child_env, wait_for
-from test_capture_queue import HIDDEN, LAYERS, FakeCaptureServer, _done_samples, _states
+from test_capture_queue import HIDDEN, FakeCaptureServer, _done_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -95,7 +96,7 @@ def test_a_capture_process_and_two_streamed_ranks_keep_one_limit(
         log.close()
     # The one limit held over the process and both ranks, at every moment.
     assert engine.most <= LIMIT, engine.most
-    assert _states(job_id) == {"done": 12}
+    assert captures_by_state(job_id) == {"done": 12}
     with session_scope() as s:
         rows = s.execute(select(SpoolItem.state, SpoolItem.captures, SpoolItem.server,
                                 SpoolItem.claim)).all()

@@ -12,58 +12,35 @@ here without root.
 from __future__ import annotations
 
 import errno
-import json
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_engine import FakeEngine, capture_answer
 from sqlalchemy import select, update
 from training_support import capture_file, get_run
 
 pytestmark = [pytest.mark.integration]
 
 
-class TinyCaptureServer:
+class TinyCaptureServer(FakeEngine):
     """``/v1/models``, ``/version`` and ``/v1/completions`` writing the tiny target's states
     of the prompt's ids into ``folder`` under the request's ``synthq_name``."""
 
+    model = "tiny"
+
     def __init__(self, target: Any, folder: Path) -> None:
-        lock = threading.Lock()
+        self.target, self.folder = target, folder
+        self.lock = threading.Lock()
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _json(self, obj: Any) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._json({"data": [{"id": "tiny"}]} if self.path.endswith("/models")
-                           else {"version": "tiny"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                path = folder / f"{body['kv_transfer_params']['synthq_name']}.safetensors"
-                with lock:
-                    capture_file(target, body["prompt"], path)
-                self._json({"choices": [{"text": ""}],
-                            "kv_transfer_params": {"hidden_states_path": str(path)}})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def capture(self, body: dict[str, Any]) -> Any:
+        path = self.folder / f"{body['kv_transfer_params']['synthq_name']}.safetensors"
+        with self.lock:
+            capture_file(self.target, body["prompt"], path)
+        return capture_answer(path)
 
 
 @pytest.fixture
