@@ -238,7 +238,7 @@ class Reference:
     there), and the final norm to check the training features.
 
     :meth:`of` loads it once per target folder, and :meth:`states` computes each token
-    sequence once: tests/engine/test_capture.py's tests check the same 60 samples again
+    sequence once: tests/engine/test_capture.py's tests check the same samples again
     and again (tests/engine/test_stream.py checks its stage's files with it too)."""
 
     _loaded: ClassVar[dict[Path, Reference]] = {}
