@@ -56,6 +56,23 @@ log = logging.getLogger(__name__)
 Item = tuple[int, str, int | None]
 
 
+#: How long :meth:`Executor.close` lets the loop's tasks end on their own before it stops
+#: the loop.
+SETTLE_SECONDS = 1.0
+
+
+async def _settle(seconds: float) -> None:
+    """Let the loop's other tasks end, for ``seconds`` at most: a batch whose calls have all
+    ended needs one more turn of the loop to return, the keepalive one to take its
+    cancellation. A loop stopped before that leaves them pending, and at the process's exit
+    asyncio prints "Task was destroyed but it is pending!" with the task: after a full
+    disk's one line, the run's last lines were that. A task still running then (a call in
+    flight) is left as before: its lease brings the sample back."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if others:
+        await asyncio.wait(others, timeout=seconds)
+
+
 class Executor:
     """The event loop, writer and keepalive of one generation process."""
 
@@ -267,6 +284,10 @@ class Executor:
                      "ms, p99 %.1f ms, max %.1f ms (%d commits)", waits["answers"],
                      waits["p50_ms"], waits["p95_ms"], waits["p99_ms"], waits["max_ms"],
                      self.writer.commits)
+        try:
+            asyncio.run_coroutine_threadsafe(_settle(SETTLE_SECONDS), self.loop).result(timeout)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("settling the loop's tasks failed", exc_info=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         self._tokenize_pool.shutdown(wait=False)

@@ -262,3 +262,15 @@ def test_a_dropped_connection_takes_its_server_session_and_locks_along(
         assert watch.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
                              [pid]).fetchone() == (0,)
     raw.invalidate()
+
+
+def test_close_lets_the_loops_tasks_end_before_it_stops_the_loop(executor: Any) -> None:
+    """A task one turn from its end when the process closes (a batch whose calls have all
+    ended) ends, instead of being left pending on a stopped loop: at exit asyncio printed
+    "Task was destroyed but it is pending!" after a full disk's one line (the chaos test
+    test_disk_full_stops_synthq_run_and_the_rerun_finishes read it as the run's last)."""
+    import asyncio
+
+    almost = asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2, "ended"), executor.loop)
+    executor.close(timeout=5)
+    assert almost.done() and almost.result() == "ended"
