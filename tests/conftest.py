@@ -83,18 +83,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # process, then the rest one test at a time in pytest-randomly's order). Sorted by
     # size, as xdist would, the real target's single test (three minutes) went where the
     # shuffle put it among the single tests, and a late draw made the run's tail. Then the
-    # tiers whose tests take seconds to a minute, and the unit tests (a median of
-    # milliseconds) last, so the run ends on short tests on every process, not on one
-    # long test while the other processes have nothing left: the longest first, as a
-    # scheduler does; the order within each tier stays random.
+    # tiers whose tests take seconds to a minute (chaos, e2e, training) and the other xdist
+    # groups, so that the run ends on short tests on every process rather than on one long
+    # test while the others have nothing left; then the rest (integration, api, unit) mixed:
+    # sorted by tier, the integration tests ran on every process at once, and the cores
+    # sat 20-60 % idle while they waited on their timeouts and servers (vmstat, run ci1).
+    # The order within each class stays pytest-randomly's.
     items.sort(key=_longest_first)
 
 
 #: The engine tier's xdist groups, the longest first.
 _ENGINE_GROUPS = ("engine-capture", "engine", "engine-real")
-#: Then the tiers (tests/FOLDER) by their tests' usual length (scripts/test_times.py:
-#: chaos's median 13 s, e2e's 6 s, training's up to a minute; the rest under a second).
-_LONG_TIERS = ("chaos", "e2e", "training", "integration", "api")
+#: Then these tiers (tests/FOLDER), whose tests take seconds to a minute (chaos's median
+#: 13 s, e2e's 6 s, training's up to a minute; scripts/test_times.py), and the other groups.
+_LONG_TIERS = ("chaos", "e2e", "training")
 
 
 def _longest_first(item: pytest.Item) -> tuple[int, int]:
@@ -102,8 +104,7 @@ def _longest_first(item: pytest.Item) -> tuple[int, int]:
     name = group.args[0] if group is not None and group.args else None
     if name in _ENGINE_GROUPS:
         return 0, _ENGINE_GROUPS.index(name)
-    folder = item.path.parent.name
-    return 1, _LONG_TIERS.index(folder) if folder in _LONG_TIERS else len(_LONG_TIERS)
+    return (1, 0) if name is not None or item.path.parent.name in _LONG_TIERS else (2, 0)
 
 
 #: The markers of a test that may start a process. The fast tier (``scripts/test.sh
