@@ -183,8 +183,8 @@ def launch_capture_server(root: Path, *, connector: str = "synthq") -> CaptureSe
                                         # synthq's: files no request named go after 1 s
                                         "unnamed_file_ttl_s": UNNAMED_TTL_S}}
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "engine")])
-    # The engine core in the server's process (as synthq.testing.vllm starts its servers):
-    # one process fewer importing torch and vLLM at each start and restart.
+    # As synthq.testing.vllm starts its servers (which says why this does not keep the
+    # API server's engine core in its process).
     env = dict(os.environ, PYTHONPATH=path, VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
