@@ -58,6 +58,7 @@ from typing import Any
 
 from _harness import REPO, summary
 
+from synthq.capture.spool import disk_bytes
 from synthq.testing.vllm import VllmServer, VllmStartError, metrics, start_capture_server
 
 #: Draft tokens served and evaluated; the training-time test's steps.
@@ -166,18 +167,6 @@ def _start(server: VllmServer) -> float:
     return time.monotonic() - t0
 
 
-def _spool_bytes(runs: Path) -> int:
-    """Bytes under every ``spool`` folder of the run folders (files and temporaries)."""
-    total = 0
-    for root, _, names in os.walk(runs):
-        if "spool" not in Path(root).parts:
-            continue
-        for name in names:
-            with contextlib.suppress(OSError):  # renamed or removed meanwhile
-                total += os.stat(os.path.join(root, name)).st_size
-    return total
-
-
 def _watched_train(data: Path, args: list[str], out: Path) -> tuple[Any, float, int]:
     """``synthq train ARGS`` with its spool folder's bytes polled from outside until it
     exits: (its JSON, wall seconds, the most bytes seen at once)."""
@@ -188,7 +177,7 @@ def _watched_train(data: Path, args: list[str], out: Path) -> tuple[Any, float, 
                                 env=_env(data), cwd=REPO, stdout=so, stderr=se, text=True)
         try:
             while proc.poll() is None:
-                most = max(most, _spool_bytes(out))
+                most = max(most, disk_bytes(out))
                 time.sleep(0.05)
         finally:
             if proc.poll() is None:

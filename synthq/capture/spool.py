@@ -31,6 +31,7 @@ The rows and their transitions are :mod:`synthq.queue.spool_states`'.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -88,6 +89,20 @@ class _Full(Exception):
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
         self.nbytes = nbytes
+
+
+def disk_bytes(root: Path) -> int:
+    """The bytes on disk under every ``spool`` folder below ``root`` (a data directory's
+    ``runs``; files and temporaries alike), as an observer outside the run counts them:
+    the tests and ``bench/stream.py`` hold a run's spool to its bound by it."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        if "spool" not in Path(folder).parts:
+            continue
+        for name in names:
+            with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
 
 
 class Spool:

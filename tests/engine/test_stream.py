@@ -9,7 +9,6 @@ each run consumed in each epoch.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -106,14 +105,9 @@ class _Watched:
         return self.log.with_suffix(".err").read_text(errors="replace")[-3000:]
 
     def spool_bytes(self) -> int:
-        total = 0
-        for root, _, names in os.walk(self.data / "runs"):
-            if "spool" not in Path(root).parts:
-                continue
-            for name in names:
-                with contextlib.suppress(OSError):  # renamed or removed meanwhile
-                    total += os.stat(os.path.join(root, name)).st_size
-        return total
+        from synthq.capture.spool import disk_bytes
+
+        return disk_bytes(self.data / "runs")
 
     def poll(self) -> None:
         self.most = max(self.most, self.spool_bytes())
