@@ -244,7 +244,11 @@ def tiny_target(
     if not cache:
         summary = build_tiny_target(out, spec, say=say)
     else:
-        cached = cached_tiny_target(spec, say=say)
+        try:
+            cached = cached_tiny_target(spec, say=say)
+        except OSError as exc:
+            raise fail(f"cannot keep the build in synthq's cache ({exc}): --no-cache builds "
+                       f"in {out} alone") from None
         copy_target(cached, out)
         summary = json.loads((out / "tiny_target.json").read_text())
         summary.update(directory=str(out), cache=str(cached))
@@ -311,6 +315,8 @@ def real_target(
         cached = cached_real_target(say=lambda line: err.print(line, highlight=False))
     except UserError as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot build in synthq's cache ({exc})") from None
     copy_target(cached, out)
     summary = json.loads((out / "real_target.json").read_text())
     summary.update(directory=str(out), cache=str(cached))

@@ -125,6 +125,7 @@ def cached_build(name: str, marker: str, build: Callable[[Path], Any]) -> Path:
     cached = cache_root() / name
     if (cached / marker).is_file():
         return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)  # before minutes of building
     partial = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     build(partial)

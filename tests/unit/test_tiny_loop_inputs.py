@@ -116,3 +116,17 @@ def test_tiny_target_is_built_once_and_copied_from_the_cache(
     assert len(builds) == 3 and builds[-1] == tmp_path / "d"
     assert "cache" not in plain and plain["directory"] == str(tmp_path / "d")
     assert len(list(cached.parent.iterdir())) == 2  # a's (b copied it) and c's
+
+
+def test_an_unwritable_cache_is_one_line_before_any_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from synthq.cli import app
+    from synthq.testing import tiny
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # no folder can go there
+    monkeypatch.setattr(tiny, "build_tiny_target", lambda *a, **k: pytest.fail("built"))
+    result = CliRunner().invoke(app, ["testing", "tiny-target", str(tmp_path / "t")])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "cannot keep the build in synthq's cache" in result.output
+    assert "--no-cache" in result.output, result.output
