@@ -688,9 +688,16 @@ def dead_worker(cluster: Cluster, *, n: int = 96, limit: int = 64, batch: int = 
 
 
 def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: int = 32,
-                  hanging: int = 8) -> Result:
+                  hanging: int = 15) -> Result:
     """Target 3: SIGTERM to one of two workers while every slot is busy and ``hanging``
     of its calls hang (their first request only).
+
+    The SIGTERM goes when worker ``a`` has just claimed a hanging call (its first
+    request, no attempt row yet): a call older than the stall timeout minus the grace
+    would end ``stalled`` before the grace did, and a worker whose hanging calls all went
+    elsewhere would have nothing to cut (a CI run sent it too late, after a fixed count
+    of done samples: ``interrupted_calls=0``). The hanging prompts are spread over the
+    whole job and over odd and even batches, so ``a`` claims one whatever the order.
 
     The queued deadline is 300 s here, so a sample left queued without a message
     would show (it is not the thing rescuing it). Recovery: SIGTERM until the
@@ -700,8 +707,10 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
     cluster.setenv(SYNTHQ_SHUTDOWN_GRACE=str(grace), SYNTHQ_QUEUED_TIMEOUT="300",
                    SYNTHQ_BATCH_SIZE="4")
     texts = prompts(n, "term")
-    for i in range(hanging):  # every 8th: spread over the batches of both workers
-        texts[i * 8] += f" [[sim:hang*1]] {i}"
+    spots = [i * 8 + 4 * (i % 2) for i in range(hanging)]  # batches 0, 3, 4, 7, 8, ...
+    assert spots[-1] < n, (hanging, n)
+    for i, spot in enumerate(spots):
+        texts[spot] += f" [[sim:hang*1]] {i}"
     a = cluster.worker(concurrency=16, name="a")
     cluster.worker(concurrency=16, name="b")
     cluster.beat()  # it starts meanwhile; the job comes once both workers are live
@@ -709,8 +718,10 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
     sim = cluster.simulator("--latency", "1.0", "--capacity", "128")
     cluster.wait_workers(2)
     job_id = create_job(texts, [sim.url], inflight_limit=limit, stall_timeout=8.0)
-    wait_until(lambda: counts(job_id)["done"] >= 20 and counts(job_id)["running"] >= limit // 2,
-               60, "the run under way", logs=cluster.logs)
+    wait_until(lambda: counts(job_id)["done"] >= 8
+               and _claims_a_first_hang(job_id, a.proc.pid, spots),
+               90, "worker a holding a hanging call under way", interval=0.05,
+               logs=cluster.logs)
     term = time.monotonic()
     a.proc.send_signal(signal.SIGTERM)
     a.proc.wait(grace + 60)
@@ -735,6 +746,21 @@ def warm_shutdown(cluster: Cluster, *, grace: float = 3.0, n: int = 120, limit: 
                    "SIGTERM -> worker exited", grace_s=grace, exit_code=a.proc.returncode,
                    interrupted_calls=interrupted, oldest_queued_s=oldest,
                    job_done_after_term_s=done_s)
+
+
+def _claims_a_first_hang(job_id: int, pid: int, spots: Sequence[int]) -> bool:
+    """Whether the worker of process ``pid`` holds one of the hanging samples on its first
+    request (running, no attempt row yet)."""
+    from sqlalchemy import exists, select
+
+    from synthq.store.db import session_scope
+    from synthq.store.models import Attempt, Sample
+
+    with session_scope() as s:
+        return s.scalar(select(exists().where(
+            Sample.job_id == job_id, Sample.state == "running",
+            Sample.dataset_index.in_(list(spots)), Sample.worker.like(f"%:{pid}:%"),
+            ~exists().where(Attempt.sample_id == Sample.id)))) or False
 
 
 def hanging_server(cluster: Cluster, *, n: int = 60, limit: int = 8) -> Result:
