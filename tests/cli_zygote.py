@@ -2,7 +2,8 @@
 
 ``python tests/cli_zygote.py``, started by ``support.CliHost``: it imports the
 libraries every ``synthq`` command pays for (SQLAlchemy and the models, pydantic's
-settings, httpx, rich, Typer: about a second of CPU a start), then reads one request
+settings, httpx, rich, Typer: about a second of CPU a start) and those a command with a
+tokenizer or a target pays for (torch, transformers: 2-3 more), then reads one request
 a line on stdin (JSON: ``id``, ``args``, ``env``, ``cwd``, ``out``, ``err``) and forks
 a child for each at once (children run side by side). The child is ``python -m
 synthq.cli ARGS`` as a shell starts it: its own process, its working directory and
@@ -31,7 +32,17 @@ import sys
 PRELOAD = ("typer", "click", "rich.console", "rich.markup", "httpx", "pydantic",
            "pydantic_settings", "sqlalchemy", "sqlalchemy.orm", "psycopg", "alembic",
            "synthq.cli", "synthq.spec.config", "synthq.store.db", "synthq.store.models",
-           "synthq.jobs.enqueue", "synthq.views.report")
+           "synthq.jobs.enqueue", "synthq.views.report",
+           # What a command with a tokenizer or a target imports (``run``, ``enqueue
+           # --tokenizer``, ``capture``, ``export --target``, ``train``): torch and
+           # transformers, 2-3 CPU seconds a start. No thread is started by these imports
+           # (checked below: a fork copies only the thread that forks).
+           "torch", "torch.distributed", "safetensors.torch", "tokenizers", "transformers",
+           "synthq.data.tokenize", "synthq.capture.stage", "synthq.training.loop",
+           "synthq.training.stream", "synthq.training.dflash", "synthq.training.captured",
+           "synthq.training.served", "synthq.training.export_features")
+#: transformers' lazy names a command resolves (each imports its modules).
+LAZY = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast")
 
 
 def _preload() -> None:
@@ -39,6 +50,10 @@ def _preload() -> None:
 
     for name in PRELOAD:
         import_module(name)
+    import transformers
+
+    for name in LAZY:
+        getattr(transformers, name)
     from synthq.cli import app
 
     app.registered_commands  # noqa: B018 - imports every command's module
@@ -47,6 +62,9 @@ def _preload() -> None:
     # Nothing imported here may have read a setting: each child reads its own.
     assert get_settings.cache_info().currsize == 0, "a preloaded module read the settings"
     assert not any(k.startswith("SYNTHQ_") for k in os.environ)
+    # One thread, this one: a thread started by an import would be missing in each child
+    # (holding whatever lock it held at the fork).
+    assert len(os.listdir("/proc/self/task")) == 1, "a preloaded module started a thread"
 
 
 def _child(request: dict[str, object], mine: tuple[int, ...]) -> None:

@@ -355,11 +355,15 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
 
 
 #: Variables read as a process starts (the interpreter's, the locale's) or as the zygote's
-#: preloaded modules are imported (Typer's, psycopg's): a command whose values differ from
-#: the zygote's is not forked from it. Others (OMP_*, HF_*, ...) are read by modules a
-#: command imports after the fork, from its own environment.
+#: preloaded modules are imported (Typer's, psycopg's; torch's, OpenMP's and
+#: transformers', Hugging Face's cache and offline switches, which follow HOME and
+#: XDG_CACHE_HOME): a command whose values differ from the zygote's is not forked from
+#: it. Others (SYNTHQ_*, VLLM_*, ...) are read by the command itself, from its own
+#: environment.
 _AT_START = re.compile(r"^(PYTHON|LANG$|LC_|_?TYPER_|TERMINAL_WIDTH$|FORCE_COLOR$|PY_COLORS$"
-                       r"|GITHUB_ACTIONS$|PSYCOPG_)")
+                       r"|GITHUB_ACTIONS$|PSYCOPG_|TORCH|PYTORCH_|OMP_|MKL_|KMP_|GOMP_"
+                       r"|CUDA_|NCCL_|HF_|HUGGINGFACE_|TRANSFORMERS_|TOKENIZERS_|USE_TORCH$"
+                       r"|USE_TF$|HOME$|XDG_CACHE_HOME$)")
 
 
 class Forked:

@@ -34,7 +34,7 @@ from capture_server import (
     serving,
     wait_up,
 )
-from support import REPO, child_env, wait_for
+from support import REPO, child_env, run_cli, wait_for
 
 # The module's first test also waits for the server's cold start (minutes here).
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
@@ -113,9 +113,7 @@ def _copy(generated: Path, tmp_path: Path) -> Path:
 
 
 def _capture(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "synthq.cli", "capture", "cap", *args],
-                          env=_env(data, **env), cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    return run_cli("capture", "cap", *args, check=False, env=_env(data, **env), timeout=600)
 
 
 def _rows(data: Path, query: str) -> list[tuple[Any, ...]]:
@@ -174,10 +172,9 @@ def test_the_peers_readers_take_every_captured_example(
     assert out.returncode == 0, out.stderr + out.stdout
     assert "float32, auto: the engine's own" in out.stdout, out.stdout  # the plan's dtype
     for fmt in ("speculators", "specforge"):
-        done = subprocess.run([sys.executable, "-m", "synthq.cli", "export", "cap", "--format",
-                               fmt, "--out", str(tmp_path / fmt), "--target",
-                               str(capture_server.model_dir)], env=_env(data), cwd=REPO,
-                              capture_output=True, text=True, timeout=600)
+        done = run_cli("export", "cap", "--format", fmt, "--out", str(tmp_path / fmt),
+                       "--target", str(capture_server.model_dir), check=False, env=_env(data),
+                       timeout=600)
         assert done.returncode == 0, done.stderr + done.stdout
         assert f"exported {SAMPLES} captured examples" in done.stdout
     reference = Reference.of(capture_server.model_dir)
@@ -511,8 +508,7 @@ INLINE_TOKENS = 16
 
 
 def _cli(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=_env(data, **env),
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    return run_cli(*args, check=False, env=_env(data, **env), timeout=600)
 
 
 def _inline_job(server: CaptureServer, tmp_path: Path, name: str = "cap",

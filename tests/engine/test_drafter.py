@@ -13,15 +13,13 @@ each other instead of following them one by one.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, child_env
+from support import child_env, run_cli
 
 from synthq.testing.tiny import count_prompt, prompts
 from synthq.testing.vllm import VllmServer, VllmStartError
@@ -51,8 +49,7 @@ SERVES = {
 
 
 def _synthq(env: dict[str, str], *args: str) -> Any:
-    out = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=1200)
+    out = run_cli(*args, check=False, env=env, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from support import REPO, child_env, wait_for
+from support import child_env, run_cli, wait_for
 
 from synthq.testing.tiny import count_prompt, prompts
 
@@ -41,8 +40,7 @@ def _dataset(path: Path, n: int, seed: int) -> list[tuple[int, int]]:
 
 def _synthq(env: dict[str, str], *args: str, ok: bool = True
             ) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "synthq.cli", *args], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    out = run_cli(*args, check=False, env=env, timeout=600)
     if ok:
         assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     return out

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from capture_server import CaptureServer, generate_capture_job, serving
-from support import REPO, Simulator, child_env, wait_for
+from support import REPO, Simulator, child_env, run_cli, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e, pytest.mark.timeout(1200),
               # with the capture module on one worker: the session's capture server
@@ -151,8 +151,7 @@ def _consumed(data: Path) -> dict[int, list[str]]:
 
 
 def _runs(data: Path) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "synthq.cli", "runs", "cap", "--json"],
-                         env=_env(data), cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = run_cli("runs", "cap", "--json", check=False, env=_env(data), timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -333,9 +332,7 @@ def test_kill9_of_the_trainer_then_of_the_capture_server_beside_a_stage_loses_no
     before = _rows(data, "SELECT id, state, step, worker FROM spool_items ORDER BY id")
     [(checkpoint,)] = _rows(data, "SELECT checkpoint FROM training_runs")
     assert checkpoint and "step-" in checkpoint
-    status = subprocess.run([sys.executable, "-m", "synthq.cli", "status", "cap"],
-                            env=_env(data), cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    status = run_cli("status", "cap", check=False, env=_env(data), timeout=120)
     said = " ".join(status.stdout.split())
     assert status.returncode == 0 and "spool of run 1 (running):" in said, status.stdout
     assert f"of {size:,} bytes" in said and "high-water" in said and "capture lead" in said
