@@ -358,12 +358,15 @@ def run_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
 #: preloaded modules are imported (Typer's, psycopg's; torch's, OpenMP's and
 #: transformers', Hugging Face's cache and offline switches, which follow HOME and
 #: XDG_CACHE_HOME): a command whose values differ from the zygote's is not forked from
-#: it. Others (SYNTHQ_*, VLLM_*, ...) are read by the command itself, from its own
-#: environment.
+#: it. Others are read by the command itself, from its own environment: SYNTHQ_*,
+#: VLLM_*, TOKENIZERS_PARALLELISM (read when a tokenizer runs), TORCHINDUCTOR_* (when
+#: torch.compile is imported; a test process that imported it has set
+#: TORCHINDUCTOR_CACHE_DIR in its environment, and a match on it sent its commands to
+#: plain subprocesses).
 _AT_START = re.compile(r"^(PYTHON|LANG$|LC_|_?TYPER_|TERMINAL_WIDTH$|FORCE_COLOR$|PY_COLORS$"
-                       r"|GITHUB_ACTIONS$|PSYCOPG_|TORCH|PYTORCH_|OMP_|MKL_|KMP_|GOMP_"
-                       r"|CUDA_|NCCL_|HF_|HUGGINGFACE_|TRANSFORMERS_|TOKENIZERS_|USE_TORCH$"
-                       r"|USE_TF$|HOME$|XDG_CACHE_HOME$)")
+                       r"|GITHUB_ACTIONS$|PSYCOPG_|TORCH_|PYTORCH_|OMP_|MKL_|KMP_|GOMP_"
+                       r"|CUDA_|NCCL_|HF_|HUGGINGFACE_|TRANSFORMERS_|USE_TORCH$|USE_TF$"
+                       r"|HOME$|XDG_CACHE_HOME$)")
 
 
 class Forked:
