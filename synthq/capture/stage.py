@@ -64,7 +64,7 @@ from synthq.capture.progress import plan as progress_plan
 from synthq.capture.protocol import NAME_KEY
 from synthq.capture.store import Store
 from synthq.core.defaults import store_root
-from synthq.core.enums import CaptureState
+from synthq.core.enums import CaptureState, JobState
 from synthq.core.errors import (
     BadRequest,
     CaptureIncomplete,
@@ -357,6 +357,8 @@ class Stage:
             job = s.get(Job, self.job_id)
             if job is None:
                 raise UserError(f"no job {self.job_id}")
+            if job.state == JobState.CANCELLED:
+                raise UserError(f"job {job.name} is cancelled: its captures do not run")
             if not job.capture_servers:
                 raise UserError(f"job {job.name} has no capture server: pass --server URL")
             s.expunge(job)
@@ -421,7 +423,13 @@ class Stage:
                         due_later = s.scalar(select(func.min(Capture.next_attempt_at)).where(
                             Capture.job_id == self.job_id,
                             Capture.state == CaptureState.PENDING))
-                    if self.stop.is_set() or self.stopped is not None or not left.open:
+                        cancelled = s.scalar(select(Job.state).where(
+                            Job.id == self.job_id)) == JobState.CANCELLED
+                    if cancelled and left.open:  # its claims are refused from now on
+                        self.say(f"job {job.name} was cancelled: capture stopped with "
+                                 f"{left.open} captures not run")
+                    if self.stop.is_set() or self.stopped is not None or not left.open \
+                            or cancelled:
                         return left
                     # Pending but not due (backing off), or running in another process.
                     pause = 0.5

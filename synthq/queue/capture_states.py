@@ -35,7 +35,7 @@ from sqlalchemy import Integer, String, func, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from synthq.core import locks
-from synthq.core.enums import CaptureState, SampleState, SpoolState
+from synthq.core.enums import CaptureState, JobState, SampleState, SpoolState
 from synthq.core.errors import Lost
 from synthq.queue import ledger, outage
 from synthq.spec.config import get_settings
@@ -160,7 +160,10 @@ def claim(session: Session, job_id: int, *, server: str, limit: int, most: int, 
           token: str, lease: float, now: datetime) -> list[Claimed]:
     """Up to ``most`` due pending captures of the job → running on ``server``, never
     more than ``limit`` running there in all, nor more than one at a time (a probe, when
-    its time has come) while the server is down (:func:`synthq.queue.outage.room`)."""
+    its time has come) while the server is down (:func:`synthq.queue.outage.room`).
+    A cancelled job's captures are never claimed (they stay pending: a cancel is final)."""
+    if session.scalar(select(Job.state).where(Job.id == job_id)) == JobState.CANCELLED:
+        return []
     free = room(session, server, limit=limit, most=most, now=now)
     if free <= 0:
         return []

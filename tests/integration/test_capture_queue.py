@@ -319,3 +319,40 @@ def test_the_engine_files_folder_is_checked(pg: str, tmp_path: Path) -> None:
                      (str(tmp_path / "via"), "symlink")]:
         with pytest.raises(UserError, match=why):
             check_folder("u", bad)
+
+
+def test_a_cancelled_jobs_captures_are_not_claimed(
+        job_factory: Any, fake_engine: FakeCaptureServer) -> None:
+    """A cancel is final for the capture stage too: `synthq capture` of a cancelled job is
+    refused in one line and calls nothing, and a stage running when its job is cancelled
+    claims nothing more and ends, its captures left pending (before, both captured the
+    whole job)."""
+    from support import run_cli
+
+    from synthq.app import service
+    from synthq.capture.stage import Stage
+    from synthq.core.enums import JobState
+    from synthq.store.db import session_scope
+    from synthq.store.models import Job
+
+    n = 30
+    job_id = _done_samples(job_factory, n, fake_engine.url, 2)
+    said: list[str] = []
+    out: list[Any] = []
+    runner = threading.Thread(target=lambda: out.append(Stage(job_id, say=said.append).run()),
+                              daemon=True)
+    runner.start()
+    wait_for(lambda: fake_engine.requests >= 1, timeout=30)
+    with session_scope() as s:  # as `synthq cancel` and the API's cancel
+        service.set_job_state(s, s.get_one(Job, job_id), JobState.CANCELLED)
+    runner.join(60)
+    assert not runner.is_alive() and out, "the stage ran on after its job was cancelled"
+    sent = fake_engine.requests
+    assert sent < n, sent  # at most what it held at the cancel and claimed just before
+    assert captures_by_state(job_id) == {"done": sent, "pending": n - sent}
+    assert [x for x in said if "cancelled" in x] == [
+        f"job job1 was cancelled: capture stopped with {n - sent} captures not run"], said
+    result = run_cli("capture", str(job_id), check=False)
+    assert (result.returncode, result.stderr) == (
+        2, "error: job job1 is cancelled: its captures do not run\n"), result
+    assert fake_engine.requests == sent

@@ -73,7 +73,7 @@ CONTRACT: dict[str, tuple[Any, Any, Any]] = {
     # What cancel acts on: the job (samples, captures) or the row itself (runs).
     "cancel": ("job", "job", "row"),
     # After cancel, a new claim of a waiting/offered row is refused.
-    "cancel refuses the claim": (True, False, True),
+    "cancel refuses the claim": (True, True, True),
     # After cancel, the current holder's writes are refused.
     "cancel stops the holder": (False, False, True),
 }
